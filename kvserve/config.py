@@ -1,0 +1,133 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+Each component receives only its own part (the scheduler gets ``SchedulerConfig`` and
+``CacheConfig``, the runner gets ``ModelConfig``...), composed in ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVPolicy(enum.Enum):
+    """How the scheduler trades KV memory for admission."""
+
+    PREEMPT = "preempt"  # admit while blocks are free; preempt the newest request when out
+    RESERVE = "reserve"  # admit only when prompt + max_tokens fit; never preempt
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a preempted request's KV cache."""
+
+    RECOMPUTE = "recompute"  # drop the blocks, recompute prompt + generated tokens later
+    SWAP = "swap"  # copy the blocks to CPU swap space and back when resumed
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse ``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain number of bytes."""
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"a size in bytes must be non-negative, got {value}.")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or bytes.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"unknown dtype {value!r}; choose from {sorted(_DTYPES)}.")
+    return _DTYPES[value]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # a Hugging Face model directory (config.json + safetensors + tokenizer)
+    dtype: torch.dtype = torch.bfloat16  # weights, activations and KV cache
+    max_model_len: int | None = None  # context limit; None takes the model's own
+    seed: int = 0  # seeds the engine's generator for unseeded sampling
+    served_name: str | None = None  # the name clients use; None derives one from the path
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for the KV cache; used when num_kv_blocks is None
+    num_kv_blocks: int | None = None  # exact number of blocks; wins over kv_cache_memory
+    swap_space: int = 4 * 1024**3  # bytes of CPU swap space for PreemptionMode.SWAP
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # most requests in the running batch (the study's batch size)
+    max_num_batched_tokens: int = 2048  # most tokens computed in one step (prefill chunking)
+    kv_policy: KVPolicy = KVPolicy.PREEMPT
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
+            )
+        # Accept the strings users type ("reserve", "swap") as well as the enums.
+        object.__setattr__(self, "kv_policy", KVPolicy(self.kv_policy))
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"  # torch device string; everything is placed there

@@ -1,0 +1,99 @@
+"""The engine's view of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvserve.outputs import RequestMetrics
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, not yet admitted (or preempted with recompute)
+    RUNNING = "running"  # in the running batch, holding device blocks
+    SWAPPED = "swapped"  # preempted with its blocks in CPU swap space
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"  # cancelled by the caller
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+class Request:
+    """Token state of one sequence. ``num_computed_tokens`` counts tokens whose KV is cached."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: list[int],
+        arrival_time: float | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: the request param capped by the context
+        self.eos_token_ids = eos_token_ids
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, appended per step
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time or time.monotonic())
+        # A seeded generator makes the request reproducible whatever batch it lands in.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.cumulative_logprob = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request can ever hold: what the reserve policy sets aside."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status implied by the last token, or None to keep going."""
+        last = self.output_token_ids[-1]
+        p = self.params
+        if self.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in (p.stop_token_ids or ()):
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,224 @@
+"""Continuous-batching scheduler, in token counts (vLLM v1 style).
+
+Every request carries ``num_computed_tokens``; each step hands out ``num_scheduled_tokens``
+per request within ``max_num_batched_tokens``. A prefill is just a request far behind its
+token count, so prefills (chunked when large) and decodes mix freely in one step.
+
+The KV policy decides admission and what happens when blocks run out:
+- ``KVPolicy.PREEMPT``: admit while blocks are free; a running request that cannot grow
+  preempts the newest running request (FCFS keeps the oldest going), by recompute or swap.
+- ``KVPolicy.RESERVE``: admit only when prompt + max_tokens fit, and hold those blocks;
+  running requests then always have room, so nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
+from kvserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner executes this step."""
+
+    scheduled: list[Request]  # requests computed this step, in batch order
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
+    block_tables: dict[str, list[int]]  # request id -> its device block ids, in order
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    preempted_req_ids: list[str] = field(default_factory=list)  # preempted during this step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def samples(self, req: Request) -> bool:
+        """True when this step reaches the end of the request's tokens, so it gets a new one."""
+        return req.num_computed_tokens + self.num_scheduled_tokens[req.request_id] == req.num_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """Plain counters; the server turns them into Prometheus metrics."""
+
+    num_running: int = 0  # requests in the running batch after the last schedule()
+    num_waiting: int = 0  # requests queued (including those preempted with recompute)
+    num_swapped: int = 0  # requests whose KV sits in CPU swap space
+    kv_usage: float = 0.0  # fraction of device KV blocks in use
+    num_preemptions: int = 0  # total preemptions since start
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests, total
+    num_generation_tokens: int = 0  # tokens sampled, total
+    num_steps: int = 0  # engine steps that computed anything
+    max_num_running: int = 0  # the most requests that ran in one step
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager) -> None:
+        self.config = sched
+        self.block_size = cache.block_size
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests wherever they are (abort, stop string); frees their blocks at once."""
+        done = []
+        for rid in req_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for queue in (self.waiting, self.running, self.swapped):
+                if req in queue:
+                    queue.remove(req)
+            self.kv.free(rid)
+            req.status = status
+            done.append(req)
+        self._refresh_stats()
+        return done
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], {}, {})
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
+        # older than anything waiting, so they come back first.
+        if not out.preempted_req_ids:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for req in out.scheduled:
+            out.block_tables[req.request_id] = self.kv.block_ids(req.request_id)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        if out.scheduled:
+            self.stats.num_steps += 1
+        self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
+        self._refresh_stats()
+        return out
+
+    def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append(req)
+        out.num_scheduled_tokens[req.request_id] = n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                if self.config.kv_policy is KVPolicy.RESERVE:
+                    raise RuntimeError("reserve policy ran out of reserved blocks")  # a bug
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: it was the last one running
+            self._take(out, req, n)
+            budget -= n
+            idx += 1
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.stats.num_preemptions += 1
+        req.metrics.num_preemptions += 1
+        out.preempted_req_ids.append(req.request_id)
+        if self.config.preemption_mode is PreemptionMode.SWAP:
+            pairs = self.kv.swap_out(req.request_id)
+            if pairs is not None:
+                out.blocks_to_swap_out.extend(pairs)
+                req.status = RequestStatus.SWAPPED
+                self.swapped.appendleft(req)
+                return
+            # Swap space full: fall back to recompute rather than fail the request.
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = blocks_for(req.num_computed_tokens + n, self.block_size)
+            if not self.kv.can_allocate(max(need, self.kv.num_swapped_blocks(req.request_id))):
+                break
+            pairs = self.kv.swap_in(req.request_id)
+            assert pairs is not None  # room was checked above
+            out.blocks_to_swap_in.extend(pairs)
+            self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+            self.swapped.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._take(out, req, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.config.kv_policy is KVPolicy.RESERVE:
+                if not self.kv.can_allocate(blocks_for(req.max_total_tokens, self.block_size)):
+                    break
+                self.kv.allocate_slots(req.request_id, req.max_total_tokens)
+            elif self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            if req.num_output_tokens == 0 and req.metrics.num_preemptions == 0:
+                self.stats.num_prompt_tokens += req.num_prompt_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._take(out, req, n)
+            budget -= n
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance computed counts, append sampled tokens; returns (updated, finished)."""
+        updated, finished = [], []
+        for req in out.scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished by an abort between schedule and update
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            req.append_output_token(token)
+            self.stats.num_generation_tokens += 1
+            updated.append(req)
+            status = req.check_stop()
+            if status is not None:
+                self.running.remove(req)
+                self.requests.pop(req.request_id, None)
+                self.kv.free(req.request_id)
+                req.status = status
+                finished.append(req)
+        self._refresh_stats()
+        return updated, finished
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_running, s.num_waiting, s.num_swapped = (
+            len(self.running),
+            len(self.waiting),
+            len(self.swapped),
+        )
+        s.kv_usage = self.kv.pool.usage()

@@ -1,0 +1,157 @@
+"""Offline batch inference with vLLM's interface: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_bytes,
+    parse_dtype,
+)
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    kv_cache_memory: int | str | None = None,
+    num_kv_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    kv_policy: str = "preempt",
+    preemption_mode: str = "recompute",
+    swap_space: int | str = "4GiB",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    device: str = "cpu",
+    served_model_name: str | None = None,
+) -> EngineConfig:
+    """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
+    if model is not None and Path(model).is_dir():
+        path, name = Path(model), Path(model).name
+    else:
+        from kvserve.model.builtin import resolve_model  # the built-in model or a GGUF file
+
+        path, name = resolve_model(model)
+    return EngineConfig(
+        model=ModelConfig(
+            path=str(path),
+            dtype=parse_dtype("bfloat16" if dtype == "auto" else dtype),
+            max_model_len=max_model_len,
+            seed=seed,
+            served_name=served_model_name or name,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+            swap_space=parse_bytes(swap_space),
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_policy=kv_policy,
+            preemption_mode=preemption_mode,
+        ),
+        device=device,
+    )
+
+
+class LLM:
+    """An engine for offline generation. ``model=None`` serves the built-in SmolLM2 model."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in the order given."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        # Validate everything first, so a bad prompt leaves nothing half-queued.
+        for p, sp in zip(prompts, params_list, strict=True):
+            self.engine.validate(self.engine.tokenize_prompt(p)[1], sp)
+        return self._run(prompts, params_list, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        done: dict[str, RequestOutput] = {}
+        try:
+            for rid, p, sp in zip(ids, prompts, params, strict=True):
+                self.engine.add_request(rid, p, sp)
+            with tqdm(
+                total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+            ) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        finally:
+            # An interrupt (or any error) must not leave requests holding KV blocks.
+            self.engine.abort_request([r for r in ids if r not in done])
+        return [done[r] for r in ids]
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in convs:
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

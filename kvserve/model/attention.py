@@ -1,0 +1,158 @@
+"""Paged attention over a block-table KV cache.
+
+The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A request's context lives in the blocks its block table lists, in order; token ``p`` of the
+request sits in block ``block_table[p // block_size]`` at offset ``p % block_size``.
+
+Two implementations share one signature:
+- ``reference_paged_attention``: one request at a time, the plain definition. It is the
+  yardstick the fast path is tested against.
+- ``paged_attention``: decode rows (one query token) in a single batched SDPA call over a
+  padded gather of their contexts; prefill rows fall back to the reference loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the flat batch of one step (built by the runner)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) per new token
+    query_start_loc: list[int]  # [B + 1]: row i's queries are tokens [qsl[i], qsl[i+1])
+    seq_lens: list[int]  # [B]: context length of row i after this step (computed + scheduled)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0 (never read unmasked)
+    block_size: int  # tokens per block
+    decode_rows: torch.Tensor | None = None  # [Bd] int64: rows with exactly one query token
+    prefill_rows: list[int] | None = None  # rows with more than one query token
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int64: seq_lens of the decode rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens)
+
+    def split_rows(self) -> None:
+        """Derive decode/prefill row sets once per step (shared by every layer)."""
+        device = self.block_tables.device
+        q_lens = [
+            self.query_start_loc[i + 1] - self.query_start_loc[i] for i in range(self.num_rows)
+        ]
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        self.prefill_rows = [i for i, n in enumerate(q_lens) if n > 1]
+        self.decode_rows = torch.tensor(dec, dtype=torch.long, device=device)
+        self.decode_seq_lens = torch.tensor(
+            [self.seq_lens[i] for i in dec], dtype=torch.long, device=device
+        )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V (``[T, Hkv, D]``) into their slots of the paged cache."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Flat slot index of each of the first ``seq_len`` tokens of one request."""
+    pos = torch.arange(seq_len, device=block_table.device)  # [L]
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def _attend_one(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``q`` (the last ``Lq`` positions) over ``L`` context tokens."""
+    lq, lk = q.shape[0], k_ctx.shape[0]
+    # Query i sits at absolute position lk - lq + i and may see keys 0..that position.
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
+        k_ctx.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+        v_ctx.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, Lq, D]
+    return out.squeeze(0).transpose(0, 1)  # [Lq, H, D]
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    rows: list[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for each request (or only ``rows``), reading K/V through its block table.
+
+    q: ``[T, H, D]`` queries of the flat batch (their K/V must already be written).
+    Returns ``[T, H, D]``.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, Hkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    for i in range(md.num_rows) if rows is None else rows:
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        slots = _context_slots(md.block_tables[i], md.seq_lens[i], md.block_size)
+        out[start:end] = _attend_one(q[start:end], k_flat[slots], v_flat[slots], scale)
+    return out
+
+
+def _batched_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """All one-token rows in one SDPA call over their padded, gathered contexts."""
+    assert md.decode_rows is not None and md.decode_seq_lens is not None
+    rows = md.decode_rows
+    token_idx = torch.tensor(md.query_start_loc[:-1], device=q.device)[rows]  # [Bd]
+    max_len = int(md.decode_seq_lens.max())
+    num_blocks = (max_len + md.block_size - 1) // md.block_size
+    tables = md.block_tables[rows, :num_blocks]  # [Bd, nb]
+    bd = tables.shape[0]
+    # Gather whole blocks: [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, nb*bs, D].
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    pos = torch.arange(num_blocks * md.block_size, device=q.device)
+    mask = (pos[None, :] < md.decode_seq_lens[:, None]).view(bd, 1, 1, -1)  # [Bd, 1, 1, L]
+    qd = q[token_idx].unsqueeze(2)  # [Bd, H, 1, D]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[token_idx] = o.squeeze(2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Fast path with the reference's results: batched decode rows, looped prefill rows."""
+    if md.decode_rows is None:
+        md.split_rows()
+    assert md.decode_rows is not None
+    out = torch.empty_like(q)
+    if md.decode_rows.numel() > 0:
+        _batched_decode(q, k_cache, v_cache, md, scale, out)
+    if md.prefill_rows:
+        reference_paged_attention(q, k_cache, v_cache, md, scale, rows=md.prefill_rows, out=out)
+    return out

@@ -1,0 +1,231 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) written for a paged KV cache.
+
+Tokens of all requests in a step arrive flat (``[T]``, no padding between requests); the
+attention metadata says which tokens belong to which request and where their K/V live.
+Q/K/V and gate/up projections are fused into single matmuls at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as Hugging Face does, so bf16 runs round the same way.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, from the config's rope parameters (theta, scaling)."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(pos, inv_freq.to(pos.device))  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        # Plain float32 attributes, not buffers: a later model.to(bf16) must not round them;
+        # they are cast per use, as Hugging Face does.
+        self.cos = emb.cos() * scaling
+        self.sin = emb.sin() * scaling
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; kvserve runs {SUPPORTED_ARCHITECTURES}"
+            )
+        bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        self.config = config
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.head_dim = head_dim
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary, bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: ``[T]``; returns the final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, shard = fused[parts[-2]]
+                pname = ".".join([*parts[:-2], target, parts[-1]])
+                self._fused_slice(params[pname], target, shard).copy_(tensor)
+                loaded.add(f"{pname}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            params[name].copy_(tensor)
+            loaded.add(name)
+        self._check_all_loaded(params, loaded)
+
+    def _fused_slice(self, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        if target == "qkv_proj":
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return param.narrow(0, start, sizes[shard])
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for pname in params:
+            if pname == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                shards = [f"{pname}#{i}" for i in range(3)]
+            elif pname.endswith("gate_up_proj.weight"):
+                shards = [f"{pname}#{i}" for i in range(2)]
+            else:
+                shards = [pname]
+            missing += [s for s in shards if s not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}...")

@@ -1,0 +1,65 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into kvserve's model.
+
+Only safetensors are read: pickle checkpoints (``*.bin``) and remote code are refused, since
+loading them can execute arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from kvserve.model.llama import LlamaForCausalLM
+
+
+def load_hf_config(path: str | Path) -> PretrainedConfig:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a model folder: config.json is missing")
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise ValueError(f"{path} has only pickle checkpoints; kvserve loads safetensors only")
+        raise ValueError(f"no *.safetensors weights in {path}")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        files = [f for f in files if f.name in wanted]
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: str | torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    """Build the model for ``max_positions`` tokens of context and load its weights."""
+    path = Path(path)
+    config = load_hf_config(path)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, max_positions)
+    model.to(dtype=dtype)
+    model.load_weights(_iter_safetensors(path))
+    model.eval()
+    return model
+
+
+def model_max_len(config: PretrainedConfig) -> int:
+    """The context length the checkpoint supports (a sliding window, if any, caps it)."""
+    max_len = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None)
+    use_window = getattr(config, "use_sliding_window", True)
+    if window and use_window:
+        # kvserve attends over the full context, so it stays inside the window to stay exact.
+        max_len = min(max_len, int(window))
+    return max_len

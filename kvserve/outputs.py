@@ -1,0 +1,43 @@
+"""What the engine returns to its callers (offline ``LLM`` and the async server engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> logprob. Holds the sampled token and the top-k.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n completions this is
+    text: str  # detokenized text so far (cumulative), stop strings cut off
+    token_ids: list[int]  # generated token ids so far (cumulative)
+    cumulative_logprob: float | None  # sum of sampled-token logprobs, when logprobs were asked for
+    logprobs: list[TokenLogprobs] | None  # per generated token, when logprobs were asked for
+    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
+    first_token_time: float | None = None  # when the first output token was sampled
+    finished_time: float | None = None  # when the request finished
+    num_preemptions: int = 0  # how many times the request was preempted
+
+
+@dataclass
+class RequestOutput:
+    request_id: str  # the caller's id
+    prompt: str | None  # the prompt text, when the request came as text
+    prompt_token_ids: list[int]  # the tokenized prompt
+    outputs: list[CompletionOutput]  # n completions, ordered by index
+    finished: bool  # every completion has finished
+    metrics: RequestMetrics | None = None  # timing, for the server's histograms
+    num_cached_tokens: int = 0  # prompt tokens served from cache (reserved for prefix caching)
+    extra: dict[str, object] = field(default_factory=dict)  # free-form info for callers

@@ -1,0 +1,79 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+Validation happens in ``__post_init__`` so that bad input is rejected with a
+clear ``ValueError`` before a request ever reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is treated as greedy (argmax); vLLM uses the same cut-off.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # number of completions returned for the prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token), in [0, 1]
+    presence_penalty: float = 0.0  # OpenAI semantics, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI semantics, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF/CTRL semantics over prompt+output tokens, > 0
+    seed: int | None = None  # per-request generator seed; None uses the engine's generator
+    stop: str | list[str] | None = None  # stop strings; the text is cut before them
+    stop_token_ids: list[int] | None = None  # extra token ids that end the request
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    max_tokens: int | None = 16  # None means "until the context is full"
+    min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens exist
+    logprobs: int | None = None  # number of top logprobs per output token (plus the sampled one)
+    skip_special_tokens: bool = True  # drop special tokens when detokenizing
+    stop_list: list[str] = field(init=False, default_factory=list)  # normalised `stop`
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop)
+        if any(not s for s in self.stop_list):
+            raise ValueError("stop strings must be non-empty.")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token at every step."""
+        return self.temperature < _GREEDY_EPS

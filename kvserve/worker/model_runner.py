@@ -1,0 +1,196 @@
+"""Turns a ``SchedulerOutput`` into one forward pass and a sampled token per finishing row.
+
+The runner owns the physical KV tensors (device and CPU swap) and the model. It flattens
+the scheduled tokens of all requests into one batch (no padding between requests), builds
+slot mappings and block tables, runs the model, and samples on the rows that reached the end
+of their tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.sample.sampler import SamplingMetadata, sample
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of engine steps (accumulated)."""
+
+    schedule: float = 0.0  # Scheduler.schedule
+    prepare: float = 0.0  # building input tensors and metadata (incl. swap copies)
+    forward: float = 0.0  # the model's forward pass and logits
+    sample: float = 0.0  # the sampler
+    output: float = 0.0  # scheduler update, detokenization, stop checks, outputs
+    steps: int = 0  # steps measured
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            k: getattr(self, k)
+            for k in ("schedule", "prepare", "forward", "sample", "output", "steps")
+        }
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per sampled request: its token, and logprobs when asked."""
+
+    sampled: dict[str, int]  # request id -> new token id
+    sampled_logprob: dict[str, float] = field(default_factory=dict)  # id -> its logprob
+    top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # id -> top-n + sampled
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int,
+        num_blocks: int,
+        num_swap_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, model.head_dim)
+        # One (K, V) pair per layer: [num_blocks, block_size, Hkv, D].
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        swap_shape = (num_swap_blocks, *shape[1:])
+        # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
+        self.swap_caches = (
+            [
+                (torch.zeros(swap_shape, dtype=dtype), torch.zeros(swap_shape, dtype=dtype))
+                for _ in range(cfg.num_hidden_layers)
+            ]
+            if num_swap_blocks > 0
+            else []
+        )
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.timings = StepTimings()
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        # Swap-out runs first: its device blocks may be handed to other requests this step.
+        if sched.blocks_to_swap_out:
+            src = torch.tensor([d for d, _ in sched.blocks_to_swap_out], device=self.device)
+            dst = torch.tensor([c for _, c in sched.blocks_to_swap_out])
+            for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
+                sk[dst] = k[src].cpu()
+                sv[dst] = v[src].cpu()
+        if sched.blocks_to_swap_in:
+            src = torch.tensor([c for c, _ in sched.blocks_to_swap_in])
+            dst = torch.tensor([d for _, d in sched.blocks_to_swap_in], device=self.device)
+            for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
+                k[dst] = sk[src].to(self.device)
+                v[dst] = sv[src].to(self.device)
+
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        for req in sched.scheduled:
+            n = sched.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            blocks = sched.block_tables[req.request_id]
+            ids.extend(req.all_token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            if sched.samples(req):
+                logits_idx.append(qsl[-1] - 1)
+        width = max(len(sched.block_tables[r.request_id]) for r in sched.scheduled)
+        table = [
+            sched.block_tables[r.request_id] + [0] * (width - len(sched.block_tables[r.request_id]))
+            for r in sched.scheduled
+        ]
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor(table, dtype=torch.long, device=dev),
+            block_size=bs,
+        )
+        md.split_rows()
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            md,
+            logits_idx,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._swap(sched)
+        if not sched.scheduled:
+            return ModelRunnerOutput({})
+        input_ids, positions, md, logits_idx = self._prepare(sched)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [T, hidden]
+        reqs = [r for r in sched.scheduled if sched.samples(r)]
+        logits = self.model.compute_logits(hidden[logits_idx]) if reqs else None  # [N, V]
+        t2 = time.perf_counter()
+        out = ModelRunnerOutput({})
+        if logits is not None:
+            out = self._sample(reqs, logits)
+        t3 = time.perf_counter()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += t3 - t2
+        self.timings.steps += 1
+        return out
+
+    def _sample(self, reqs: list, logits: torch.Tensor) -> ModelRunnerOutput:
+        md = SamplingMetadata(
+            params=[r.params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+            min_tokens_stop_ids=[
+                [*r.eos_token_ids, *(r.params.stop_token_ids or [])]
+                if r.num_output_tokens < r.params.min_tokens
+                else []
+                for r in reqs
+            ],
+            default_generator=self.generator,
+        )
+        res = sample(logits, md)
+        out = ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(reqs, res.sampled_token_ids, strict=True)}
+        )
+        if res.sampled_logprobs is not None:
+            for i, r in enumerate(reqs):
+                if r.params.logprobs is not None:
+                    out.sampled_logprob[r.request_id] = res.sampled_logprobs[i]
+                    top = res.top_logprobs[i] if res.top_logprobs else None
+                    out.top_logprobs[r.request_id] = top or {}
+        return out
