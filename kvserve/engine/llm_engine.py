@@ -80,7 +80,9 @@ class LLMEngine:
             1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
         )
         swap = config.scheduler.preemption_mode is PreemptionMode.SWAP
-        num_swap = cc.swap_space // per_block if swap else 0
+        # More swap than twice the device cache is never useful here (a full swap space
+        # falls back to recompute), and capping keeps a tiny model from a huge block list.
+        num_swap = min(cc.swap_space // per_block, 2 * num_blocks) if swap else 0
         self.kv = KVCacheManager(num_blocks, cc.block_size, num_swap)
         self.runner = ModelRunner(
             model, cc.block_size, num_blocks, num_swap, mc.dtype, self.device, mc.seed

@@ -80,7 +80,7 @@ class ModelRunner:
         # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
         self.swap_caches = (
             [
-                (torch.zeros(swap_shape, dtype=dtype), torch.zeros(swap_shape, dtype=dtype))
+                (torch.empty(swap_shape, dtype=dtype), torch.empty(swap_shape, dtype=dtype))
                 for _ in range(cfg.num_hidden_layers)
             ]
             if num_swap_blocks > 0

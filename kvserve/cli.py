@@ -1,0 +1,93 @@
+"""The ``kvserve`` command: ``generate``, ``serve`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine."""
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16 or float32")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens computed per step (longer prefills are chunked)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-policy", choices=["preempt", "reserve"], default="preempt")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--swap-space", default="4GiB", help="CPU swap space for --preemption-mode swap")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on the context length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache_memory": args.kv_cache_memory, "num_kv_blocks": args.num_kv_blocks,
+            "block_size": args.block_size, "kv_policy": args.kv_policy,
+            "preemption_mode": args.preemption_mode, "swap_space": args.swap_space,
+            "max_model_len": args.max_model_len, "seed": args.seed, "device": args.device}
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="print a completion from a model (default: built-in)")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="model folder or GGUF file (default: built-in)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    add_engine_args(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    from kvserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "serve":
+            from kvserve.server.cli import run_serve
+
+            return run_serve(args)
+        from kvserve.bench.cli import run_bench
+
+        return run_bench(args)
+    except ValueError as e:  # bad user input: a clear message, not a traceback
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

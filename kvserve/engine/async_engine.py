@@ -1,0 +1,392 @@
+"""``AsyncLLMEngine``: one ``LLMEngine`` stepping in a background thread, for asyncio servers.
+
+Threading model:
+
+* Only the engine thread touches the ``LLMEngine`` (it is not thread-safe). Callers hand it
+  requests and aborts through a lock-protected command list; the thread applies them between
+  steps. Torch releases the GIL inside its kernels, so the event loop stays responsive while a
+  step runs.
+* Each request has an ``asyncio.Queue`` of outputs in its caller's loop; the engine thread feeds
+  it with ``loop.call_soon_threadsafe`` (one call per loop per step, not per output).
+* The thread sleeps on a condition variable while there is nothing to do: no busy loop.
+* After every step the thread publishes a ``stats()`` snapshot that the loop can read at any
+  time without touching the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async_engine")
+
+# After this many failed steps in a row the engine is declared dead (unhealthy) rather than
+# failing every new request forever.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Smoothing of the finished-request latency that the Retry-After estimate is based on.
+_LATENCY_EMA_ALPHA = 0.2
+
+FinishedCallback = Callable[[RequestOutput], None]
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down, or failed repeatedly and stopped accepting requests."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed; every request that was in flight is failed with this error."""
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    stream: RequestStream
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of cumulative ``RequestOutput``s.
+
+    Leaving early aborts the request so its KV blocks are freed: a cancelled ``__anext__``
+    (client disconnect, task cancellation), ``aclose()``, or garbage collection all abort.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self.loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # the last output (or an error) has been handed to the consumer
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        # Outputs are cumulative, so a slow consumer only needs the newest one.
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called in the stream's loop (via ``call_soon_threadsafe``)."""
+        self._queue.put_nowait(item)
+
+    def abort(self) -> None:
+        """Stop the request (idempotent; call it in the stream's loop)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+            # Wake a consumer blocked in __anext__ in another task: it ends its iteration.
+            self._queue.put_nowait(StopAsyncIteration())
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        # Last resort for a consumer that just dropped the iterator (`break` out of `async for`).
+        try:
+            if not self.finished:
+                self._engine.abort(self.request_id)
+        except Exception:  # noqa: S110 - never raise from a finalizer (e.g. at interpreter exit)
+            pass
+
+
+class AsyncLLMEngine:
+    """Serve one ``LLMEngine`` to asyncio callers. See the module docstring for the design."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int | None = None,
+        start: bool = True,
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._cond = threading.Condition()  # guards every field below that both threads use
+        self._commands: list[_AddCommand | str] = []  # adds, and request ids to abort
+        self._streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
+        self._pending_seqs = 0  # sequences (n per request) handed over but not yet added
+        self._waiting_seqs = 0  # sequences waiting in the engine, as of the last publish
+        self._stats: dict[str, Any] = {}
+        self._stop = False
+        self._dead_reason: str | None = None
+        self._latency_ema: float | None = None  # seconds, of finished requests
+        self._finished_callbacks: list[FinishedCallback] = []
+        self._publish_stats()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvserve-engine-{engine.model_name}", daemon=True
+        )
+        if start:
+            self.start()
+
+    # -- read-only views of the engine (pure reads, safe from any thread) ---------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._dead_reason is None and not self._thread.is_alive():
+            return "the engine thread is not running"
+        return self._dead_reason
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def add_finished_callback(self, callback: FinishedCallback) -> None:
+        """Call ``callback(output)`` for every request that finishes (stop/length).
+
+        It runs in the engine thread, so it must be quick and thread-safe (e.g. Prometheus
+        metrics); exceptions are logged and ignored.
+        """
+        self._finished_callbacks.append(callback)
+
+    def stats(self) -> dict[str, Any]:
+        """The snapshot published after the last step: ``LLMEngine.stats()`` plus queue info."""
+        with self._cond:
+            return dict(self._stats)
+
+    # -- the caller's side ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Submit a request and return its output stream: ``async for out in generate(...)``.
+
+        Deliberately not an ``async def`` generator: validation and admission happen here, at
+        call time, so bad input raises ``ValueError`` and a full queue ``QueueFullError`` at
+        once, before the caller commits to (say) a streaming HTTP response. Must be called from
+        a running event loop, which is where the outputs are delivered.
+        """
+        params = params or SamplingParams()
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
+        text, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(ids, params)
+        # Hand over the tokenized form so the engine thread does not tokenize again.
+        resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        with self._cond:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            queued = self._pending_seqs + self._waiting_seqs
+            if self.max_queued_requests is not None and queued >= self.max_queued_requests:
+                raise QueueFullError(
+                    f"the server is busy: {queued} requests are already queued "
+                    f"(limit {self.max_queued_requests}); retry later",
+                    self._retry_after(),
+                )
+            self._streams[request_id] = stream
+            self._commands.append(
+                _AddCommand(request_id, resolved, params, time.monotonic(), stream)
+            )
+            self._pending_seqs += params.n
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, idempotent); its KV blocks are freed before the next
+        step. A request not yet handed to the engine is simply dropped."""
+        with self._cond:
+            if self._streams.pop(request_id, None) is None:
+                return  # unknown or already finished
+            for i, cmd in enumerate(self._commands):
+                if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
+                    del self._commands[i]
+                    self._pending_seqs -= cmd.params.n
+                    return
+            self._commands.append(request_id)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still in flight fail with ``EngineDeadError``."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _retry_after(self) -> int:
+        """Seconds a rejected client should wait: about one finished request's latency."""
+        ema = self._latency_ema or 1.0
+        return max(1, min(60, math.ceil(ema)))
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cond:
+                while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                commands, self._commands = self._commands, []
+            try:
+                self._apply(commands)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            except Exception as exc:
+                failures += 1
+                self._on_step_failure(exc, failures, [c for c in commands if isinstance(c, str)])
+                if self._dead_reason is not None:
+                    break
+                continue
+            failures = 0
+            self._deliver(outputs)
+            self._publish_stats()
+        self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
+
+    def _apply(self, commands: list[_AddCommand | str]) -> None:
+        aborts = [c for c in commands if isinstance(c, str)]
+        if aborts:
+            self.engine.abort_request(aborts)
+        for cmd in commands:
+            if isinstance(cmd, str):
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+            except ValueError as exc:  # e.g. state changed since validation: fail just this one
+                self._send([(cmd.stream, exc)])
+                with self._cond:
+                    self._streams.pop(cmd.request_id, None)
+            finally:
+                with self._cond:
+                    self._pending_seqs -= cmd.params.n
+        self._publish_stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        with self._cond:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted meanwhile
+                if out.finished:
+                    del self._streams[out.request_id]
+                items.append((stream, out))
+        for out in outputs:
+            if out.finished:
+                self._request_finished(out)
+        self._send(items)
+
+    def _request_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is not None and m.finished_time is not None:
+            latency = m.finished_time - m.arrival_time
+            prev = self._latency_ema
+            self._latency_ema = (
+                latency if prev is None else prev + _LATENCY_EMA_ALPHA * (latency - prev)
+            )
+        for callback in self._finished_callbacks:
+            try:
+                callback(out)
+            except Exception:
+                logger.exception("finished-request callback failed")
+
+    def _send(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams' loops: one thread-safe call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _on_step_failure(self, exc: Exception, failures: int, aborted: list[str]) -> None:
+        """Fail the in-flight requests, free their blocks, and keep serving if possible.
+
+        ``aborted`` are abort commands taken in the failed iteration, which may not have been
+        applied yet.
+        """
+        logger.exception("engine step failed (%d in a row); failing in-flight requests", failures)
+        error = EngineStepError(f"the engine failed while running this request: {exc!r}")
+        try:
+            self._fail_all(error, aborted)
+        except Exception:
+            logger.exception("could not abort the failed requests; the engine is now dead")
+            self._dead_reason = f"engine failure: {exc!r}"
+        if failures >= MAX_CONSECUTIVE_STEP_FAILURES and self._dead_reason is None:
+            self._dead_reason = f"{failures} engine steps failed in a row; last: {exc!r}"
+        self._publish_stats()
+
+    def _fail_all(self, error: BaseException, aborted: list[str] | None = None) -> None:
+        """Fail every known request with ``error`` and abort it in the engine."""
+        with self._cond:
+            streams, self._streams = self._streams, {}
+            # Pending aborts are kept as ids to abort below; pending adds are simply dropped.
+            ids = [c for c in self._commands if isinstance(c, str)] + (aborted or [])
+            self._commands = []
+            self._pending_seqs = 0
+        self._send([(s, error) for s in streams.values()])
+        self.engine.abort_request(list(streams) + ids)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        # The scheduler's counters refresh on schedule(); the live queue length is more useful
+        # for admission control, and reading it is safe here in the engine thread.
+        waiting = len(self.engine.scheduler.waiting)
+        with self._cond:
+            self._waiting_seqs = waiting
+            stats["num_waiting"] = waiting
+            stats["num_pending"] = self._pending_seqs
+            stats["num_queued"] = self._pending_seqs + waiting
+            stats["max_queued_requests"] = self.max_queued_requests
+            stats["healthy"] = self._dead_reason is None
+            self._stats = stats
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream.put(item)

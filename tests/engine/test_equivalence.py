@@ -1,0 +1,58 @@
+"""Greedy outputs equal transformers' own ``generate`` on tiny random models (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from tests.engine.conftest import TinyModels
+from tests.engine.utils import random_prompts
+
+LENGTHS = [3, 7, 12, 5, 20, 9, 1, 15, 33]
+MAX_TOKENS = 12
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(  # type: ignore[operator]
+        torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    ("block_size", "max_batched"),
+    [(16, 2048), (4, 8)],  # the second chunks prefills and splits them across blocks
+)
+def test_greedy_matches_transformers(
+    tiny_models: TinyModels, arch: str, block_size: int, max_batched: int
+) -> None:
+    path, hf_model = tiny_models[arch]
+    prompts = random_prompts(LENGTHS)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=block_size,
+              max_num_batched_tokens=max_batched)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.stats()
+    assert stats["max_num_running"] > 1  # the prompts really shared steps
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_eos_stops_like_transformers(tiny_models: TinyModels) -> None:
+    """Without ignore_eos, a request ends at EOS with finish_reason 'stop'."""
+    path, hf_model = tiny_models["llama"]
+    # Make EOS likely: pick the token the model predicts first for some prompt as "EOS".
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    prompt = random_prompts([6], seed=3)[0]
+    first = hf_greedy(hf_model, prompt, 3)
+    llm.engine.eos_token_ids = [first[1]]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == first[:2]
+    assert out.outputs[0].finish_reason == "stop"
