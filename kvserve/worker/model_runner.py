@@ -176,7 +176,10 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             generators=[r.generator for r in reqs],
             min_tokens_stop_ids=[
-                [*r.eos_token_ids, *(r.params.stop_token_ids or [])]
+                [
+                    *([] if r.params.ignore_eos else r.eos_token_ids),
+                    *(r.params.stop_token_ids or []),
+                ]
                 if r.num_output_tokens < r.params.min_tokens
                 else []
                 for r in reqs

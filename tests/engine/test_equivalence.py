@@ -15,10 +15,13 @@ MAX_TOKENS = 12
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(  # type: ignore[operator]
-        torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-        do_sample=False, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -31,8 +34,13 @@ def test_greedy_matches_transformers(
 ) -> None:
     path, hf_model = tiny_models[arch]
     prompts = random_prompts(LENGTHS)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=block_size,
-              max_num_batched_tokens=max_batched)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=block_size,
+        max_num_batched_tokens=max_batched,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -52,7 +60,8 @@ def test_eos_stops_like_transformers(tiny_models: TinyModels) -> None:
     prompt = random_prompts([6], seed=3)[0]
     first = hf_greedy(hf_model, prompt, 3)
     llm.engine.eos_token_ids = [first[1]]
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == first[:2]
     assert out.outputs[0].finish_reason == "stop"

@@ -19,9 +19,15 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 
 TINY = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-    "bos_token_id": 0, "eos_token_id": 1,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 
 
@@ -30,9 +36,17 @@ def make_tiny_model(arch: str, path: Path) -> PreTrainedModel:
     torch.manual_seed(0)
     if arch == "llama":
         # Non-default theta and llama3 rope scaling exercise the config's rope parameters.
-        cfg = LlamaConfig(**TINY, rope_theta=5000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cfg = LlamaConfig(
+            **TINY,
+            rope_theta=5000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         model: PreTrainedModel = LlamaForCausalLM(cfg)
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
@@ -64,4 +78,3 @@ def run_engine_checked(
                 done[out.request_id] = out.outputs[0].token_ids
         engine.kv.check_integrity()
     return done
-

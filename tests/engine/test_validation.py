@@ -1,0 +1,94 @@
+"""Bad input raises a clear exception and leaves the engine usable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.engine.utils import random_prompts
+
+GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    # 8 blocks of 16 = 128 tokens of KV; the tiny model's context is 512.
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8)
+
+
+def good_output(llm: LLM) -> list[int]:
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GOOD, use_tqdm=False)
+    return out[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ({"prompt_token_ids": []}, GOOD, "prompt is empty"),
+        ({"prompt_token_ids": [3] * 600}, GOOD, "context is 512 tokens"),
+        ({"prompt_token_ids": [3, 999]}, GOOD, "out of the vocabulary"),
+        ({"prompt_token_ids": [3] * 100}, SamplingParams(max_tokens=50), "can never fit"),
+        ({"prompt_token_ids": [3] * 130}, SamplingParams(max_tokens=None), "can never fit"),
+        ({"nothing": 1}, GOOD, "needs 'prompt' or 'prompt_token_ids'"),
+        ("text", GOOD, "no tokenizer"),
+    ],
+)
+def test_bad_request_raises_and_engine_survives(
+    llm: LLM, prompt: object, params: SamplingParams, message: str
+) -> None:
+    before = good_output(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": [4, 5]}, prompt], params, use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished_requests()  # nothing half-queued
+    assert good_output(llm) == before
+    assert llm.stats()["num_free_kv_blocks"] == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": -1.0}, "temperature must be non-negative"),
+        ({"n": 0}, "n must be at least 1"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_max_tokens_capped_by_context(llm: LLM) -> None:
+    prompt = random_prompts([100])[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(max_tokens=None, ignore_eos=True, temperature=0),
+        use_tqdm=False,
+    )[0]
+    # max_tokens=None runs until the KV cache (128 tokens) is full.
+    assert len(out.outputs[0].token_ids) == 28
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_duplicate_request_id_rejected(llm: LLM) -> None:
+    llm.engine.add_request("dup", {"prompt_token_ids": [3, 4]}, GOOD)
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("dup", {"prompt_token_ids": [3, 4]}, GOOD)
+    llm.engine.abort_request("dup")
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["num_free_kv_blocks"] == 8
+
+
+def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
+    llm.engine.add_request("x", {"prompt_token_ids": [3] * 40}, SamplingParams(max_tokens=30))
+    llm.engine.step()
+    assert llm.stats()["num_free_kv_blocks"] < 8
+    llm.engine.abort_request("x")
+    assert llm.stats()["num_free_kv_blocks"] == 8
+    llm.engine.kv.check_integrity()
