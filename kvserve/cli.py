@@ -11,8 +11,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine."""
     p.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16 or float32")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens computed per step (longer prefills are chunked)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="most tokens computed per step (longer prefills are chunked)",
+    )
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -25,12 +29,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "kv_cache_memory": args.kv_cache_memory, "num_kv_blocks": args.num_kv_blocks,
-            "block_size": args.block_size, "kv_policy": args.kv_policy,
-            "preemption_mode": args.preemption_mode, "swap_space": args.swap_space,
-            "max_model_len": args.max_model_len, "seed": args.seed, "device": args.device}
+    return {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_kv_blocks,
+        "block_size": args.block_size,
+        "kv_policy": args.kv_policy,
+        "preemption_mode": args.preemption_mode,
+        "swap_space": args.swap_space,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "device": args.device,
+    }
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +60,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))  # type: ignore[arg-type]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -72,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

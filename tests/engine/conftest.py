@@ -9,7 +9,6 @@ from transformers import PreTrainedModel
 
 from tests.engine.utils import make_tiny_model
 
-
 TinyModels = dict[str, tuple[Path, PreTrainedModel]]
 
 
