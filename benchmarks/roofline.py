@@ -1,0 +1,125 @@
+"""How close is a kvserve decode step to this machine's limit?
+
+Measures the machine's memory read bandwidth and best bf16 matmul rate, then for a model and
+batch sizes prints the floor time of one decode step —
+  memory floor  = (weight bytes + KV bytes read) / bandwidth
+  compute floor = FLOPs / matmul rate
+— beside kvserve's measured decode step (mean over steady-state steps, from the engine's own
+step-time breakdown).
+
+    python benchmarks/roofline.py                       # the 160M random Llama of issue 5
+    python benchmarks/roofline.py --model builtin       # the built-in SmolLM2-135M
+    python benchmarks/roofline.py --batch-sizes 1,8,64,128 --context 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.loader import load_hf_config
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read (sum over a large buffer), best of ``repeats``."""
+    x = torch.ones(int(gib * 2**30 / 4), dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def measure_matmul(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a square bf16 matmul, best of ``repeats``."""
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def make_random_llama(path: Path) -> None:
+    """The 160M random-weight Llama of the peer table (vocab 32000, hidden 1024, 8 layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                      max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def step_floor(cfg: object, batch: int, context: int, bw: float, flops: float,
+               elem: int = 2) -> tuple[float, float, int]:
+    """(memory floor s, compute floor s, weight bytes) of one decode step."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * (heads * d + 2 * kv_heads * d) + heads * d * h + 3 * h * inter
+    linear_params = layers * per_layer + h * cfg.vocab_size  # + lm_head
+    weight_bytes = linear_params * elem
+    kv_bytes = batch * context * 2 * layers * kv_heads * d * elem
+    attn_flops = 4 * batch * context * heads * d * layers
+    mem = (weight_bytes + kv_bytes) / bw
+    comp = (2 * batch * linear_params + attn_flops) / flops
+    return mem, comp, weight_bytes
+
+
+def measured_step(model: str | None, batch: int, context: int, steps: int = 24) -> float:
+    """Mean seconds per decode step with ``batch`` requests at about ``context`` tokens."""
+    llm = LLM(model, dtype="bfloat16", max_num_seqs=batch, kv_cache_memory="2GiB")
+    prompt = {"prompt_token_ids": [(7 * i) % 1000 + 10 for i in range(context)]}
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    eng = llm.engine
+    for i in range(batch):
+        eng.add_request(f"r{i}", prompt, params)
+    for _ in range(4):  # prefill and warm-up
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    elapsed = (time.perf_counter() - t0) / steps
+    eng.abort_request([f"r{i}" for i in range(batch)])
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random-160m", help="random-160m, builtin, or a folder")
+    ap.add_argument("--batch-sizes", default="1,8,64,128")
+    ap.add_argument("--context", type=int, default=160, help="tokens per request at decode")
+    args = ap.parse_args()
+    bw, mm = measure_bandwidth(), measure_matmul()
+    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; bf16 matmul {mm / 1e12:.2f} TFLOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        model: str | None = None if args.model == "builtin" else args.model
+        if args.model == "random-160m":
+            model = tmp
+            make_random_llama(Path(tmp))
+        from kvserve.model.builtin import resolve_model
+
+        cfg = load_hf_config(resolve_model(model)[0])
+        print("| batch | memory floor ms | compute floor ms | floor ms | kvserve step ms | "
+              "floor / measured |")
+        print("|---|---|---|---|---|---|")
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            mem, comp, _ = step_floor(cfg, b, args.context, bw, mm)
+            floor = max(mem, comp)
+            step = measured_step(model, b, args.context)
+            print(f"| {b} | {mem * 1e3:.1f} | {comp * 1e3:.1f} | {floor * 1e3:.1f} | "
+                  f"{step * 1e3:.1f} | {floor / step:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

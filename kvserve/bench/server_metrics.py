@@ -1,0 +1,148 @@
+"""Server-side counters from the Prometheus ``/metrics`` endpoint: preemptions and queue peaks.
+
+Client timings cannot show *why* a run was slow; the engine's own metrics can. We scrape
+``/metrics`` before the run, every ``interval`` seconds during it (gauges such as the number of
+running requests are instantaneous, so their peak needs polling) and after it. The same code
+reads kvserve's names (``kvserve:num_preemptions_total``, ``kvserve:num_requests_running``,
+``kvserve:num_requests_waiting``) and vLLM's (``vllm:...``); kvserve's high-water mark
+``kvserve:max_num_requests_running`` also catches a peak that fell between two polls. Anything
+missing or unparsable gives ``None`` and never fails the benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIXES = ("kvserve", "vllm")  # tried in this order
+
+
+@dataclass
+class ServerMetricsSummary:
+    source: str | None = None  # "kvserve", "vllm", or None when no known metric was found
+    num_preemptions: int | None = None  # counter delta over the run
+    peak_num_requests_running: int | None = None
+    peak_num_requests_waiting: int | None = None
+    num_scrapes: int = 0  # scrapes that parsed, before + during + after
+
+    def to_dict(self) -> dict[str, Any]:
+        """Result-file keys; source and scrape count get a ``server_metrics_`` prefix."""
+        out = asdict(self)
+        out["server_metrics_source"] = out.pop("source")
+        out["server_metrics_scrapes"] = out.pop("num_scrapes")
+        return out
+
+
+def parse_samples(text: str | None) -> dict[str, float] | None:
+    """Sample name -> value, summed over label sets (engines, models); None if unparsable."""
+    if not text:
+        return None
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError, IndexError):  # the parser's errors on malformed text
+        return None
+    return values
+
+
+def _lookup(values: dict[str, float] | None, names: Sequence[str]) -> float | None:
+    if values is None:
+        return None
+    for name in names:
+        if name in values:
+            return values[name]
+    return None
+
+
+def _names(prefix: str) -> dict[str, tuple[str, ...]]:
+    # A counter is exposed as NAME_total; untyped exporters may drop the suffix.
+    return {
+        "preemptions": (f"{prefix}:num_preemptions_total", f"{prefix}:num_preemptions"),
+        "running": (f"{prefix}:num_requests_running",),
+        "waiting": (f"{prefix}:num_requests_waiting",),
+        # kvserve's own high-water mark of the running batch since the server started.
+        "running_max": (f"{prefix}:max_num_requests_running",),
+    }
+
+
+def _peak(scrapes: Sequence[dict[str, float] | None], names: Sequence[str]) -> int | None:
+    seen = [v for v in (_lookup(s, names) for s in scrapes) if v is not None]
+    return int(max(seen)) if seen else None
+
+
+def summarize_server_metrics(
+    before: str | None, after: str | None, during: Sequence[str] = ()
+) -> ServerMetricsSummary:
+    """Preemptions during the run (``after - before``) and peak running/waiting requests over
+    all scrapes. Pure: takes the scraped texts, returns None fields for what is absent."""
+    first, last = parse_samples(before), parse_samples(after)
+    polled = [parse_samples(t) for t in during]
+    scrapes = [first, *polled, last]
+    parsed = [s for s in scrapes if s is not None]
+    summary = ServerMetricsSummary(num_scrapes=len(parsed))
+    for prefix in PREFIXES:
+        names = _names(prefix)
+        if not any(_lookup(s, n) is not None for s in parsed for n in names.values()):
+            continue
+        summary.source = prefix
+        start, end = _lookup(first, names["preemptions"]), _lookup(last, names["preemptions"])
+        # A counter that went down means the server restarted mid-run: no honest delta.
+        if start is not None and end is not None and end >= start:
+            summary.num_preemptions = int(end - start)
+        summary.peak_num_requests_running = _peak(scrapes, names["running"])
+        summary.peak_num_requests_waiting = _peak(scrapes, names["waiting"])
+        # Polling can miss a short peak; a high-water mark that rose during the run cannot.
+        hw_start = _lookup(first, names["running_max"])
+        hw_end = _lookup(last, names["running_max"])
+        if hw_start is not None and hw_end is not None and hw_end > hw_start:
+            seen = summary.peak_num_requests_running or 0
+            summary.peak_num_requests_running = max(seen, int(hw_end))
+        break
+    return summary
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> str | None:
+    """GET ``url`` (a ``/metrics`` endpoint); None on any failure."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(url, timeout=timeout) as response:
+            if response.status != 200:
+                return None
+            return await response.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+
+
+class MetricsPoller:
+    """Background task scraping ``url`` every ``interval`` seconds until stopped."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, interval: float = 0.5) -> None:
+        self.session, self.url, self.interval = session, url, interval
+        self.texts: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            text = await scrape(self.session, self.url)
+            if text is not None:
+                self.texts.append(text)
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> list[str]:
+        """Cancel the task and return every scrape it collected."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.texts
