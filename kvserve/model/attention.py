@@ -20,6 +20,15 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeBatch:
+    """The one-token rows of a step, prepared once and shared by every layer."""
+
+    token_idx: torch.Tensor | None  # [Bd] their token positions in the flat batch; None = all
+    block_tables: torch.Tensor  # [Bd, nb] blocks covering the longest decode context
+    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True where a key is in the context
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about the flat batch of one step (built by the runner)."""
 
@@ -28,25 +37,32 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]: context length of row i after this step (computed + scheduled)
     block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0 (never read unmasked)
     block_size: int  # tokens per block
-    decode_rows: torch.Tensor | None = None  # [Bd] int64: rows with exactly one query token
-    prefill_rows: list[int] | None = None  # rows with more than one query token
-    decode_seq_lens: torch.Tensor | None = None  # [Bd] int64: seq_lens of the decode rows
+    decode: DecodeBatch | None = None  # the one-token rows, None when there are none
+    prefill_rows: list[int] | None = None  # rows with more than one query token (None: unsplit)
 
     @property
     def num_rows(self) -> int:
         return len(self.seq_lens)
 
     def split_rows(self) -> None:
-        """Derive decode/prefill row sets once per step (shared by every layer)."""
+        """Derive the decode batch and prefill rows once per step (shared by every layer)."""
         device = self.block_tables.device
-        q_lens = [
-            self.query_start_loc[i + 1] - self.query_start_loc[i] for i in range(self.num_rows)
-        ]
-        dec = [i for i, n in enumerate(q_lens) if n == 1]
-        self.prefill_rows = [i for i, n in enumerate(q_lens) if n > 1]
-        self.decode_rows = torch.tensor(dec, dtype=torch.long, device=device)
-        self.decode_seq_lens = torch.tensor(
-            [self.seq_lens[i] for i in dec], dtype=torch.long, device=device
+        qsl = self.query_start_loc
+        dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1]
+        self.prefill_rows = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] > 1]
+        if not dec:
+            self.decode = None
+            return
+        lens = torch.tensor([self.seq_lens[i] for i in dec], dtype=torch.long, device=device)
+        nb = -(-max(self.seq_lens[i] for i in dec) // self.block_size)
+        all_decode = len(dec) == self.num_rows
+        rows = torch.tensor(dec, dtype=torch.long, device=device)
+        tables = self.block_tables[:, :nb] if all_decode else self.block_tables[rows, :nb]
+        pos = torch.arange(nb * self.block_size, device=device)
+        self.decode = DecodeBatch(
+            token_idx=None if all_decode else torch.tensor([qsl[i] for i in dec], device=device),
+            block_tables=tables,
+            mask=(pos[None, :] < lens[:, None]).view(len(dec), 1, 1, -1),
         )
 
 
@@ -117,26 +133,22 @@ def _batched_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    md: AttentionMetadata,
+    dec: DecodeBatch,
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """All one-token rows in one SDPA call over their padded, gathered contexts."""
-    assert md.decode_rows is not None and md.decode_seq_lens is not None
-    rows = md.decode_rows
-    token_idx = torch.tensor(md.query_start_loc[:-1], device=q.device)[rows]  # [Bd]
-    max_len = int(md.decode_seq_lens.max())
-    num_blocks = (max_len + md.block_size - 1) // md.block_size
-    tables = md.block_tables[rows, :num_blocks]  # [Bd, nb]
-    bd = tables.shape[0]
     # Gather whole blocks: [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, nb*bs, D].
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    pos = torch.arange(num_blocks * md.block_size, device=q.device)
-    mask = (pos[None, :] < md.decode_seq_lens[:, None]).view(bd, 1, 1, -1)  # [Bd, 1, 1, L]
-    qd = q[token_idx].unsqueeze(2)  # [Bd, H, 1, D]
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[token_idx] = o.squeeze(2)
+    k = k_cache[dec.block_tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[dec.block_tables].flatten(1, 2).transpose(1, 2)
+    qd = (q if dec.token_idx is None else q[dec.token_idx]).unsqueeze(2)  # [Bd, H, 1, D]
+    o = F.scaled_dot_product_attention(
+        qd, k, v, attn_mask=dec.mask, scale=scale, enable_gqa=True
+    ).squeeze(2)  # [Bd, H, D]
+    if dec.token_idx is None:
+        out.copy_(o)
+    else:
+        out[dec.token_idx] = o
 
 
 def paged_attention(
@@ -147,12 +159,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Fast path with the reference's results: batched decode rows, looped prefill rows."""
-    if md.decode_rows is None:
+    if md.prefill_rows is None:
         md.split_rows()
-    assert md.decode_rows is not None
     out = torch.empty_like(q)
-    if md.decode_rows.numel() > 0:
-        _batched_decode(q, k_cache, v_cache, md, scale, out)
+    if md.decode is not None:
+        _batched_decode(q, k_cache, v_cache, md.decode, scale, out)
     if md.prefill_rows:
         reference_paged_attention(q, k_cache, v_cache, md, scale, rows=md.prefill_rows, out=out)
     return out

@@ -16,6 +16,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -27,10 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as Hugging Face does, so bf16 runs round the same way.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,12 +56,16 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos() * scaling
         self.sin = emb.sin() * scaling
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos/sin rows for this step's positions, once per forward (shared by all layers)."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -79,12 +83,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(rope, q, k)
         write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -113,21 +116,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, bias)
+        self.self_attn = Attention(config, bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -167,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: ``[T]``; returns the final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv, md)
+            x = layer(rope, x, kv, md)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -63,8 +63,17 @@ def test_fast_path_equals_reference(dtype: torch.dtype, seed: int) -> None:
     fast = paged_attention(q, kc, vc, md, scale=0.25)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
-    assert md.decode_rows is not None and md.decode_rows.tolist() == [0, 1, 2, 4]
+    assert md.decode is not None and md.decode.token_idx is not None
+    assert md.decode.token_idx.tolist() == [0, 1, 2, 8]  # rows 0, 1, 2, 4 in the flat batch
     assert md.prefill_rows == [3, 5, 6]
+
+
+def test_all_decode_batch_skips_indexing() -> None:
+    q, kc, vc, md = build_batch([3, 20, 9], [1, 1, 1], 4, 16, 4, 2, 8, torch.float32, 9)
+    fast = paged_attention(q, kc, vc, md, scale=0.3)
+    assert md.decode is not None and md.decode.token_idx is None
+    assert md.decode.block_tables.shape == (3, 5)
+    torch.testing.assert_close(fast, reference_paged_attention(q, kc, vc, md, 0.3))
 
 
 def test_reference_equals_dense_causal_attention() -> None:
