@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on the context length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -89,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = build_parser().parse_args(argv)
+    if getattr(args, "num_threads", None):
+        import torch
+
+        # Fewer threads than cores helps when other processes share the machine: OpenMP
+        # threads that wait on a busy core turn every small op into milliseconds.
+        torch.set_num_threads(args.num_threads)
     try:
         if args.command == "generate":
             return _run_generate(args)

@@ -16,11 +16,14 @@ Threading model:
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import math
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +65,6 @@ class _AddCommand:
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
-    stream: RequestStream
 
 
 class RequestStream:
@@ -72,7 +74,9 @@ class RequestStream:
     (client disconnect, task cancellation), ``aclose()``, or garbage collection all abort.
     """
 
-    def __init__(self, request_id: str, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, request_id: str, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.request_id = request_id
         self._engine = engine
         self.loop = loop
@@ -116,12 +120,11 @@ class RequestStream:
         self.abort()
 
     def __del__(self) -> None:
-        # Last resort for a consumer that just dropped the iterator (`break` out of `async for`).
-        try:
-            if not self.finished:
-                self._engine.abort(self.request_id)
-        except Exception:  # noqa: S110 - never raise from a finalizer (e.g. at interpreter exit)
-            pass
+        # A consumer that just dropped the iterator (`break` out of `async for`): the engine
+        # holds streams weakly, so this runs, and the engine thread aborts the request. Only a
+        # lock-free deque append here: a finalizer can run in any thread, at any point.
+        if not self.finished:
+            self._engine._orphans.append(self.request_id)
 
 
 class AsyncLLMEngine:
@@ -139,7 +142,10 @@ class AsyncLLMEngine:
         self.max_queued_requests = max_queued_requests
         self._cond = threading.Condition()  # guards every field below that both threads use
         self._commands: list[_AddCommand | str] = []  # adds, and request ids to abort
-        self._streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
+        # request id -> stream, until finished. Weak, so that a stream its consumer dropped is
+        # collected and its request aborted (see RequestStream.__del__).
+        self._streams: dict[str, weakref.ref[RequestStream]] = {}
+        self._orphans: collections.deque[str] = collections.deque()  # ids of collected streams
         self._pending_seqs = 0  # sequences (n per request) handed over but not yet added
         self._waiting_seqs = 0  # sequences waiting in the engine, as of the last publish
         self._stats: dict[str, Any] = {}
@@ -169,16 +175,21 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead_reason is None and self._thread.is_alive()
+        return self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
-        if self._dead_reason is None and not self._thread.is_alive():
-            return "the engine thread is not running"
-        return self._dead_reason
+        """Why the engine no longer serves, or None while it does (or has not started yet)."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        started = self._thread.ident is not None
+        if self._stop or (started and not self._thread.is_alive()):
+            return "the engine was shut down"
+        return None
 
     def start(self) -> None:
-        if not self._thread.is_alive():
+        """Start the engine thread (``start=False`` lets callers queue requests first)."""
+        if self._thread.ident is None:
             self._thread.start()
 
     def add_finished_callback(self, callback: FinishedCallback) -> None:
@@ -227,10 +238,8 @@ class AsyncLLMEngine:
                     f"(limit {self.max_queued_requests}); retry later",
                     self._retry_after(),
                 )
-            self._streams[request_id] = stream
-            self._commands.append(
-                _AddCommand(request_id, resolved, params, time.monotonic(), stream)
-            )
+            self._streams[request_id] = weakref.ref(stream)
+            self._commands.append(_AddCommand(request_id, resolved, params, time.monotonic()))
             self._pending_seqs += params.n
             self._cond.notify()
         return stream
@@ -239,15 +248,20 @@ class AsyncLLMEngine:
         """Abort a request (thread-safe, idempotent); its KV blocks are freed before the next
         step. A request not yet handed to the engine is simply dropped."""
         with self._cond:
-            if self._streams.pop(request_id, None) is None:
-                return  # unknown or already finished
-            for i, cmd in enumerate(self._commands):
-                if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
-                    del self._commands[i]
-                    self._pending_seqs -= cmd.params.n
-                    return
-            self._commands.append(request_id)
-            self._cond.notify()
+            if self._abort_locked(request_id):
+                self._cond.notify()
+
+    def _abort_locked(self, request_id: str) -> bool:
+        """Forget the stream; drop a pending add, else queue an engine abort (returned True)."""
+        if self._streams.pop(request_id, None) is None:
+            return False  # unknown or already finished
+        for i, cmd in enumerate(self._commands):
+            if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
+                del self._commands[i]
+                self._pending_seqs -= cmd.params.n
+                return False
+        self._commands.append(request_id)
+        return True
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; requests still in flight fail with ``EngineDeadError``."""
@@ -271,6 +285,8 @@ class AsyncLLMEngine:
                     self._cond.wait()
                 if self._stop:
                     break
+                while self._orphans:
+                    self._abort_locked(self._orphans.popleft())
                 commands, self._commands = self._commands, []
             try:
                 self._apply(commands)
@@ -282,9 +298,13 @@ class AsyncLLMEngine:
                     break
                 continue
             failures = 0
-            self._deliver(outputs)
+            # Stats first: a consumer that sees an output also sees the step's stats.
             self._publish_stats()
-        self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
+            self._deliver(outputs)
+        try:
+            self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
+        except Exception:  # the engine is going away anyway; just do not die silently
+            logger.exception("could not abort the remaining requests at shutdown")
 
     def _apply(self, commands: list[_AddCommand | str]) -> None:
         aborts = [c for c in commands if isinstance(c, str)]
@@ -296,9 +316,11 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
             except ValueError as exc:  # e.g. state changed since validation: fail just this one
-                self._send([(cmd.stream, exc)])
                 with self._cond:
-                    self._streams.pop(cmd.request_id, None)
+                    ref = self._streams.pop(cmd.request_id, None)
+                stream = ref() if ref is not None else None
+                if stream is not None:
+                    self._send([(stream, exc)])
             finally:
                 with self._cond:
                     self._pending_seqs -= cmd.params.n
@@ -308,12 +330,12 @@ class AsyncLLMEngine:
         items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         with self._cond:
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue  # aborted meanwhile
+                ref = self._streams.get(out.request_id)
+                stream = ref() if ref is not None else None
                 if out.finished:
-                    del self._streams[out.request_id]
-                items.append((stream, out))
+                    self._streams.pop(out.request_id, None)
+                if stream is not None:  # else aborted or collected meanwhile
+                    items.append((stream, out))
         for out in outputs:
             if out.finished:
                 self._request_finished(out)
@@ -339,10 +361,9 @@ class AsyncLLMEngine:
         for stream, item in items:
             by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, batch in by_loop.items():
-            try:
+            # A closed loop raises RuntimeError: nobody is listening there any more.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
     def _on_step_failure(self, exc: Exception, failures: int, aborted: list[str]) -> None:
         """Fail the in-flight requests, free their blocks, and keep serving if possible.
@@ -364,19 +385,20 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException, aborted: list[str] | None = None) -> None:
         """Fail every known request with ``error`` and abort it in the engine."""
         with self._cond:
-            streams, self._streams = self._streams, {}
+            refs, self._streams = self._streams, {}
             # Pending aborts are kept as ids to abort below; pending adds are simply dropped.
             ids = [c for c in self._commands if isinstance(c, str)] + (aborted or [])
             self._commands = []
             self._pending_seqs = 0
-        self._send([(s, error) for s in streams.values()])
-        self.engine.abort_request(list(streams) + ids)
+        streams = [s for s in (r() for r in refs.values()) if s is not None]
+        self._send([(s, error) for s in streams])
+        self.engine.abort_request([*refs, *ids])
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
         # The scheduler's counters refresh on schedule(); the live queue length is more useful
         # for admission control, and reading it is safe here in the engine thread.
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.num_waiting()
         with self._cond:
             self._waiting_seqs = waiting
             stats["num_waiting"] = waiting

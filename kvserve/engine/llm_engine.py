@@ -131,7 +131,7 @@ class LLMEngine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
-        vocab = self.hf_config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {vocab})")
@@ -198,6 +198,19 @@ class LLMEngine:
             for cid in cids:
                 self._child_parent.pop(cid, None)
                 self._child_state.pop(cid, None)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds (a request larger than this can never run)."""
+        return self.kv.num_tokens_capacity
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def num_waiting(self) -> int:
+        """Requests queued and not yet running (preempted-with-recompute ones included)."""
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

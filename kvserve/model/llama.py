@@ -38,23 +38,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        else:
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
-        pos = torch.arange(max_positions, dtype=torch.float)
-        freqs = torch.outer(pos, inv_freq.to(pos.device))  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        # Tables are computed on the CPU whatever device context the model is built under
+        # (the loader builds on "meta"); ``to_device`` moves them.
+        with torch.device("cpu"):
+            inv_freq, scaling = _inv_freq(config, head_dim)
+            pos = torch.arange(max_positions, dtype=torch.float)
+            freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         # Plain float32 attributes, not buffers: a later model.to(bf16) must not round them;
         # they are cast per use, as Hugging Face does.
         self.cos = emb.cos() * scaling
         self.sin = emb.sin() * scaling
+
+    def to_device(self, device: str | torch.device) -> None:
+        self.cos = self.cos.to(device)
+        self.sin = self.sin.to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos/sin rows for this step's positions, once per forward (shared by all layers)."""
@@ -66,6 +64,19 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = rope
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling from the config's rope parameters."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq, float(scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

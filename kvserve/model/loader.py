@@ -46,9 +46,15 @@ def load_model(
     """Build the model for ``max_positions`` tokens of context and load its weights."""
     path = Path(path)
     config = load_hf_config(path)
-    with torch.device(device):
+    # Build on the meta device: random init of weights that are overwritten anyway costs
+    # seconds. Then allocate real (uninitialised) storage and load every weight into it.
+    with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
+    model.to_empty(device=device)
     model.to(dtype=dtype)
+    model.rotary.to_device(device)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
     model.eval()
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,7 +71,7 @@ async def test_streams_match_the_sync_engine(make_engine: MakeEngine, tiny_llama
     for prompt, outs in zip(PROMPTS, results, strict=True):
         assert outs[-1].finished and all(not o.finished for o in outs[:-1])
         # Outputs are cumulative: each extends the previous one.
-        for a, b in zip(outs, outs[1:], strict=False):
+        for a, b in itertools.pairwise(outs):
             assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
         ref.add_request("r", {"prompt_token_ids": prompt}, SHORT)
         while ref.has_unfinished_requests():

@@ -1,0 +1,239 @@
+"""The FastAPI application: routes, API-key check, body-size limit, readiness.
+
+``build_app(state)`` is all a caller needs; ``ServerState`` holds the engines (added as they
+finish loading) and the limits. Nothing here is module-global, so several apps can live in one
+process (tests).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.chat import chat_prompt, create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.server.serving import Limits, tokenize
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # health and metrics stay open
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; engines are added by the loader as they become ready."""
+
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    limits: Limits = field(default_factory=Limits)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    engines: dict[str, AsyncLLMEngine] = field(default_factory=dict)  # served name -> engine
+    model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
+    ready: bool = False  # every model has loaded
+    load_error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_engine(self, engine: AsyncLLMEngine, path: str | None = None) -> None:
+        """Register a loaded engine under its served name (thread-safe: the loader calls it)."""
+        with self._lock:
+            name = engine.model_name
+            if name in self.engines:
+                raise ValueError(f"two models are served as {name!r}; use --served-model-name")
+            engine.add_finished_callback(self.metrics.add_engine(name, engine.stats))
+            self.engines = {**self.engines, name: engine}  # copy-on-write: readers never lock
+            self.model_paths[name] = path or name
+
+    def engine_for(self, model: str | None) -> AsyncLLMEngine:
+        """The engine serving ``model`` (None/"" -> the first model, like vLLM)."""
+        if not self.ready:
+            raise APIError(503, self.load_error or "the server is still loading its models")
+        engines = self.engines
+        if not model:
+            return next(iter(engines.values()))
+        engine = engines.get(model)
+        if engine is None:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Served models: {', '.join(engines)}",
+                param="model",
+                code="model_not_found",
+            )
+        return engine
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+
+
+class GuardMiddleware:
+    """API-key check and request-body size limit, before any parsing happens.
+
+    The body is buffered (it is small by construction) and replayed to the app; after the
+    replay, ``receive`` is passed through so disconnect detection keeps working.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        key = self.state.api_key
+        if key and path.startswith(_PROTECTED_PREFIXES) and not _authorized(scope, key):
+            resp = error_response(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+            await resp(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            limit = self.state.max_request_body_bytes
+            resp = error_response(
+                413, f"the request body is larger than this server's limit of {limit} bytes",
+                code="request_too_large",
+            )  # fmt: skip
+            await resp(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None once it exceeds the limit (Content-Length or actual)."""
+        limit = self.state.max_request_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _authorized(scope: Scope, key: str) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            # Constant-time comparison: no timing side channel on the key.
+            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+    return False
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI app serving ``state``'s engines."""
+    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvserve = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)  # type: ignore[arg-type]
+    _add_openai_routes(app, state)
+    _add_ops_routes(app, state)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        engine = state.engine_for(req.model)
+        return await create_completion(req, raw, engine, state.limits)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        engine = state.engine_for(req.model)
+        return await create_chat_completion(req, raw, engine, state.limits)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        state.engine_for(None)  # 503 while loading
+        return ModelList(data=[_card(state, name) for name in state.engines])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        return _card(state, state.engine_for(model_id).model_name)
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    engine = state.engines[name]
+    return ModelCard(id=name, root=state.model_paths.get(name), max_model_len=engine.max_model_len)
+
+
+def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.ready:
+            return error_response(503, state.load_error or "loading models")
+        dead = {n: e.dead_reason for n, e in state.engines.items() if not e.is_healthy}
+        if dead:
+            return error_response(503, f"unhealthy engines: {dead}")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
+        engine = state.engine_for(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
+        if req.messages is not None:
+            ids = (await chat_prompt(engine, req.messages, req.add_generation_prompt)).token_ids
+        else:
+            ids = await tokenize(engine, req.prompt or "", req.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
+        engine = state.engine_for(req.model)
+        if engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer", "model")
+        vocab = engine.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is out of the vocabulary (size {vocab})", "tokens"
+            )
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))

@@ -1,0 +1,166 @@
+"""``kvserve serve``: an OpenAI-compatible server, a drop-in for ``vllm serve``.
+
+uvicorn starts first and answers ``/health`` with 503 while the models load in a background
+thread; once every model has loaded ``/health`` turns 200. A model that fails to load stops
+the server with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvserve.config import parse_bytes
+from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
+from kvserve.server.serving import Limits
+
+logger = logging.getLogger("kvserve.server")
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``serve`` sub-command on ``subparsers`` (from ``add_subparsers``)."""
+    from kvserve.cli import add_engine_args  # the engine flags every command shares
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve models over an OpenAI-compatible HTTP API",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "models", nargs="*", default=[],
+        help="model folders or .gguf files, each served as its own model "
+             "(none: the built-in SmolLM2-135M-Instruct)",
+    )  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize "
+             f"(default: ${API_KEY_ENV} if set)",
+    )  # fmt: skip
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="the name clients use, one per model (default: the folder or file name)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queued-requests", type=int, default=None,
+        help="most sequences waiting per model; more get 429 + Retry-After (default: no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get 413 (accepts e.g. 1MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-tokens-limit", type=int, default=None,
+        help="most tokens one request may generate; above: 400 (default: the context)",
+    )  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    add_engine_args(p)
+    return p
+
+
+def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
+    """(model, served name) pairs; raises ValueError for inconsistent flags."""
+    models: list[str | None] = list(args.models) or [None]
+    for m in models:
+        if m is not None and not Path(m).expanduser().exists():
+            raise ValueError(f"model {m!r} does not exist; give a model folder or a .gguf file")
+    names = args.served_model_name
+    if names is not None and len(names) != len(models):
+        raise ValueError(
+            f"--served-model-name got {len(names)} names for {len(models)} models; "
+            f"give one per model"
+        )
+    names = names or [None] * len(models)
+    if len(set(n for n in names if n)) != len([n for n in names if n]):
+        raise ValueError("--served-model-name values must be distinct")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError("--max-queued-requests must be >= 0")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise ValueError("--max-tokens-limit must be >= 1")
+    return list(zip(models, names, strict=True))
+
+
+def load_models(
+    state: ServerState, specs: list[tuple[str | None, str | None]], args: argparse.Namespace
+) -> None:
+    """Build each engine and register it; then mark the server ready. Raises on failure."""
+    from kvserve.cli import engine_kwargs
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.llm import build_engine_config
+    from kvserve.engine.llm_engine import LLMEngine
+
+    for model, name in specs:
+        config = build_engine_config(model, served_model_name=name, **engine_kwargs(args))  # type: ignore[arg-type]
+        engine = LLMEngine(config)
+        state.add_engine(AsyncLLMEngine(engine, args.max_queued_requests), config.model.path)
+        logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+    state.ready = True
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; 0 on a clean stop, 1 if a model failed to load."""
+    import uvicorn
+
+    specs = _model_specs(args)
+    state = ServerState(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        limits=Limits(max_tokens_limit=args.max_tokens_limit),
+    )
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep the process's logging setup
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+
+    def loader() -> None:
+        try:
+            load_models(state, specs, args)
+            logger.info(
+                "ready: http://%s:%d/v1 (%s)", args.host, args.port, ", ".join(state.engines)
+            )
+        except Exception as e:
+            logger.exception("loading the models failed; stopping the server")
+            state.load_error = f"loading the models failed: {e}"
+            server.should_exit = True
+
+    threading.Thread(target=loader, name="kvserve-loader", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        state.shutdown()
+    return 1 if state.load_error else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvserve.server.cli [serve flags]`` (the same as ``kvserve serve``)."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return run_serve(args)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""``POST /v1/completions``: several prompts, n completions each, legacy logprobs, echo, SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.errors import bad_request, error_event
+from kvserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from kvserve.server.serving import (
+    SSE_DONE,
+    Limits,
+    PromptInfo,
+    final_outputs,
+    make_params,
+    merge_streams,
+    new_id,
+    resolve_max_tokens,
+    run_watching_disconnect,
+    sse,
+    start_streams,
+    stream_error,
+    token_text,
+    tokenize,
+)
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must be unset or equal to n", "best_of")
+    if req.echo and req.logprobs is not None:
+        # OpenAI would return the prompt's logprobs, which the engine does not compute.
+        raise bad_request("echo together with logprobs is not supported", "echo")
+
+
+async def _prompts(engine: AsyncLLMEngine, prompt: Any) -> list[PromptInfo]:
+    """Normalize the four prompt forms into (text, token ids) per prompt."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]  # one prompt of token ids
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            out.append(PromptInfo(p, await tokenize(engine, p)))
+        else:
+            out.append(PromptInfo(None, list(p)))
+    return out
+
+
+def _logprobs(
+    tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], offset: int
+) -> CompletionLogProbs:
+    """OpenAI's legacy format; ``offset`` is the text offset of the first token."""
+    lp = CompletionLogProbs()
+    for tid, top in zip(token_ids, logprobs, strict=False):
+        text = token_text(tokenizer, tid)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(top.get(tid))
+        lp.text_offset.append(offset)
+        offset += len(text)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        lp.top_logprobs.append({token_text(tokenizer, t): v for t, v in ranked})
+    return lp
+
+
+def _usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _prompt_text(engine: AsyncLLMEngine, p: PromptInfo) -> str:
+    if p.text is not None:
+        return p.text
+    return engine.tokenizer.decode(p.token_ids) if engine.tokenizer is not None else ""
+
+
+async def create_completion(
+    req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
+) -> Response:
+    _check_unsupported(req)
+    prompts = await _prompts(engine, req.prompt)
+    # One SamplingParams for all prompts: the smallest resolved max_tokens fits every prompt.
+    resolved = [
+        resolve_max_tokens(engine, len(p.token_ids), req.max_tokens, limits) for p in prompts
+    ]
+    max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
+    params = make_params(req.sampling_params, max_tokens, req.logprobs)
+    request_id = new_id("cmpl")
+    streams = start_streams(engine, prompts, params, request_id)
+    if req.stream:
+        return StreamingResponse(
+            _stream(req, engine, prompts, streams, request_id), media_type="text/event-stream"
+        )
+    outputs = await run_watching_disconnect(raw, final_outputs(streams))
+    choices = []
+    for i, out in enumerate(outputs):
+        echo = _prompt_text(engine, prompts[i]) if req.echo else ""
+        for c in out.outputs:
+            choices.append(_choice(req, engine, i * req.n + c.index, c, echo, out))
+    body = CompletionResponse(
+        id=request_id, model=engine.model_name, choices=choices, usage=_usage(outputs)
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _choice(
+    req: CompletionRequest,
+    engine: AsyncLLMEngine,
+    index: int,
+    c: CompletionOutput,
+    echo: str,
+    out: RequestOutput,
+) -> CompletionChoice:
+    logprobs = None
+    if req.logprobs is not None and c.logprobs is not None:
+        logprobs = _logprobs(engine.tokenizer, c.token_ids, c.logprobs, len(echo))
+    return CompletionChoice(
+        index=index,
+        text=echo + c.text,
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        token_ids=list(c.token_ids) if req.return_token_ids else None,
+        prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+    )
+
+
+class _ChoiceCursor:
+    """What has been sent of one streamed choice."""
+
+    def __init__(self, echo: str) -> None:
+        self.echo = echo  # prompt text still to send (echo), sent with the first chunk
+        self.num_chars = 0
+        self.num_tokens = 0
+        self.offset = len(echo)  # text offset of the next token, for logprobs
+        self.done = False
+
+
+async def _stream(
+    req: CompletionRequest,
+    engine: AsyncLLMEngine,
+    prompts: Sequence[PromptInfo],
+    streams: Sequence[RequestStream],
+    request_id: str,
+) -> AsyncIterator[str]:
+    """SSE chunks: text deltas per choice, then usage (if asked), then ``[DONE]``.
+
+    Cancelled by Starlette when the client goes away; closing ``merge_streams`` then aborts
+    every request.
+    """
+    cursors = {
+        i * req.n + k: _ChoiceCursor(_prompt_text(engine, p) if req.echo else "")
+        for i, p in enumerate(prompts)
+        for k in range(req.n)
+    }
+    finished: list[RequestOutput] = []
+    merged = merge_streams(streams)
+    try:
+        async for i, out in merged:
+            for c in out.outputs:
+                chunk = _delta_chunk(req, engine, cursors[i * req.n + c.index], i, c, request_id)
+                if chunk is not None:
+                    yield sse(chunk, drop_usage=not req.include_usage)
+            if out.finished:
+                finished.append(out)
+        if req.include_usage:
+            usage = CompletionResponse(
+                id=request_id, model=engine.model_name, choices=[], usage=_usage(finished)
+            )
+            yield sse(usage)
+    except Exception as e:
+        yield error_event(stream_error(e))
+    finally:
+        await merged.aclose()
+    yield SSE_DONE
+
+
+def _delta_chunk(
+    req: CompletionRequest,
+    engine: AsyncLLMEngine,
+    cur: _ChoiceCursor,
+    prompt_index: int,
+    c: CompletionOutput,
+    request_id: str,
+) -> CompletionResponse | None:
+    """The chunk carrying what is new in ``c`` since the last one, or None if nothing is."""
+    if cur.done:
+        return None
+    text = c.text[cur.num_chars :]
+    # Text can lag tokens (partial UTF-8, held-back stop-string prefixes): tokens without new
+    # text wait for the next chunk, so every chunk carries text or the finish reason.
+    if not text and not cur.echo and c.finish_reason is None:
+        return None
+    new_ids = c.token_ids[cur.num_tokens :]
+    logprobs = None
+    if req.logprobs is not None and c.logprobs is not None:
+        logprobs = _logprobs(engine.tokenizer, new_ids, c.logprobs[cur.num_tokens :], cur.offset)
+        cur.offset += sum(len(t) for t in logprobs.tokens)
+    choice = CompletionChoice(
+        index=prompt_index * req.n + c.index,
+        text=cur.echo + text,
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        token_ids=list(new_ids) if req.return_token_ids else None,
+    )
+    cur.echo = ""
+    cur.num_chars = len(c.text)
+    cur.num_tokens = len(c.token_ids)
+    cur.done = c.finish_reason is not None
+    return CompletionResponse(id=request_id, model=engine.model_name, choices=[choice], usage=None)

@@ -1,0 +1,126 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+The official ``openai`` client picks its exception class from the status code
+(400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429 RateLimitError...) and
+reads ``type``/``param``/``code`` from the body, so every error path goes through here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from kvserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("kvserve.server")
+
+# (status -> default OpenAI error type); OpenAI uses "invalid_request_error" for most 4xx.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,  # the OpenAI field name
+        param: str | None = None,
+        code: int | str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(
+            self.status, self.message, type=self.type, param=self.param, code=self.code,
+            headers=self.headers,
+        )  # fmt: skip
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str | None = None,
+    param: str | None = None,
+    code: int | str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(
+            message=message,
+            type=type or _TYPES.get(status, "invalid_request_error"),
+            param=param,
+            code=code if code is not None else status,
+        )
+    )
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def error_event(error: APIError) -> str:
+    """An error inside an SSE stream (the status line has already been sent), as vLLM does."""
+    body = ErrorResponse(
+        error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
+    )
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the first offending field from pydantic's error list."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped bodies for our errors, validation (400, not 422), routing and crashes."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, str(exc.detail), headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request handler")
+        return error_response(500, f"internal server error: {type(exc).__name__}")

@@ -1,0 +1,247 @@
+"""Helpers shared by the completion and chat handlers: admission, streams, disconnects, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+)
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, bad_request
+
+T = TypeVar("T")
+
+# Texts longer than this are tokenized in a worker thread so the event loop keeps serving.
+_TOKENIZE_IN_THREAD_CHARS = 4096
+# How often a non-streaming handler checks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+@dataclass
+class Limits:
+    """Server-wide request limits."""
+
+    max_tokens_limit: int | None = None  # most tokens one request may ask to generate
+
+
+@dataclass
+class PromptInfo:
+    text: str | None  # the prompt text, when known (echo needs it)
+    token_ids: list[int]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: BaseModel | dict[str, Any], drop_usage: bool = False) -> str:
+    """One server-sent event. ``drop_usage`` omits the ``usage`` key entirely (no include_usage)."""
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    if drop_usage:
+        data.pop("usage", None)
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool = True) -> list[int]:
+    tok = engine.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
+    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def resolve_max_tokens(
+    engine: AsyncLLMEngine, num_prompt: int, requested: int | None, limits: Limits
+) -> int | None:
+    """Check prompt + max_tokens against the context (vLLM's message) and the server limit.
+
+    ``requested=None`` means "as much as the context allows" (chat's default), capped by the
+    server's limit; it returns the value for ``SamplingParams.max_tokens``.
+    """
+    max_len = engine.max_model_len
+    if num_prompt >= max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt "
+            f"has {num_prompt} tokens, which leaves no room for a completion. Please reduce the "
+            f"length of the prompt.",
+            "messages" if requested is None else "prompt",
+        )
+    if requested is None:
+        if limits.max_tokens_limit is None:
+            return None  # the engine fills the room left in the context and the KV cache
+        room = min(max_len, engine.engine.kv_capacity_tokens) - num_prompt
+        return max(1, min(limits.max_tokens_limit, room))
+    if limits.max_tokens_limit is not None and requested > limits.max_tokens_limit:
+        raise bad_request(
+            f"max_tokens is {requested}, above this server's limit of "
+            f"{limits.max_tokens_limit} (--max-tokens-limit)",
+            "max_tokens",
+        )
+    if num_prompt + requested > max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the "
+            f"completion). Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+    return requested
+
+
+def make_params(build: Any, *args: Any) -> SamplingParams:
+    """Call a ``sampling_params`` builder, turning its ValueError into a 400."""
+    try:
+        return build(*args)
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def start_streams(
+    engine: AsyncLLMEngine, prompts: Sequence[PromptInfo], params: SamplingParams, base_id: str
+) -> list[RequestStream]:
+    """Submit one request per prompt; all or nothing (a failure aborts those already in)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(
+                engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, rid)
+            )
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        raise engine_error(e) from e
+    return streams
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """Map the async engine's exceptions to API errors (others pass through)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(
+            429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}
+        )
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e))
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e))
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    return e
+
+
+async def run_watching_disconnect(raw: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client goes away (non-streaming requests).
+
+    Cancellation reaches the request streams' ``__anext__``, which abort their requests, so
+    an abandoned request stops using the engine and its KV blocks are freed.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                try:
+                    return task.result()
+                except BaseException as e:
+                    raise engine_error(e) from e
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client disconnected")  # nobody will read this
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The last output of each stream, run concurrently; aborts all on failure."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        out: RequestOutput | None = None
+        async for out in stream:  # noqa: B007 - outputs are cumulative: keep the last
+            pass
+        if out is None or not out.finished:
+            raise EngineDeadError("the request was aborted")
+        return out
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(prompt index, output) from several streams as they come; closing aborts them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text for logprobs (vLLM's ``token_id:N`` form without a tokenizer)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def stream_error(e: BaseException) -> APIError:
+    """The API error to put in an SSE stream for an exception raised mid-stream."""
+    mapped = engine_error(e)
+    if isinstance(mapped, APIError):
+        return mapped
+    return APIError(500, f"internal server error: {type(e).__name__}")
