@@ -53,15 +53,21 @@ def run_static(prompts: list[list[int]], lens: list[int], batch: int, pad_id: in
     model.eval()
     elapsed = 0.0
     for start in range(0, len(prompts), batch):
-        chunk, chunk_lens = prompts[start:start + batch], lens[start:start + batch]
+        chunk, chunk_lens = prompts[start : start + batch], lens[start : start + batch]
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         longest = max(chunk_lens)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         elapsed += time.perf_counter() - t0
     return elapsed
 
@@ -75,22 +81,36 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both engines")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     messages, lens = make_workload(args.num_requests, args.seed, args.min_len, args.max_len)
     tok = load_tokenizer(builtin_model_path())
-    prompts = [tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False) for m in messages]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for m in messages
+    ]
     useful = sum(lens)
-    print(f"{len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
-          f"useful output tokens {useful}")
+    print(
+        f"{len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
+        f"useful output tokens {useful}"
+    )
     t_kv = run_kvserve(prompts, lens, args.max_num_seqs)
-    print(f"kvserve (continuous, max_num_seqs={args.max_num_seqs}): {t_kv:.1f} s, "
-          f"{useful / t_kv:.1f} useful output tok/s")
+    print(
+        f"kvserve (continuous, max_num_seqs={args.max_num_seqs}): {t_kv:.1f} s, "
+        f"{useful / t_kv:.1f} useful output tok/s"
+    )
     if not args.skip_static:
         t_hf = run_static(prompts, lens, args.static_batch, tok.pad_token_id or 2)
-        print(f"transformers (static batches of {args.static_batch}): {t_hf:.1f} s, "
-              f"{useful / t_hf:.1f} useful output tok/s")
+        print(
+            f"transformers (static batches of {args.static_batch}): {t_hf:.1f} s, "
+            f"{useful / t_hf:.1f} useful output tok/s"
+        )
         print(f"speed-up: {t_hf / t_kv:.2f}x")
 
 

@@ -53,15 +53,23 @@ def make_random_llama(path: Path) -> None:
     """The 160M random-weight Llama of the peer table (vocab 32000, hidden 1024, 8 layers)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                      max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
-def step_floor(cfg: object, batch: int, context: int, bw: float, flops: float,
-               elem: int = 2) -> tuple[float, float, int]:
+def step_floor(
+    cfg: object, batch: int, context: int, bw: float, flops: float, elem: int = 2
+) -> tuple[float, float, int]:
     """(memory floor s, compute floor s, weight bytes) of one decode step."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -110,15 +118,19 @@ def main() -> None:
         from kvserve.model.builtin import resolve_model
 
         cfg = load_hf_config(resolve_model(model)[0])
-        print("| batch | memory floor ms | compute floor ms | floor ms | kvserve step ms | "
-              "floor / measured |")
+        print(
+            "| batch | memory floor ms | compute floor ms | floor ms | kvserve step ms | "
+            "floor / measured |"
+        )
         print("|---|---|---|---|---|---|")
         for b in [int(x) for x in args.batch_sizes.split(",")]:
             mem, comp, _ = step_floor(cfg, b, args.context, bw, mm)
             floor = max(mem, comp)
             step = measured_step(model, b, args.context)
-            print(f"| {b} | {mem * 1e3:.1f} | {comp * 1e3:.1f} | {floor * 1e3:.1f} | "
-                  f"{step * 1e3:.1f} | {floor / step:.0%} |")
+            print(
+                f"| {b} | {mem * 1e3:.1f} | {comp * 1e3:.1f} | {floor * 1e3:.1f} | "
+                f"{step * 1e3:.1f} | {floor / step:.0%} |"
+            )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on the context length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice, one per core)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice, one per core)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -82,6 +82,7 @@ class ModelConfig:
     max_model_len: int | None = None  # context limit; None takes the model's own
     seed: int = 0  # seeds the engine's generator for unseeded sampling
     served_name: str | None = None  # the name clients use; None derives one from the path
+    prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -8,6 +8,12 @@ Plots:
   setting and rate;
 * ``throughput_vs_kv_cache.png``: output throughput against the KV cache size, one line per
   other setting and rate.
+
+Every line has its own hollow marker and dash pattern, so lines that coincide (the same
+throughput, or zero preemptions everywhere) all stay visible; y axes start at 0, counts get
+integer ticks, and a plot says so when its data cannot show a trend (one KV cache size, no
+preemptions at all). The ``draw_*`` functions draw on a given matplotlib ``Axes`` (tests
+inspect them); the ``plot_*`` functions write the PNGs.
 """
 
 from __future__ import annotations
@@ -115,25 +121,62 @@ def _varying(points: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]
     return [k for k in keys if len({str(p.get(k)) for p in points}) > 1]
 
 
+# Overlapping lines (equal throughput, zero preemptions at every point) must stay visible:
+# every line gets its own hollow marker shape and dash pattern, so a line drawn over another
+# still shows the one below.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
 def _lines(
     ax: Any,
     points: Sequence[dict[str, Any]],
     x_of: Callable[[dict[str, Any]], float],
     y_key: str,
     group_keys: Sequence[str],
-) -> int:
-    """Draw one line per group (in order of first appearance); return the points drawn."""
+) -> list[float]:
+    """Draw one line per group (in order of first appearance); return the y values drawn."""
     usable = [p for p in points if isinstance(p.get(y_key), (int, float))]
     label_keys = _varying(usable, group_keys)
     groups: dict[str, list[tuple[float, float]]] = {}
     for p in usable:
         groups.setdefault(_label(p, label_keys), []).append((x_of(p), float(p[y_key])))
-    for label, xy in groups.items():
+    for i, (label, xy) in enumerate(groups.items()):
         xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=label)
+        ax.plot(
+            [x for x, _ in xy],
+            [y for _, y in xy],
+            marker=_MARKERS[i % len(_MARKERS)],
+            markersize=max(4.0, 10.0 - 1.5 * i),  # later (top) markers smaller: both show
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+            label=label,
+        )
     if len(groups) > 1:
         ax.legend(fontsize="small")
-    return len(usable)
+    return [float(p[y_key]) for p in usable]
+
+
+def _note(ax: Any, text: str) -> None:
+    """A short remark in the plot's upper left corner (what the data cannot show)."""
+    ax.text(
+        0.02, 0.97, text, transform=ax.transAxes, ha="left", va="top", fontsize="small",
+        color="dimgray",
+    )  # fmt: skip
+
+
+def _y_from_zero(ax: Any, ys: Sequence[float], integer: bool = False) -> None:
+    """Counts and rates are never negative: the axis starts at 0 (honest ratios, and no
+    ``-0.04 preemptions`` ticks when every value is 0), with a small margin below so that a
+    line at 0 is not hidden by the frame; integer ticks for counts."""
+    top = max(ys, default=0.0)
+    top = top * 1.1 if top > 0 else 1.0
+    ax.set_ylim(bottom=-0.03 * top, top=top)
+    if integer:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _finish(fig: Any, ax: Any, drawn: int, path: Path) -> Path:
@@ -146,49 +189,80 @@ def _finish(fig: Any, ax: Any, drawn: int, path: Path) -> Path:
     return path
 
 
-def plot_throughput_vs_rate(points: Sequence[dict[str, Any]], path: Path) -> Path:
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+def draw_throughput_vs_rate(ax: Any, points: Sequence[dict[str, Any]]) -> int:
+    """Output throughput against request rate, one line per engine setting; returns the
+    number of points drawn."""
     x_of, ticks = _rate_positions(points)
-    drawn = _lines(ax, points, lambda p: x_of(_rate(p)), "output_throughput", SETTING_KEYS)
+    ys = _lines(ax, points, lambda p: x_of(_rate(p)), "output_throughput", SETTING_KEYS)
     if ticks:
         ax.set_xticks([t for t, _ in ticks], [lbl for _, lbl in ticks])
+    _y_from_zero(ax, ys)
     ax.set(
         xlabel="request rate (req/s)",
         ylabel="output throughput (tok/s)",
         title="Output throughput vs request rate",
     )
-    return _finish(fig, ax, drawn, path)
+    return len(ys)
 
 
-def plot_preemptions_vs_batch(points: Sequence[dict[str, Any]], path: Path) -> Path:
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+def draw_preemptions_vs_batch(ax: Any, points: Sequence[dict[str, Any]]) -> int:
+    """Preemptions against max_num_seqs, one line per other setting and rate."""
     usable = [p for p in points if p.get("max_num_seqs") is not None]
     others = [k for k in SETTING_KEYS if k != "max_num_seqs"] + ["request_rate"]
-    drawn = _lines(ax, usable, lambda p: float(p["max_num_seqs"]), "num_preemptions", others)
+    ys = _lines(ax, usable, lambda p: float(p["max_num_seqs"]), "num_preemptions", others)
     if usable:
         ax.set_xticks(sorted({float(p["max_num_seqs"]) for p in usable}))
+    _y_from_zero(ax, ys, integer=True)
+    if ys and not any(ys):
+        _note(ax, "no preemptions at any point")
     ax.set(
         xlabel="max_num_seqs (batch size)", ylabel="preemptions", title="Preemptions vs batch size"
     )
-    return _finish(fig, ax, drawn, path)
+    return len(ys)
 
 
-def plot_throughput_vs_kv(points: Sequence[dict[str, Any]], path: Path) -> Path:
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+def draw_throughput_vs_kv(ax: Any, points: Sequence[dict[str, Any]]) -> int:
+    """Output throughput against the KV cache size, one line per other setting and rate."""
     usable = [p for p in points if p.get("kv_cache_memory") is not None]
     sizes = sorted({str(p["kv_cache_memory"]) for p in usable})
     xs, xlabel = kv_cache_mib(sizes)
     x_by_size = dict(zip(sizes, xs, strict=True))
     others = [k for k in SETTING_KEYS if k != "kv_cache_memory"] + ["request_rate"]
-    drawn = _lines(
+    ys = _lines(
         ax, usable, lambda p: x_by_size[str(p["kv_cache_memory"])], "output_throughput", others
     )
+    if xs:
+        # Ticks at the sizes measured, not matplotlib's fractional ones around them.
+        ax.set_xticks(sorted(set(xs)), [f"{x:g}" for x in sorted(set(xs))])
+    if len(sizes) == 1:
+        _note(ax, "one KV cache size only: sweep several --kv-cache-memory values for a trend")
+    _y_from_zero(ax, ys)
     ax.set(
         xlabel=xlabel,
         ylabel="output throughput (tok/s)",
         title="Output throughput vs KV cache size",
     )
-    return _finish(fig, ax, drawn, path)
+    return len(ys)
+
+
+DrawFunc = Callable[[Any, Sequence[dict[str, Any]]], int]
+
+
+def _save(draw: DrawFunc, points: Sequence[dict[str, Any]], path: Path) -> Path:
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    return _finish(fig, ax, draw(ax, points), path)
+
+
+def plot_throughput_vs_rate(points: Sequence[dict[str, Any]], path: Path) -> Path:
+    return _save(draw_throughput_vs_rate, points, path)
+
+
+def plot_preemptions_vs_batch(points: Sequence[dict[str, Any]], path: Path) -> Path:
+    return _save(draw_preemptions_vs_batch, points, path)
+
+
+def plot_throughput_vs_kv(points: Sequence[dict[str, Any]], path: Path) -> Path:
+    return _save(draw_throughput_vs_kv, points, path)
 
 
 def write_plots(points: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -40,6 +40,7 @@ def build_engine_config(
     max_model_len: int | None = None,
     device: str = "cpu",
     served_model_name: str | None = None,
+    prepack_weights: bool = True,
 ) -> EngineConfig:
     """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
     if model is not None and Path(model).is_dir():
@@ -55,6 +56,7 @@ def build_engine_config(
             max_model_len=max_model_len,
             seed=seed,
             served_name=served_model_name or name,
+            prepack_weights=prepack_weights,
         ),
         cache=CacheConfig(
             block_size=block_size,

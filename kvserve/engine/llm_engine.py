@@ -74,7 +74,7 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
         t0 = time.perf_counter()
-        model = load_model(path, mc.dtype, self.device, self.max_model_len)
+        model = load_model(path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights)
         per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
         num_blocks = cc.num_kv_blocks or max(
             1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block

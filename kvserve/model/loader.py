@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.packed_linear import pack_linears, packing_supported
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -41,7 +42,11 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: str | torch.device, max_positions: int
+    path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    max_positions: int,
+    prepack: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights."""
     path = Path(path)
@@ -56,6 +61,8 @@ def load_model(
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
+    if prepack and packing_supported(torch.device(device), dtype):
+        pack_linears(model)
     model.eval()
     return model
 

@@ -7,9 +7,11 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from matplotlib import image
+from matplotlib.figure import Figure
 
 from kvserve.bench import plots, sweep
 from kvserve.bench.cli import main
@@ -50,6 +52,70 @@ def test_csv_and_plots_from_hand_made_points(tmp_path: Path) -> None:
     ]  # fmt: skip
     for path in written:
         _assert_png(path)
+
+
+def _axes() -> Any:
+    return Figure(figsize=(7, 4.5)).subplots()
+
+
+def _visible_ticks(ax: Any) -> list[float]:
+    low, high = ax.get_ylim()
+    return [float(t) for t in ax.get_yticks() if low <= t <= high]
+
+
+def test_coinciding_lines_stay_distinguishable() -> None:
+    # Two batch sizes with the same throughput at every rate: one line lies on the other.
+    points = [_point(s, "64MiB", r, 20.0, 0) for s in (4, 8) for r in (1.0, 2.0, "inf")]
+    ax = _axes()
+    assert plots.draw_throughput_vs_rate(ax, points) == 6
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["max_num_seqs=4", "max_num_seqs=8"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "max_num_seqs=4", "max_num_seqs=8"
+    ]  # fmt: skip
+    assert len({line.get_marker() for line in lines}) == 2
+    assert len({line.get_linestyle() for line in lines}) == 2
+    assert all(line.get_markerfacecolor() == "none" for line in lines)  # hollow: both show
+    assert list(lines[0].get_xdata()) == [1.0, 2.0, 3.0]  # inf right of the largest rate
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "inf"]
+    low, high = ax.get_ylim()
+    assert -1.0 < low <= 0.0 and high >= 20.0  # from 0, not zoomed in on one value
+
+
+def test_preemption_plot_with_no_preemptions() -> None:
+    points = [_point(s, "64MiB", r, 10.0, 0) for s in (2, 8) for r in (2.0, 8.0)]
+    ax = _axes()
+    assert plots.draw_preemptions_vs_batch(ax, points) == 4
+    assert [line.get_label() for line in ax.get_lines()] == [
+        "request_rate=2.0", "request_rate=8.0"
+    ]  # fmt: skip
+    assert list(ax.get_xticks()) == [2.0, 8.0]
+    assert _visible_ticks(ax) == [0.0, 1.0]  # no negative or fractional preemptions
+    assert "no preemptions at any point" in [t.get_text() for t in ax.texts]
+
+
+def test_preemption_plot_integer_ticks() -> None:
+    points = [_point(s, "64MiB", 1.0, 10.0, p) for s, p in ((2, 0), (4, 3), (8, 7))]
+    ax = _axes()
+    plots.draw_preemptions_vs_batch(ax, points)
+    ticks = _visible_ticks(ax)
+    assert ticks[0] == 0.0 and max(ticks) >= 6 and all(t == int(t) for t in ticks)
+    assert len(ax.texts) == 0
+
+
+def test_kv_plot_ticks_at_measured_sizes() -> None:
+    one = [_point(s, "256MiB", r, 10.0 * s, 0) for s in (2, 8) for r in (2.0, 8.0)]
+    ax = _axes()
+    assert plots.draw_throughput_vs_kv(ax, one) == 4
+    assert list(ax.get_xticks()) == [256.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["256"]
+    assert any("one KV cache size" in t.get_text() for t in ax.texts)
+    assert len(ax.get_lines()) == 4 and ax.get_xlabel() == "KV cache memory (MiB)"
+    two = [_point(4, kv, 1.0, 10.0, 0) for kv in ("1GiB", "64MiB")]
+    ax = _axes()
+    plots.draw_throughput_vs_kv(ax, two)
+    assert list(ax.get_xticks()) == [64.0, 1024.0] and len(ax.texts) == 0
+    assert list(ax.get_lines()[0].get_xdata()) == [64.0, 1024.0]
 
 
 def test_kv_cache_axis_units() -> None:

@@ -65,3 +65,16 @@ def test_eos_stops_like_transformers(tiny_models: TinyModels) -> None:
     )[0]
     assert out.outputs[0].token_ids == first[:2]
     assert out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_fast_paths_keep_outputs(tiny_models: TinyModels, arch: str) -> None:
+    """bf16 with oneDNN-prepacked weights gives the tokens of the plain nn.Linear path."""
+    path, _ = tiny_models[arch]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = []
+    for prepack in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128, prepack_weights=prepack)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
