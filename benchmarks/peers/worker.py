@@ -1,0 +1,88 @@
+"""One offline throughput run of one engine, in its own process; prints a JSON line.
+
+Run by ``run_peers.py`` (with the vLLM venv's python for ``--engine vllm``): it must not
+import kvserve unless it measures kvserve, since the vLLM venv does not have it.
+
+    python benchmarks/peers/worker.py --engine kvserve --model DIR --num-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def prompts_for(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
+
+
+def run_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(len(prompts), 1),
+              kv_cache_memory=args.kv_cache, max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warm, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
+              max_num_seqs=max(len(prompts), 1), max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            detokenize=False)
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], warm, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                             do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - t0
+    return elapsed, int((out.shape[1] - ids.shape[1]) * out.shape[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["kvserve", "vllm", "hf"], required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-requests", type=int, required=True)
+    ap.add_argument("--prompt-len", type=int, default=30)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--kv-cache", default="2GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    prompts = prompts_for(args.num_requests, args.prompt_len, args.vocab, args.seed)
+    fn = {"kvserve": run_kvserve, "vllm": run_vllm, "hf": run_hf}[args.engine]
+    elapsed, tokens = fn(args, prompts)
+    print("RESULT " + json.dumps({"engine": args.engine, "num_requests": args.num_requests,
+                                  "elapsed": elapsed, "output_tokens": tokens,
+                                  "output_tok_s": tokens / elapsed}))
+
+
+if __name__ == "__main__":
+    main()
