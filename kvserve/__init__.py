@@ -1,6 +1,9 @@
 """kvserve: an LLM serving engine with a paged KV cache, an OpenAI-compatible server and a
 benchmark lab."""
 
+import logging
+import os
+
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -15,3 +18,21 @@ __all__ = [
     "SamplingParams",
 ]
 __version__ = "0.1.0"
+
+
+def _configure_logging() -> None:
+    """Show kvserve's INFO lines (model load, KV cache size) by default, as vLLM does.
+
+    Set ``KVSERVE_CONFIGURE_LOGGING=0`` to leave logging entirely to the application.
+    """
+    logger = logging.getLogger("kvserve")
+    if os.environ.get("KVSERVE_CONFIGURE_LOGGING", "1") == "0" or logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the CLI's basicConfig would otherwise print each line twice
+
+
+_configure_logging()
