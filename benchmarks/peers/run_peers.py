@@ -27,22 +27,41 @@ def make_model(path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
-def run_one(python: str, engine: str, model: str, n: int, output_len: int,
-            timeout: float) -> dict | None:
+def run_one(
+    python: str, engine: str, model: str, n: int, output_len: int, timeout: float
+) -> dict | None:
     env = dict(os.environ)
     if engine == "vllm":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    cmd = [python, str(HERE / "worker.py"), "--engine", engine, "--model", model,
-           "--num-requests", str(n), "--output-len", str(output_len)]
+    cmd = [
+        python,
+        str(HERE / "worker.py"),
+        "--engine",
+        engine,
+        "--model",
+        model,
+        "--num-requests",
+        str(n),
+        "--output-len",
+        str(output_len),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -50,7 +69,7 @@ def run_one(python: str, engine: str, model: str, n: int, output_len: int,
         return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     print(f"  {engine} n={n} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
     return None
 
@@ -97,6 +116,17 @@ def main() -> None:
         cells = [f"{med[e]:.0f}" if e in med else "–" for e in engines]
         ratio = f"{med['kvserve'] / med['vllm']:.2f}x" if {"kvserve", "vllm"} <= med.keys() else "–"
         print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+    print("\nkvserve step time breakdown (share of engine time, last run per concurrency):")
+    for r in runs:
+        st = r.get("step_time")
+        if r["engine"] == "kvserve" and st:
+            phases = ["schedule", "prepare", "forward", "sample", "output"]
+            total = sum(st[p] for p in phases) or 1.0
+            shares = ", ".join(f"{p} {st[p] / total:.0%}" for p in phases)
+            print(
+                f"  n={r['num_requests']}: {st['steps']} steps, "
+                f"{total / max(st['steps'], 1) * 1e3:.1f} ms/step; {shares}"
+            )
     if args.save:
         Path(args.save).write_text(json.dumps(runs, indent=1))
 

@@ -13,6 +13,9 @@ import json
 import random
 import time
 
+# kvserve's per-phase step time (seconds, accumulated), reported with the result.
+STEP_BREAKDOWN: dict[str, float] = {}
+
 
 def prompts_for(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -22,14 +25,20 @@ def prompts_for(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int
 def run_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(len(prompts), 1),
-              kv_cache_memory=args.kv_cache, max_num_batched_tokens=4096)
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        max_num_seqs=max(len(prompts), 1),
+        kv_cache_memory=args.kv_cache,
+        max_num_batched_tokens=4096,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warm, use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    STEP_BREAKDOWN.update(llm.stats()["step_time"])
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -37,15 +46,20 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float,
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
-              max_num_seqs=max(len(prompts), 1), max_model_len=2048)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                            detokenize=False)
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_num_seqs=max(len(prompts), 1),
+        max_model_len=2048,
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
+    )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], warm, use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -59,8 +73,13 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, i
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
     elapsed = time.perf_counter() - t0
     return elapsed, int((out.shape[1] - ids.shape[1]) * out.shape[0])
 
@@ -79,9 +98,19 @@ def main() -> None:
     prompts = prompts_for(args.num_requests, args.prompt_len, args.vocab, args.seed)
     fn = {"kvserve": run_kvserve, "vllm": run_vllm, "hf": run_hf}[args.engine]
     elapsed, tokens = fn(args, prompts)
-    print("RESULT " + json.dumps({"engine": args.engine, "num_requests": args.num_requests,
-                                  "elapsed": elapsed, "output_tokens": tokens,
-                                  "output_tok_s": tokens / elapsed}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "engine": args.engine,
+                "num_requests": args.num_requests,
+                "elapsed": elapsed,
+                "output_tokens": tokens,
+                "output_tok_s": tokens / elapsed,
+                "step_time": STEP_BREAKDOWN or None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
