@@ -43,6 +43,33 @@ def make_model(path: Path) -> None:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
+def add_truncated_tokenizer(path: Path, vocab_size: int) -> None:
+    """Give the random model a real tokenizer: SmolLM2's byte-level BPE cut to ``vocab_size``.
+
+    Tokens with larger ids and the merges that would produce them are dropped; every byte
+    token survives (they have small ids), so any text still encodes. HTTP servers need it.
+    """
+    from transformers import AutoTokenizer
+
+    from kvserve.model.builtin import builtin_model_path
+
+    src = builtin_model_path()
+    tj = json.loads((src / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in tj["model"]["vocab"].items() if i < vocab_size}
+    tj["model"]["vocab"] = vocab
+    tj["model"]["merges"] = [
+        m
+        for m in tj["model"]["merges"]
+        if "".join(m if isinstance(m, list) else m.split(" ")) in vocab
+    ]
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["id"] < vocab_size]
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    for name in ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src / name).exists():
+            (path / name).write_text((src / name).read_text())
+    AutoTokenizer.from_pretrained(path).encode("check that it loads")
+
+
 def run_one(
     python: str, engine: str, model: str, n: int, output_len: int, timeout: float
 ) -> dict | None:
@@ -92,6 +119,8 @@ def main() -> None:
         model = args.model_dir
         if not (Path(model) / "config.json").exists():
             make_model(Path(model))
+        if not (Path(model) / "tokenizer.json").exists():
+            add_truncated_tokenizer(Path(model), 32000)
     engines = args.engines.split(",")
     if "vllm" in engines and not args.vllm_python:
         engines.remove("vllm")
