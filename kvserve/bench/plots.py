@@ -30,6 +30,8 @@ POINT_METRICS = (
     "completed",
     "failed",
     "duration",
+    "total_input_tokens",
+    "total_output_tokens",
     "request_throughput",
     "request_goodput",
     "output_throughput",
