@@ -92,7 +92,9 @@ def measured_step(model: str | None, batch: int, context: int, steps: int = 24) 
     eng = llm.engine
     for i in range(batch):
         eng.add_request(f"r{i}", prompt, params)
-    for _ in range(4):  # prefill and warm-up
+    # Prefill (chunked by max_num_batched_tokens) plus two warm-up decode steps, so only
+    # decode steps are timed.
+    while any(r.num_output_tokens < 2 for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     t0 = time.perf_counter()
     for _ in range(steps):

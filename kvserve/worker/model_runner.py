@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.model.attention import AttentionMetadata
+from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sample.sampler import SamplingMetadata, sample
 
@@ -88,6 +88,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.timings = StepTimings()
+        self.workspace = GatherWorkspace()  # decode K/V gather buffers, reused every step
 
     def _swap(self, sched: SchedulerOutput) -> None:
         # Swap-out runs first: its device blocks may be handed to other requests this step.
@@ -139,7 +140,7 @@ class ModelRunner:
             block_tables=torch.tensor(table, dtype=torch.long, device=dev),
             block_size=bs,
         )
-        md.split_rows()
+        md.split_rows(self.workspace)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

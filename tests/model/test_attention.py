@@ -7,6 +7,7 @@ import torch
 
 from kvserve.model.attention import (
     AttentionMetadata,
+    GatherWorkspace,
     paged_attention,
     reference_paged_attention,
     write_kv,
@@ -61,6 +62,8 @@ def test_fast_path_equals_reference(dtype: torch.dtype, seed: int) -> None:
     q, kc, vc, md = build_batch(seq_lens, query_lens, 8, 64, 4, 2, 16, dtype, seed)
     ref = reference_paged_attention(q, kc, vc, md, scale=0.25)
     fast = paged_attention(q, kc, vc, md, scale=0.25)
+    md.split_rows(GatherWorkspace())  # the runner's path: gathers into reused buffers
+    torch.testing.assert_close(paged_attention(q, kc, vc, md, scale=0.25), fast, atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
     assert md.decode is not None and md.decode.token_idx is not None
@@ -92,3 +95,14 @@ def test_reference_equals_dense_causal_attention() -> None:
         scale=0.5,
     ).transpose(0, 1)
     torch.testing.assert_close(reference_paged_attention(q, kc, vc, md, 0.5), dense)
+
+
+def test_gather_workspace_grows_and_reuses() -> None:
+    ws = GatherWorkspace()
+    like = torch.empty(0, dtype=torch.bfloat16)
+    a = ws.get(0, (4, 8), like)
+    b = ws.get(0, (2, 8), like)  # smaller: same storage
+    assert b.data_ptr() == a.data_ptr() and b.shape == (2, 8)
+    c = ws.get(0, (10, 8), like)  # larger: grown
+    assert c.shape == (10, 8) and c.dtype == torch.bfloat16
+    assert ws.get(1, (3,), like).data_ptr() != c.data_ptr()  # separate buffers per index
