@@ -7,9 +7,9 @@ import os
 from kvserve.cli import build_parser, default_num_threads
 
 
-def test_serve_leaves_a_core_for_the_event_loop() -> None:
+def test_serve_sets_threads_explicitly() -> None:
     args = build_parser().parse_args(["serve"])
-    assert default_num_threads(args) == max(1, (os.cpu_count() or 1) - 1)
+    assert default_num_threads(args) == (os.cpu_count() or 1)
 
 
 def test_explicit_threads_win_and_offline_keeps_torch_default() -> None:
