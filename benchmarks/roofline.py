@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from peers.run_peers import make_model  # the 160M random Llama of the peer table
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.loader import load_hf_config
@@ -47,24 +48,6 @@ def measure_matmul(n: int = 2048, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
-
-
-def make_random_llama(path: Path) -> None:
-    """The 160M random-weight Llama of the peer table (vocab 32000, hidden 1024, 8 layers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
 def step_floor(
@@ -116,7 +99,7 @@ def main() -> None:
         model: str | None = None if args.model == "builtin" else args.model
         if args.model == "random-160m":
             model = tmp
-            make_random_llama(Path(tmp))
+            make_model(Path(tmp))
         from kvserve.model.builtin import resolve_model
 
         cfg = load_hf_config(resolve_model(model)[0])
