@@ -136,19 +136,23 @@ def build_headers(api_key: str | None, extra: dict[str, str] | None = None) -> d
     return headers
 
 
+def _streaming_body(body: dict[str, Any], inp: RequestInput) -> dict[str, Any]:
+    """Add what both endpoints share: streaming with usage, ignore_eos, the user's extras."""
+    body.update(stream=True, stream_options={"include_usage": True})
+    if inp.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(inp.extra_body or {})
+    return body
+
+
 def completions_payload(inp: RequestInput) -> dict[str, Any]:
     """JSON body for ``/v1/completions``."""
     body: dict[str, Any] = {
         "model": inp.model,
         "prompt": inp.prompt,
         "max_tokens": inp.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
-    if inp.ignore_eos:
-        body["ignore_eos"] = True
-    body.update(inp.extra_body or {})
-    return body
+    return _streaming_body(body, inp)
 
 
 def chat_payload(inp: RequestInput) -> dict[str, Any]:
@@ -163,13 +167,8 @@ def chat_payload(inp: RequestInput) -> dict[str, Any]:
         "messages": messages,
         "max_completion_tokens": inp.max_tokens,
         "max_tokens": inp.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
-    if inp.ignore_eos:
-        body["ignore_eos"] = True
-    body.update(inp.extra_body or {})
-    return body
+    return _streaming_body(body, inp)
 
 
 def _chunk_text(choice: dict[str, Any]) -> str:
