@@ -28,6 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--attention-backend",
+        choices=["auto", "sdpa", "cpu_kernel"],
+        default="auto",
+        help="decode attention: C++ kernel on CPU (auto) or gather + SDPA",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -49,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "device": args.device,
+        "attention_backend": args.attention_backend,
     }
 
 

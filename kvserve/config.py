@@ -27,6 +27,14 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"  # copy the blocks to CPU swap space and back when resumed
 
 
+class AttentionBackend(enum.Enum):
+    """How decode rows attend over the paged KV cache (prefill rows always use SDPA)."""
+
+    AUTO = "auto"  # CPU_KERNEL on a CPU device when it builds, else SDPA
+    SDPA = "sdpa"  # gather the rows' blocks into a padded copy, one batched SDPA (any device)
+    CPU_KERNEL = "cpu_kernel"  # C++ kernel reading K/V in place through the block tables
+
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -83,8 +91,10 @@ class ModelConfig:
     seed: int = 0  # seeds the engine's generator for unseeded sampling
     served_name: str | None = None  # the name clients use; None derives one from the path
     prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
+    attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
 

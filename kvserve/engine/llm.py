@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.config import (
+    AttentionBackend,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -41,6 +42,7 @@ def build_engine_config(
     device: str = "cpu",
     served_model_name: str | None = None,
     prepack_weights: bool = True,
+    attention_backend: str = "auto",
 ) -> EngineConfig:
     """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
     if model is not None and Path(model).is_dir():
@@ -57,6 +59,7 @@ def build_engine_config(
             seed=seed,
             served_name=served_model_name or name,
             prepack_weights=prepack_weights,
+            attention_backend=AttentionBackend(attention_backend),
         ),
         cache=CacheConfig(
             block_size=block_size,

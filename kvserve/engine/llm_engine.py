@@ -85,7 +85,14 @@ class LLMEngine:
         num_swap = min(cc.swap_space // per_block, 2 * num_blocks) if swap else 0
         self.kv = KVCacheManager(num_blocks, cc.block_size, num_swap)
         self.runner = ModelRunner(
-            model, cc.block_size, num_blocks, num_swap, mc.dtype, self.device, mc.seed
+            model,
+            cc.block_size,
+            num_blocks,
+            num_swap,
+            mc.dtype,
+            self.device,
+            mc.seed,
+            mc.attention_backend,
         )
         self.scheduler = Scheduler(config.scheduler, cc, self.kv)
         self.kv_info = {
@@ -96,13 +103,15 @@ class LLMEngine:
             "num_swap_blocks": num_swap,
         }
         logger.info(
-            "loaded %s in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+            "loaded %s in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; "
+            "decode attention: %s",
             self.model_name,
             time.perf_counter() - t0,
             num_blocks,
             cc.block_size,
             num_blocks * cc.block_size,
             num_blocks * per_block / 2**20,
+            "cpu_kernel" if self.runner.use_decode_kernel else "sdpa",
         )
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}

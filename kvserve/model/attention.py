@@ -7,8 +7,9 @@ request sits in block ``block_table[p // block_size]`` at offset ``p % block_siz
 Two implementations share one signature:
 - ``reference_paged_attention``: one request at a time, the plain definition. It is the
   yardstick the fast path is tested against.
-- ``paged_attention``: decode rows (one query token) in a single batched SDPA call over a
-  padded gather of their contexts; prefill rows fall back to the reference loop.
+- ``paged_attention``: decode rows (one query token) in one call, either the C++ CPU kernel
+  that reads K/V in place through the block tables (``cpu_kernels``), or a single batched SDPA
+  over a padded gather of their contexts (any device); prefill rows use the reference loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model import cpu_kernels
 
 
 class GatherWorkspace:
@@ -47,8 +50,10 @@ class DecodeBatch:
 
     token_idx: torch.Tensor | None  # [Bd] their token positions in the flat batch; None = all
     block_tables: torch.Tensor  # [Bd, nb] blocks covering the longest decode context
-    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True where a key is in the context
+    seq_lens: torch.Tensor  # [Bd] int64 context length of each decode row
+    mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, key in context (SDPA only)
     workspace: GatherWorkspace | None = None  # reusable gather buffers (None: allocate)
+    use_kernel: bool = False  # True: the C++ CPU kernel; False: gather + SDPA
 
 
 @dataclass
@@ -67,8 +72,13 @@ class AttentionMetadata:
     def num_rows(self) -> int:
         return len(self.seq_lens)
 
-    def split_rows(self, workspace: GatherWorkspace | None = None) -> None:
-        """Derive the decode batch and prefill rows once per step (shared by every layer)."""
+    def split_rows(
+        self, workspace: GatherWorkspace | None = None, use_kernel: bool = False
+    ) -> None:
+        """Derive the decode batch and prefill rows once per step (shared by every layer).
+
+        ``use_kernel`` picks the C++ CPU decode kernel (the caller checked it is available).
+        """
         device = self.block_tables.device
         qsl = self.query_start_loc
         dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1]
@@ -81,12 +91,17 @@ class AttentionMetadata:
         all_decode = len(dec) == self.num_rows
         rows = torch.tensor(dec, dtype=torch.long, device=device)
         tables = self.block_tables[:, :nb] if all_decode else self.block_tables[rows, :nb]
-        pos = torch.arange(nb * self.block_size, device=device)
+        mask = None
+        if not use_kernel:
+            pos = torch.arange(nb * self.block_size, device=device)
+            mask = (pos[None, :] < lens[:, None]).view(len(dec), 1, 1, -1)
         self.decode = DecodeBatch(
             token_idx=None if all_decode else torch.tensor([qsl[i] for i in dec], device=device),
             block_tables=tables,
-            mask=(pos[None, :] < lens[:, None]).view(len(dec), 1, 1, -1),
+            seq_lens=lens,
+            mask=mask,
             workspace=workspace,
+            use_kernel=use_kernel,
         )
 
 
@@ -161,7 +176,13 @@ def _batched_decode(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """All one-token rows in one SDPA call over their padded, gathered contexts."""
+    """All one-token rows at once: the CPU kernel, or one SDPA over their gathered contexts."""
+    if dec.use_kernel:
+        rows = dec.token_idx if dec.token_idx is not None else dec.seq_lens[:0]
+        cpu_kernels.paged_decode_attention(
+            out, q, k_cache, v_cache, dec.block_tables, dec.seq_lens, rows, scale
+        )
+        return
     # Gather whole blocks: [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, nb*bs, D]. index_select on the
     # flat table copies contiguous blocks and is ~3x faster than advanced indexing.
     bd, nb = dec.block_tables.shape

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.config import AttentionBackend
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sample.sampler import SamplingMetadata, sample
@@ -52,6 +54,27 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * model.head_dim * elem
 
 
+def _use_decode_kernel(
+    backend: AttentionBackend, device: torch.device, dtype: torch.dtype, model: LlamaForCausalLM
+) -> bool:
+    """Resolve the decode attention backend: may the C++ CPU kernel run this model?"""
+    if backend is AttentionBackend.SDPA:
+        return False
+    # 16 floats = one AVX-512 vector, the widest the kernel is compiled for.
+    fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    fits = fits and model.head_dim % 16 == 0
+    if backend is AttentionBackend.CPU_KERNEL:
+        if not fits:
+            raise ValueError(
+                "attention_backend 'cpu_kernel' needs a CPU device, float32 or bfloat16 and a "
+                f"head_dim that is a multiple of 16 (got {device}, {dtype}, {model.head_dim})."
+            )
+        if not cpu_kernels.available():
+            raise RuntimeError("attention_backend 'cpu_kernel': the CPU kernels failed to build.")
+        return True
+    return fits and cpu_kernels.available()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,6 +85,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        attention_backend: AttentionBackend = AttentionBackend.AUTO,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -89,6 +113,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.timings = StepTimings()
         self.workspace = GatherWorkspace()  # decode K/V gather buffers, reused every step
+        self.use_decode_kernel = _use_decode_kernel(attention_backend, device, dtype, model)
 
     def _swap(self, sched: SchedulerOutput) -> None:
         # Swap-out runs first: its device blocks may be handed to other requests this step.
@@ -140,7 +165,7 @@ class ModelRunner:
             block_tables=torch.tensor(table, dtype=torch.long, device=dev),
             block_size=bs,
         )
-        md.split_rows(self.workspace)
+        md.split_rows(self.workspace, self.use_decode_kernel)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

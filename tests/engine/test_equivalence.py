@@ -29,8 +29,9 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> lis
     ("block_size", "max_batched"),
     [(16, 2048), (4, 8)],  # the second chunks prefills and splits them across blocks
 )
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_kernel"])
 def test_greedy_matches_transformers(
-    tiny_models: TinyModels, arch: str, block_size: int, max_batched: int
+    tiny_models: TinyModels, arch: str, block_size: int, max_batched: int, backend: str
 ) -> None:
     path, hf_model = tiny_models[arch]
     prompts = random_prompts(LENGTHS)
@@ -40,6 +41,7 @@ def test_greedy_matches_transformers(
         num_kv_blocks=128,
         block_size=block_size,
         max_num_batched_tokens=max_batched,
+        attention_backend=backend,
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -47,6 +49,7 @@ def test_greedy_matches_transformers(
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert out.outputs[0].finish_reason == "length"
+    assert llm.engine.runner.use_decode_kernel == (backend == "cpu_kernel")
     stats = llm.stats()
     assert stats["max_num_running"] > 1  # the prompts really shared steps
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -1,0 +1,73 @@
+"""C++ CPU kernels (``kvserve/csrc``), compiled on first use with torch's extension builder.
+
+They are fast paths only: every kernel has a pure-PyTorch reference it is tested against, and
+when the build is impossible (no compiler, unusual CPU) the engine keeps using the reference.
+The build takes ~10 s once per machine and torch version; the result is cached under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), guarded by a file lock so
+concurrent processes build it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "paged_decode.cpp"]
+
+# Compile the kernels with the vector width torch itself dispatches to on this CPU, so
+# ATen's Vectorized<float> in the sources is AVX-512 (or AVX2) wide, not the generic loop.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-march=native"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-march=native"],
+}
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels; False, with a warning, if impossible."""
+    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
+        return False
+    from torch.utils import cpp_extension
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    try:
+        cpp_extension.load(
+            name=f"kvserve_cpu_kernels_{cap.lower()}",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # any build failure means "use the reference path"
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
+        return False
+    return True
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+) -> None:
+    """Decode attention reading K/V in place through the block tables, written into ``out``.
+
+    q, out: ``[T, H, D]``; caches ``[num_blocks, block_size, Hkv, D]``; block_tables
+    ``[Bd, nb]`` int64 (rows may be a strided view); seq_lens ``[Bd]`` int64; rows ``[Bd]``
+    int64 token rows of q/out for each decode row, or empty when row i is token i.
+    """
+    torch.ops.kvserve.paged_decode_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale
+    )
