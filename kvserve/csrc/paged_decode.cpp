@@ -1,9 +1,14 @@
 // Paged decode attention for CPU: one query token per row, K/V read in place from the
 // block-table cache instead of being gathered into a padded copy first. Scores, softmax and
-// the weighted sum of V are accumulated in float32 whatever the cache dtype (as SDPA does).
+// the weighted sum of V are kept in float32 whatever the cache dtype.
 //
-// Vector code uses ATen's Vectorized<float>; the Python loader compiles this file with the
-// CPU_CAPABILITY torch itself picked for this machine, so Vectorized is AVX-512/AVX2 wide.
+// Work is split into (row, kv head) items: the `group` query heads of a kv head (GQA) share
+// every K/V row read. Two per-item implementations:
+// - generic: ATen's Vectorized<float> (the Python loader compiles this file with the
+//   CPU_CAPABILITY torch picked for this machine, so it is AVX-512/AVX2 wide), any dtype/dim;
+// - bf16 on AVX512-BF16 CPUs, head_dim 64 or 128: q.k with vdpbf16ps straight from the bf16
+//   rows (a product of two bf16 is exact in float32, so only the summation order differs)
+//   and the V accumulators in registers; ~1.6x faster than the generic one.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -13,59 +18,196 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxGroup = 16;  // query heads per kv head the kernel accepts
 
-// Widen `d` cache elements (d % Vec::size() == 0) to float. bf16 -> float is exact.
+// Pointers and sizes of one (row, kv head) item.
+template <typename T>
+struct HeadTask {
+  const T* q[kMaxGroup];  // the group's query vectors, [d] each
+  T* out[kMaxGroup];      // each query head's output, [d] each
+  int64_t group;          // query heads sharing this kv head
+  int64_t d;              // head_dim
+  const T* k;             // K cache at (block 0, offset 0, this kv head)
+  const T* v;             // V cache, same
+  const int64_t* table;   // the row's block table
+  int64_t block_size;     // tokens per block
+  int64_t len;            // context tokens
+  int64_t slot_stride;    // elements between consecutive tokens (hkv * d)
+  float scale;            // softmax scale
+  float* scores;          // scratch [group * len]: scores, then softmax numerators
+};
+
+// Asks the CPU to start loading this head's vectors of `n` tokens of block `blk`. One head's
+// vectors are short runs `slot_stride` apart, a pattern the hardware prefetchers miss; at
+// batch 128 with the cache out of L3 this takes decode attention from ~2.3 to ~1.7 ms a layer.
+template <typename T>
+inline void prefetch_block(const HeadTask<T>& t, const T* cache, int64_t blk, int64_t n) {
+  const T* base = cache + t.table[blk] * t.block_size * t.slot_stride;
+  for (int64_t o = 0; o < n; ++o) {
+    const char* row = reinterpret_cast<const char*>(base + o * t.slot_stride);
+    for (int64_t c = 0; c < t.d * static_cast<int64_t>(sizeof(T)); c += 64) {
+      __builtin_prefetch(row + c, 0, 3);
+    }
+  }
+}
+
+// Calls fn(p, row) for each context token p, `row` pointing at its vector in `cache`.
+// Walks block by block (a division per token costs more than a dot product), prefetching
+// the next block while this one is computed on.
+template <typename T, typename F>
+inline void for_each_token(const HeadTask<T>& t, const T* cache, F&& fn) {
+  for (int64_t b0 = 0, blk = 0; b0 < t.len; b0 += t.block_size, ++blk) {
+    const T* base = cache + t.table[blk] * t.block_size * t.slot_stride;
+    const int64_t n = std::min(t.block_size, t.len - b0);
+    if (b0 + n < t.len) prefetch_block(t, cache, blk + 1, std::min(t.block_size, t.len - b0 - n));
+    for (int64_t o = 0; o < n; ++o) fn(b0 + o, base + o * t.slot_stride);
+  }
+}
+
+inline float reduce_sum(Vec v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// In place over each of the group's score rows: s[p] = exp(s[p] - max); inv[g] = 1 / sum.
+inline void softmax_numerators(float* scores, int64_t group, int64_t len, float* inv) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
+    const Vec mxv(mx);
+    Vec sumv(0.f);
+    int64_t p = 0;
+    for (; p + Vec::size() <= len; p += Vec::size()) {
+      Vec e = (Vec::loadu(s + p) - mxv).exp_u20();
+      e.store(s + p);
+      sumv = sumv + e;
+    }
+    float sum = reduce_sum(sumv);
+    for (; p < len; ++p) {
+      s[p] = std::exp(s[p] - mx);
+      sum += s[p];
+    }
+    inv[g] = 1.f / sum;
+  }
+}
+
+// Widen `d` elements to float (d % Vec::size() == 0). bf16 -> float is exact.
 inline void load_row(const float* src, float* dst, int64_t d) { std::copy(src, src + d, dst); }
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t d) {
   using BVec = at::vec::Vectorized<c10::BFloat16>;
-  int64_t i = 0;
-  for (; i + BVec::size() <= d; i += BVec::size()) {
-    auto [lo, hi] = at::vec::convert_to_float<c10::BFloat16>(BVec::loadu(src + i));
+  for (int64_t i = 0; i < d; i += BVec::size()) {
+    const int64_t n = std::min<int64_t>(BVec::size(), d - i);  // never read past the row
+    auto [lo, hi] = at::vec::convert_to_float<c10::BFloat16>(BVec::loadu(src + i, n));
     lo.store(dst + i);
-    hi.store(dst + i + Vec::size());
-  }
-  for (; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec acc(0.f);
-  for (int64_t i = 0; i < d; i += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  }
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-}
-
-// acc[i] += w * v[i]
-inline void axpy(float w, const float* v, float* acc, int64_t d) {
-  const Vec wv(w);
-  for (int64_t i = 0; i < d; i += Vec::size()) {
-    at::vec::fmadd(wv, Vec::loadu(v + i), Vec::loadu(acc + i)).store(acc + i);
+    if (i + Vec::size() < d) hi.store(dst + i + Vec::size());
   }
 }
 
-// In place: s[p] = exp(s[p] - max); returns the sum.
-inline float exp_and_sum(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t p = 0; p < n; ++p) mx = std::max(mx, s[p]);
-  const Vec mxv(mx);
-  Vec sumv(0.f);
-  int64_t p = 0;
-  for (; p + Vec::size() <= n; p += Vec::size()) {
-    Vec e = (Vec::loadu(s + p) - mxv).exp_u20();
-    e.store(s + p);
-    sumv = sumv + e;
+// Scratch of one thread for head_generic: scaled float queries, accumulators, one row.
+struct Scratch {
+  std::vector<float> qf, acc, row;
+};
+
+template <typename T>
+void head_generic(const HeadTask<T>& t, Scratch& w) {
+  const int64_t d = t.d, len = t.len;
+  w.qf.resize(t.group * d);
+  w.acc.assign(t.group * d, 0.f);
+  w.row.resize(d);
+  float *qf = w.qf.data(), *acc = w.acc.data(), *row = w.row.data();
+  for (int64_t g = 0; g < t.group; ++g) {
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(t.q[g][i]) * t.scale;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sumv);
-  for (; p < n; ++p) {
-    s[p] = std::exp(s[p] - mx);
-    sum += s[p];
+  for_each_token(t, t.k, [&](int64_t p, const T* k) {  // scores[g, p] = q_g . k_p
+    load_row(k, row, d);
+    for (int64_t g = 0; g < t.group; ++g) {
+      Vec s(0.f);
+      for (int64_t i = 0; i < d; i += Vec::size()) {
+        s = at::vec::fmadd(Vec::loadu(qf + g * d + i), Vec::loadu(row + i), s);
+      }
+      t.scores[g * len + p] = reduce_sum(s);
+    }
+  });
+  float inv[kMaxGroup];
+  softmax_numerators(t.scores, t.group, len, inv);
+  for_each_token(t, t.v, [&](int64_t p, const T* v) {  // acc[g] = sum_p w[g, p] * v_p
+    load_row(v, row, d);
+    for (int64_t g = 0; g < t.group; ++g) {
+      const Vec wv(t.scores[g * len + p]);
+      float* a = acc + g * d;
+      for (int64_t i = 0; i < d; i += Vec::size()) {
+        at::vec::fmadd(wv, Vec::loadu(row + i), Vec::loadu(a + i)).store(a + i);
+      }
+    }
+  });
+  for (int64_t g = 0; g < t.group; ++g) {
+    for (int64_t i = 0; i < d; ++i) t.out[g][i] = static_cast<T>(acc[g * d + i] * inv[g]);
   }
-  return sum;
+}
+
+#if defined(__AVX512BF16__)
+template <int D>
+void head_bf16(const HeadTask<c10::BFloat16>& t) {
+  static_assert(D % 32 == 0, "head_dim");
+  constexpr int NQ = D / 32, NV = D / 16;  // 32 bf16 pairs per vdpbf16ps, 16 floats per fma
+  const int64_t len = t.len;
+  for (int64_t g = 0; g < t.group; ++g) {  // scores[g, p] = scale * (q_g . k_p)
+    __m512i qv[NQ];
+    for (int i = 0; i < NQ; ++i) qv[i] = _mm512_loadu_si512(t.q[g] + 32 * i);
+    float* s = t.scores + g * len;
+    for_each_token(t, t.k, [&](int64_t p, const c10::BFloat16* k) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int i = 0; i < NQ; ++i) {
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      }
+      s[p] = _mm512_reduce_add_ps(acc) * t.scale;
+    });
+  }
+  float inv[kMaxGroup];
+  softmax_numerators(t.scores, t.group, len, inv);
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t g = 0; g < t.group; ++g) {
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  }
+  for_each_token(t, t.v, [&](int64_t p, const c10::BFloat16* v) {  // acc[g] += w[g, p] * v_p
+    __m512 vf[NV];
+    for (int i = 0; i < NV; ++i) {  // bf16 -> float: widen to 32 bits, shift into the top half
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i));
+      vf[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int64_t g = 0; g < t.group; ++g) {
+      const __m512 w = _mm512_set1_ps(t.scores[g * len + p]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
+    }
+  });
+  for (int64_t g = 0; g < t.group; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int i = 0; i < NV; ++i) {  // round to nearest even, as static_cast<BFloat16> does
+      __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][i], s));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.out[g] + 16 * i), (__m256i)r);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void run_head(const HeadTask<T>& t, Scratch& w) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (t.d == 64) return head_bf16<64>(t);
+    if (t.d == 128) return head_bf16<128>(t);
+  }
+#endif
+  head_generic(t, w);
 }
 
 template <typename T>
@@ -73,64 +215,39 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
   const int64_t num_rows = block_tables.size(0), table_stride = block_tables.stride(0);
-  const int64_t bs = k_cache.size(1), hkv = k_cache.size(2), d = k_cache.size(3);
-  const int64_t group = q.size(1) / hkv;  // query heads sharing one kv head (GQA)
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t slot_stride = hkv * d;  // elements between consecutive tokens of one head
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3);
+  const int64_t group = q.size(1) / hkv;
   const T* qp = q.const_data_ptr<T>();
-  const T* kp = k_cache.const_data_ptr<T>();
-  const T* vp = v_cache.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
   const int64_t* row_idx = rows.numel() ? rows.const_data_ptr<int64_t>() : nullptr;
-  const float fscale = static_cast<float>(scale);
 
-  // A work item is one row and a chunk of its kv heads. Whole rows (all heads) when there are
-  // enough rows to keep every thread busy: a token's K (or V) for all heads is one contiguous
-  // run, so reading it whole streams through memory; one head at a time strides by
-  // hkv * d elements and runs at a third of the bandwidth (measured).
-  const int64_t heads_per_item = num_rows >= 2 * at::get_num_threads() ? hkv : 1;
-  const int64_t chunks = hkv / heads_per_item;
-  at::parallel_for(0, num_rows * chunks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t nh = heads_per_item * group;  // query heads of one item
-    std::vector<float> qf(nh * d), acc(nh * d), row(heads_per_item * d), inv(nh), scores;
+  // Consecutive items (the kv heads of one row) go to the same thread, so a token's K/V
+  // vectors of all heads, one contiguous run, are read from memory once and then from cache.
+  at::parallel_for(0, num_rows * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    Scratch scratch;
+    HeadTask<T> t{};
+    t.group = group;
+    t.d = d;
+    t.block_size = k_cache.size(1);
+    t.slot_stride = hkv * d;
+    t.scale = static_cast<float>(scale);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / chunks, kh0 = (item % chunks) * heads_per_item;
+      const int64_t r = item / hkv, kh = item % hkv;
       const int64_t tok = row_idx ? row_idx[r] : r;
-      const int64_t len = lens[r];
-      const int64_t* table = tables + r * table_stride;
-      for (int64_t j = 0; j < nh; ++j) {  // query head kh0 * group + j, scaled, as float
-        const T* src = qp + tok * q_row + (kh0 * group + j) * q_head;
-        for (int64_t i = 0; i < d; ++i) qf[j * d + i] = static_cast<float>(src[i]) * fscale;
+      for (int64_t g = 0; g < group; ++g) {
+        t.q[g] = qp + tok * q.stride(0) + (kh * group + g) * q.stride(1);
+        t.out[g] = op + tok * out.stride(0) + (kh * group + g) * out.stride(1);
       }
-      scores.resize(nh * len);
-      // Walk block by block: a division per token costs more than the dot products.
-      for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, ++blk) {  // scores[j, p] = q_j . k_p
-        const T* base = kp + table[blk] * bs * slot_stride + kh0 * d;
-        for (int64_t p = b0; p < std::min(len, b0 + bs); ++p) {
-          load_row(base + (p - b0) * slot_stride, row.data(), heads_per_item * d);
-          for (int64_t j = 0; j < nh; ++j) {
-            scores[j * len + p] = dot(qf.data() + j * d, row.data() + (j / group) * d, d);
-          }
-        }
-      }
-      for (int64_t j = 0; j < nh; ++j) inv[j] = 1.f / exp_and_sum(scores.data() + j * len, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, ++blk) {  // acc[j] = sum_p w[j,p] v_p
-        const T* base = vp + table[blk] * bs * slot_stride + kh0 * d;
-        for (int64_t p = b0; p < std::min(len, b0 + bs); ++p) {
-          load_row(base + (p - b0) * slot_stride, row.data(), heads_per_item * d);
-          for (int64_t j = 0; j < nh; ++j) {
-            axpy(scores[j * len + p], row.data() + (j / group) * d, acc.data() + j * d, d);
-          }
-        }
-      }
-      for (int64_t j = 0; j < nh; ++j) {
-        T* dst = op + tok * o_row + (kh0 * group + j) * o_head;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[j * d + i] * inv[j]);
-      }
+      t.k = k_cache.const_data_ptr<T>() + kh * d;
+      t.v = v_cache.const_data_ptr<T>() + kh * d;
+      t.table = tables + r * table_stride;
+      t.len = lens[r];
+      scores.resize(group * t.len);
+      t.scores = scores.data();
+      run_head(t, scratch);
     }
   });
 }
@@ -142,11 +259,18 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches must have one shape");
   TORCH_CHECK(k_cache.size(3) % Vec::size() == 0, "head_dim must be a multiple of ", Vec::size());
-  TORCH_CHECK(block_tables.stride(1) == 1 && block_tables.scalar_type() == at::kLong, "tables");
-  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens");
-  TORCH_CHECK(rows.numel() == 0 || rows.numel() == block_tables.size(0), "rows");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables layout");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() == block_tables.size(0), "seq_lens");
+  TORCH_CHECK(rows.numel() == 0 || (rows.numel() == block_tables.size(0) &&
+                                    rows.is_contiguous() && rows.scalar_type() == at::kLong),
+              "rows");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "at most ", kMaxGroup, " heads per kv head");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && out.sizes() == q.sizes(), "q/out/cache shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
               "q, cache and out must share a dtype");
   if (q.scalar_type() == at::kFloat) {

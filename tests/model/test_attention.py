@@ -116,7 +116,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("h", "hkv", "d", "block_size"),
-    [(4, 2, 16, 8), (8, 8, 32, 4), (8, 2, 64, 16), (12, 3, 16, 1)],  # GQA groups 2, 1, 4, 4
+    [(4, 2, 16, 8), (8, 8, 32, 4), (8, 2, 64, 16), (12, 3, 16, 1), (4, 1, 128, 16)],
 )
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cpu_kernel_equals_reference(
