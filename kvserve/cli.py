@@ -34,6 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode attention: C++ kernel on CPU (auto) or gather + SDPA",
     )
     p.add_argument(
+        "--no-fused-ops",
+        action="store_true",
+        help="keep RMSNorm, SiLU*up and RoPE as PyTorch op chains (bf16 CPU fuses them)",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -56,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "device": args.device,
         "attention_backend": args.attention_backend,
+        "fused_ops": not args.no_fused_ops,
     }
 
 

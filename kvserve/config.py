@@ -91,6 +91,7 @@ class ModelConfig:
     seed: int = 0  # seeds the engine's generator for unseeded sampling
     served_name: str | None = None  # the name clients use; None derives one from the path
     prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
+    fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
 
     def __post_init__(self) -> None:

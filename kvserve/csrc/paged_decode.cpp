@@ -10,6 +10,7 @@
 //   rows (a product of two bf16 is exact in float32, so only the summation order differs)
 //   and the V accumulators in registers; ~1.6x faster than the generic one.
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -225,7 +226,13 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
   // Consecutive items (the kv heads of one row) go to the same thread, so a token's K/V
   // vectors of all heads, one contiguous run, are read from memory once and then from cache.
-  at::parallel_for(0, num_rows * hkv, 1, [&](int64_t begin, int64_t end) {
+  // Tiny batches (less than ATen's grain of K/V elements in all) stay on the calling thread:
+  // waking the pool costs more than the work.
+  int64_t total = 0;
+  for (int64_t r = 0; r < num_rows; ++r) total += lens[r];
+  const int64_t items = num_rows * hkv;
+  const int64_t grain = total * hkv * d * 2 < at::internal::GRAIN_SIZE ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     Scratch scratch;
     HeadTask<T> t{};

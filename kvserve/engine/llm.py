@@ -43,6 +43,7 @@ def build_engine_config(
     served_model_name: str | None = None,
     prepack_weights: bool = True,
     attention_backend: str = "auto",
+    fused_ops: bool = True,
 ) -> EngineConfig:
     """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
     if model is not None and Path(model).is_dir():
@@ -60,6 +61,7 @@ def build_engine_config(
             served_name=served_model_name or name,
             prepack_weights=prepack_weights,
             attention_backend=AttentionBackend(attention_backend),
+            fused_ops=fused_ops,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -74,7 +74,9 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
         t0 = time.perf_counter()
-        model = load_model(path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights)
+        model = load_model(
+            path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops
+        )
         per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
         num_blocks = cc.num_kv_blocks or max(
             1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
@@ -104,7 +106,7 @@ class LLMEngine:
         }
         logger.info(
             "loaded %s in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; "
-            "decode attention: %s",
+            "decode attention: %s; fused ops: %s",
             self.model_name,
             time.perf_counter() - t0,
             num_blocks,
@@ -112,6 +114,7 @@ class LLMEngine:
             num_blocks * cc.block_size,
             num_blocks * per_block / 2**20,
             "cpu_kernel" if self.runner.use_decode_kernel else "sdpa",
+            "on" if model.norm.fused else "off",
         )
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}

@@ -18,7 +18,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "paged_decode.cpp"]
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "fused_ops.cpp"]
 
 # Compile the kernels with the vector width torch itself dispatches to on this CPU, so
 # ATen's Vectorized<float> in the sources is AVX-512 (or AVX2) wide, not the generic loop.
@@ -36,7 +37,8 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     cap = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    # -ffp-contract=off: a*b+c must round twice, as the PyTorch op chains being fused do.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_CAPABILITY_FLAGS.get(cap, [])]
     try:
         cpp_extension.load(
             name=f"kvserve_cpu_kernels_{cap.lower()}",
@@ -71,3 +73,37 @@ def paged_decode_attention(
     torch.ops.kvserve.paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm of ``[T, hidden]`` rows in one pass (see ``RMSNorm``)."""
+    out = torch.empty_like(x)
+    torch.ops.kvserve.rms_norm(out, x, weight, eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [T, 2 * I]`` -> ``[T, I]`` (see ``MLP``)."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.kvserve.silu_and_mul(out, gate_up)
+    return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotate q and k of the fused projection ``qkv`` ``[T, (H + 2 Hkv) * D]`` with
+    ``cos``/``sin`` ``[T, D]``, store k and v in their cache slots; returns q ``[T, H, D]``."""
+    head_dim = k_cache.shape[3]
+    q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+    torch.ops.kvserve.rope_write_kv(
+        q, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+    )
+    return q

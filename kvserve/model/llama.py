@@ -2,7 +2,9 @@
 
 Tokens of all requests in a step arrive flat (``[T]``, no padding between requests); the
 attention metadata says which tokens belong to which request and where their K/V live.
-Q/K/V and gate/up projections are fused into single matmuls at load time.
+Q/K/V and gate/up projections are fused into single matmuls at load time. With
+``enable_fused_ops`` (CPU, bf16) RMSNorm, SiLU*up and RoPE + KV write each run as one C++
+kernel (``cpu_kernels``) that rounds like the PyTorch op chain it replaces.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
@@ -26,8 +29,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
+        self.fused = False  # one C++ kernel instead of the op chain below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 as Hugging Face does, so bf16 runs round the same way.
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -95,6 +101,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.fused = False  # RoPE + KV write as one C++ kernel
 
     def forward(
         self,
@@ -104,12 +111,19 @@ class Attention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(rope, q, k)
-        write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if self.fused:
+            cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
+            q = cpu_kernels.rope_write_kv(
+                qkv, cos, sin, *kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads
+            )  # [T, H, D]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(rope, q, k)
+            write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -120,8 +134,11 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused = False  # silu(gate) * up as one C++ kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -185,6 +202,24 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv, md)
         return self.norm(x)
+
+    def enable_fused_ops(self) -> bool:
+        """Switch RMSNorm, SiLU*up and RoPE + KV write to the C++ CPU kernels when this model
+        can use them (CPU, bfloat16, kernels built); returns whether it did.
+
+        bfloat16 only: there every intermediate is rounded to bf16, so the kernels give the
+        op chains' numbers; float32 stays on the PyTorch path, the reference the tests hold
+        against transformers.
+        """
+        param = self.embed_tokens.weight
+        if param.device.type != "cpu" or param.dtype != torch.bfloat16:
+            return False
+        if not cpu_kernels.available():
+            return False
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.fused = True
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""

@@ -47,6 +47,7 @@ def load_model(
     device: str | torch.device,
     max_positions: int,
     prepack: bool = False,
+    fused_ops: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights."""
     path = Path(path)
@@ -63,6 +64,8 @@ def load_model(
     model.load_weights(_iter_safetensors(path))
     if prepack and packing_supported(torch.device(device), dtype):
         pack_linears(model)
+    if fused_ops:
+        model.enable_fused_ops()
     model.eval()
     return model
 

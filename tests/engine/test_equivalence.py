@@ -72,12 +72,20 @@ def test_eos_stops_like_transformers(tiny_models: TinyModels) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bf16_fast_paths_keep_outputs(tiny_models: TinyModels, arch: str) -> None:
-    """bf16 with oneDNN-prepacked weights gives the tokens of the plain nn.Linear path."""
+    """bf16 with oneDNN-prepacked weights and the fused C++ ops gives the tokens of the plain
+    nn.Linear + PyTorch op chain path."""
     path, _ = tiny_models[arch]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = []
-    for prepack in (False, True):
-        llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128, prepack_weights=prepack)
+    for prepack, fused in ((False, False), (True, False), (True, True)):
+        llm = LLM(
+            str(path),
+            dtype="bfloat16",
+            num_kv_blocks=128,
+            prepack_weights=prepack,
+            fused_ops=fused,
+        )
+        assert llm.engine.runner.model.norm.fused == fused
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

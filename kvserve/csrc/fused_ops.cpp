@@ -1,0 +1,254 @@
+// Fused elementwise ops for the CPU decoder layer. Each replaces a chain of PyTorch ops that
+// costs ~20 us of dispatch per op at small batches and a round trip through memory per op at
+// large ones. Every op rounds where the PyTorch chain it replaces rounds (bf16 after each
+// elementwise op; float32 math in between) and never contracts a*b+c into an FMA (the
+// loader passes -ffp-contract=off), so results equal that chain except where a reduction
+// (the RMSNorm sum of squares) adds in a different order.
+#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Rows per parallel chunk so that each chunk has at least ATen's grain of work (32768
+// elements): small batches run on the calling thread instead of waking the pool, which
+// costs more than the work and, on a busy machine, can wait a whole scheduler slice.
+inline int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, row_elems));
+}
+
+// Round a float to the tensor dtype and back: what storing an intermediate tensor does.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// 16-lane chunks as float vectors: load n <= 16 elements of T, store rounded to T, and round
+// in registers. bf16 <-> float uses AVX512-BF16 instructions where compiled for them
+// (vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does), scalar loops otherwise.
+static_assert(Vec::size() == 16 || Vec::size() == 8, "vector width");
+
+inline Vec load_f(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline void store_t(float* p, Vec v, int64_t n) { v.store(p, n); }
+inline Vec round_t(Vec v, float*) { return v; }
+
+inline Vec load_f(const c10::BFloat16* p, int64_t n) {
+#if defined(__AVX512BF16__)
+  if (n == 16 && Vec::size() == 16) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  float buf[Vec::size()] = {};
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return Vec::loadu(buf);
+}
+inline void store_t(c10::BFloat16* p, Vec v, int64_t n) {
+#if defined(__AVX512BF16__)
+  if (n == 16 && Vec::size() == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    return;
+  }
+#endif
+  float buf[Vec::size()];
+  v.store(buf);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<c10::BFloat16>(buf[i]);
+}
+inline Vec round_t(Vec v, c10::BFloat16*) {
+#if defined(__AVX512BF16__)
+  if constexpr (Vec::size() == 16) {
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
+    return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+  }
+#endif
+  float buf[Vec::size()];
+  v.store(buf);
+  for (float& x : buf) x = round_to<c10::BFloat16>(x);
+  return Vec::loadu(buf);
+}
+// round(v) to T's precision, staying in float: round_t(v, (T*)nullptr).
+template <typename T>
+inline Vec rnd(Vec v) {
+  return round_t(v, static_cast<T*>(nullptr));
+}
+
+// Hugging Face's Llama RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), math in float32.
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      Vec ss(0.f);
+      for (int64_t i = 0; i < h; i += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), h - i);
+        const Vec v = load_f(xr + i, n);
+        ss = ss + v * v;
+      }
+      const float mean =
+          at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, ss) / h;
+      const float inv = 1.f / std::sqrt(mean + static_cast<float>(eps));
+      const Vec invv(inv);
+      for (int64_t i = 0; i < h; i += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), h - i);
+        const Vec normed = rnd<T>(load_f(xr + i, n) * invv);
+        store_t(orow + i, load_f(wp + i, n) * normed, n);
+      }
+    }
+  });
+}
+
+// out = T(T(silu(gate)) * up) for gate_up = [gate | up]; silu(x) = x / (1 + exp(-x)) with
+// ATen's vectorized exp, the formula of PyTorch's own silu kernel.
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const T* gp = gate_up.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    const Vec one(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + inter;
+      T* o = op + r * os;
+      for (int64_t i = 0; i < inter; i += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), inter - i);
+        const Vec x = load_f(g + i, n);
+        const Vec silu = rnd<T>(x / (one + x.neg().exp()));
+        store_t(o + i, silu * load_f(u + i, n), n);
+      }
+    }
+  });
+}
+
+// Rotate-half RoPE on q and k as Hugging Face computes it in the model dtype:
+// T(T(x * cos) + T(rotate_half(x) * sin)). q goes to q_out [T, H, D]; rotated k and v are
+// written to their slots of the paged cache [num_blocks, block_size, Hkv, D].
+template <typename T>
+void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t tokens = qkv.size(0), d = q_out.size(2), half = d / 2;
+  const T* src = qkv.const_data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  T* qo = q_out.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t row = qkv.stride(0), slot_elems = num_kv_heads * d;
+  // rotate_half(x) = [-x2, x1] for x = [x1, x2]; both halves computed from the same loads.
+  auto rotate = [&](const T* x, const T* c, const T* s, T* dst) {
+    for (int64_t i = 0; i < half; i += Vec::size()) {
+      const int64_t n = std::min<int64_t>(Vec::size(), half - i);
+      const Vec x1 = load_f(x + i, n), x2 = load_f(x + half + i, n);
+      const Vec lo = rnd<T>(x1 * load_f(c + i, n)) + rnd<T>(x2.neg() * load_f(s + i, n));
+      const Vec hi = rnd<T>(x2 * load_f(c + half + i, n)) + rnd<T>(x1 * load_f(s + half + i, n));
+      store_t(dst + i, lo, n);
+      store_t(dst + half + i, hi, n);
+    }
+  };
+  at::parallel_for(0, tokens, row_grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* x = src + t * row;
+      const T* c = cp + t * cos.stride(0);
+      const T* s = sp + t * sin.stride(0);
+      for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * d, c, s, qo + (t * num_heads + h) * d);
+      const T* k = x + num_heads * d;
+      const T* v = k + num_kv_heads * d;
+      T* kd = kc + slot[t] * slot_elems;
+      for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * d, c, s, kd + h * d);
+      std::copy(v, v + num_kv_heads * d, vc + slot[t] * slot_elems);
+    }
+  });
+}
+
+void check_cpu_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a CPU matrix with contiguous rows");
+}
+
+#define DISPATCH(dtype, fn, ...)                                            \
+  if ((dtype) == at::kFloat) {                                              \
+    fn<float>(__VA_ARGS__);                                                 \
+  } else if ((dtype) == at::kBFloat16) {                                    \
+    fn<c10::BFloat16>(__VA_ARGS__);                                         \
+  } else {                                                                  \
+    TORCH_CHECK(false, "kvserve fused ops support float32 and bfloat16");   \
+  }
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu_2d(x, "x");
+  check_cpu_2d(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(), "dtypes/shapes");
+  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps)
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_cpu_2d(gate_up, "gate_up");
+  check_cpu_2d(out, "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * out.size(1) && gate_up.size(0) == out.size(0), "shapes");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "dtypes");
+  DISPATCH(out.scalar_type(), silu_and_mul_impl, out, gate_up)
+}
+
+void rope_write_kv(at::Tensor q_out, const at::Tensor& qkv, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_cpu_2d(qkv, "qkv");
+  check_cpu_2d(cos, "cos");
+  check_cpu_2d(sin, "sin");
+  TORCH_CHECK(q_out.is_contiguous() && q_out.dim() == 3 && q_out.size(0) == qkv.size(0) &&
+                  q_out.size(1) == num_heads, "q_out");
+  const int64_t d = q_out.size(2);
+  TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos/sin");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == d &&
+                  v_cache.sizes() == k_cache.sizes(), "cache");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == qkv.size(0), "slot_mapping");
+  for (auto* t : {&q_out, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "dtypes");
+  }
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "dtypes");
+  DISPATCH(qkv.scalar_type(), rope_write_kv_impl, q_out, qkv, cos, sin, k_cache, v_cache,
+           slot_mapping, num_heads, num_kv_heads)
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def(
+      "rope_write_kv(Tensor(a!) q_out, Tensor qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_write_kv", &rope_write_kv);
+}
