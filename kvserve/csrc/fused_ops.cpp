@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -182,6 +183,68 @@ void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tens
   });
 }
 
+// Index of the first maximum of each row, as torch.max(dim=-1).indices gives it (a NaN is
+// the maximum). Lane-wise running max with strict > keeps each lane's first maximum; the
+// lanes are then merged by value and, on ties, by the smaller index.
+template <typename T>
+void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1), rs = x.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  constexpr int64_t W = Vec::size();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * rs;
+      float best[W], lane[W];
+      int64_t idx[W];
+      Vec bv(-std::numeric_limits<float>::infinity());
+      bv.store(best);
+      std::fill(idx, idx + W, int64_t{-1});
+      bool has_nan = false;
+      int64_t i = 0;
+      for (; i + W <= n; i += W) {
+        const Vec v = load_f(row + i, W);
+        has_nan |= (v != v).zero_mask() != (1 << W) - 1;  // a lane unequal to itself
+        const Vec gt = v > Vec::loadu(best);
+        if (gt.zero_mask() == (1 << W) - 1) continue;  // no lane improved
+        v.store(lane);
+        for (int64_t j = 0; j < W; ++j) {
+          if (lane[j] > best[j]) {
+            best[j] = lane[j];
+            idx[j] = i + j;
+          }
+        }
+      }
+      int64_t arg = -1;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < W; ++j) {
+        if (idx[j] >= 0 && (best[j] > mx || (best[j] == mx && idx[j] < arg))) {
+          mx = best[j];
+          arg = idx[j];
+        }
+      }
+      for (; i < n; ++i) {  // tail, in order
+        const float v = static_cast<float>(row[i]);
+        has_nan |= v != v;
+        if (v > mx) {
+          mx = v;
+          arg = i;
+        }
+      }
+      if (has_nan) {  // rare: the first NaN wins, as in torch.max
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = static_cast<float>(row[j]);
+          if (v != v) {
+            arg = j;
+            break;
+          }
+        }
+      }
+      op[r] = arg < 0 ? 0 : arg;  // arg < 0 only if every value is -inf: index 0, as torch
+    }
+  });
+}
+
 void check_cpu_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
               " must be a CPU matrix with contiguous rows");
@@ -237,9 +300,18 @@ void rope_write_kv(at::Tensor q_out, const at::Tensor& qkv, const at::Tensor& co
            slot_mapping, num_heads, num_kv_heads)
 }
 
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  check_cpu_2d(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "rows must not be empty");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0),
+              "out must be int64 [rows]");
+  DISPATCH(x.scalar_type(), argmax_rows_impl, out, x)
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def(
@@ -251,4 +323,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("argmax_rows", &argmax_rows);
 }

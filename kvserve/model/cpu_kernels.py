@@ -107,3 +107,11 @@ def rope_write_kv(
         q, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
     )
     return q
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.max(dim=-1).indices`` of ``[N, V]`` rows (first maximum; a NaN wins), ``[N]`` int64,
+    read straight from bf16 logits instead of a float32 copy."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    torch.ops.kvserve.argmax_rows(out, x)
+    return out

@@ -222,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
-        return self.lm_head(hidden).float()
+        """``[N, hidden]`` -> ``[N, vocab]`` logits in the model dtype (the sampler widens
+        them to float32 where it computes; greedy argmax reads them as they are)."""
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

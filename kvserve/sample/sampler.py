@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model import cpu_kernels
 from kvserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -379,6 +380,21 @@ def _sample_random_rows(
     return random_sample(probs, generators, default_generator)  # [R]
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row (``[B, V]`` -> ``[B]``), as ``argmax``.
+
+    On CPU a C++ kernel reads bf16 logits in place (~10x faster than widening them to
+    float32 first); elsewhere ``max(dim).indices``, ~3x faster than ``argmax`` on CPU.
+    """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels.available()
+    ):
+        return cpu_kernels.argmax_rows(logits)
+    return logits.float().max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` (``[B, V]``, any float dtype; never modified)."""
     params = md.params
@@ -410,9 +426,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         and not min_tokens_active
         and not want_logprobs
     ):
-        # Hot path (greedy benchmarks). max(dim).indices picks the same (first) maximum as
-        # argmax but runs ~3x faster on CPU.
-        return SamplerOutput(logits.max(dim=-1).indices.tolist(), None, None)
+        # Hot path (greedy benchmarks): the first maximum of each row, as argmax.
+        return SamplerOutput(greedy_ids(logits).tolist(), None, None)
 
     raw_logprobs = (
         torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None

@@ -91,3 +91,18 @@ def test_bad_input_raises() -> None:
         cpu_kernels.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-5)
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.kvserve.silu_and_mul(torch.empty(3, 5), torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 32000])
+def test_argmax_rows_equals_torch_max(dtype: torch.dtype, vocab: int) -> None:
+    x = rand(9, vocab, dtype=dtype, seed=vocab)
+    x[1] = x[1].round()  # many ties: the first maximum must win
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, vocab // 2] = float("nan")  # a NaN is the maximum
+    x[4] = 7.0  # all equal
+    if vocab > 20:
+        x[5, [3, 19]] = 100.0  # a tie across vector lanes, and one in the tail
+        x[6, -1] = 100.0
+    ref = x.max(dim=-1).indices
+    assert cpu_kernels.argmax_rows(x).tolist() == ref.tolist()
