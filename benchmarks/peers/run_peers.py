@@ -4,10 +4,14 @@ Builds the 160M random-weight Llama of issue 5 (vocab 32000, hidden 1024, interm
 8 layers, 16 heads, 8 KV heads, bf16) unless ``--model`` is given, then for each concurrency
 runs every engine in a fresh process (``worker.py``), alternating engines within each repeat,
 and prints one table of median output tokens/s with the kvserve/vLLM ratio.
+``--workload chat`` runs the built-in SmolLM2-135M-Instruct on the packaged chatterbot
+questions (chat template applied, greedy, outputs ending at EOS) on kvserve and vLLM.
 
     bash benchmarks/peers/setup_vllm.sh .venv-vllm          # once
     python benchmarks/peers/run_peers.py --vllm-python .venv-vllm/bin/python \
         --concurrency 1,8,32,64,128 --repeats 3
+    python benchmarks/peers/run_peers.py --vllm-python .venv-vllm/bin/python \
+        --workload chat --output-len 256 --concurrency 8,64,128 --repeats 3
 """
 
 from __future__ import annotations
@@ -70,8 +74,33 @@ def add_truncated_tokenizer(path: Path, vocab_size: int) -> None:
     AutoTokenizer.from_pretrained(path).encode("check that it loads")
 
 
+def chat_prompts(model_dir: Path, out: Path) -> None:
+    """The packaged chatterbot questions, each as a one-turn chat in the model's template."""
+    from transformers import AutoTokenizer
+
+    from kvserve.bench.datasets import load_chatterbot_conversations
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    seen: set[str] = set()
+    prompts = []
+    for question, _ in load_chatterbot_conversations():
+        if question in seen:
+            continue
+        seen.add(question)
+        msgs = [{"role": "user", "content": question}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    out.write_text(json.dumps(prompts))
+
+
 def run_one(
-    python: str, engine: str, model: str, n: int, output_len: int, timeout: float
+    python: str,
+    engine: str,
+    model: str,
+    n: int,
+    output_len: int,
+    timeout: float,
+    extra: list[str] | None = None,
 ) -> dict | None:
     env = dict(os.environ)
     if engine == "vllm":
@@ -88,6 +117,7 @@ def run_one(
         str(n),
         "--output-len",
         str(output_len),
+        *(extra or []),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -113,8 +143,25 @@ def main() -> None:
     ap.add_argument("--hf-max", type=int, default=64, help="skip transformers above this")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--save", default=None, help="write all runs as JSON here")
+    ap.add_argument(
+        "--workload",
+        choices=["random", "chat"],
+        default="random",
+        help="random: the 160M model, 30 random prompt tokens, fixed output length; chat: the "
+        "built-in SmolLM2 on chatterbot questions, outputs ending at EOS (at most "
+        "--output-len), kvserve and vLLM only",
+    )
     args = ap.parse_args()
     model = args.model
+    extra: list[str] = []
+    if args.workload == "chat":
+        from kvserve.model.builtin import builtin_model_path
+
+        model = model or str(builtin_model_path())
+        prompts_file = Path(args.model_dir).parent / "kvserve-peers-chat-prompts.json"
+        chat_prompts(Path(model), prompts_file)
+        extra = ["--prompts-file", str(prompts_file), "--stop-at-eos"]
+        args.hf_max = 0
     if model is None:
         model = args.model_dir
         if not (Path(model) / "config.json").exists():
@@ -133,7 +180,7 @@ def main() -> None:
             for eng in order:
                 if eng == "hf" and n > args.hf_max:
                     continue
-                r = run_one(pythons[eng], eng, model, n, args.output_len, args.timeout)
+                r = run_one(pythons[eng], eng, model, n, args.output_len, args.timeout, extra)
                 if r is not None:
                     results.setdefault((eng, n), []).append(r["output_tok_s"])
                     runs.append(r)

@@ -35,6 +35,8 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[flo
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warm, use_tqdm=False)
+    if args.stop_at_eos:
+        params = SamplingParams(temperature=0, max_tokens=args.output_len)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -58,6 +60,8 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float,
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], warm, use_tqdm=False)
+    if args.stop_at_eos:  # EOS from the model's generation_config.json, as kvserve reads it
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -94,8 +98,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--kv-cache", default="2GiB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts-file", default=None, help="JSON list of token id lists to use")
+    ap.add_argument("--stop-at-eos", action="store_true", help="outputs end at EOS")
     args = ap.parse_args()
-    prompts = prompts_for(args.num_requests, args.prompt_len, args.vocab, args.seed)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = json.load(f)[: args.num_requests]
+    else:
+        prompts = prompts_for(args.num_requests, args.prompt_len, args.vocab, args.seed)
+    if args.engine == "hf" and (args.stop_at_eos or args.prompts_file):
+        raise SystemExit("the transformers baseline runs only the fixed-length random workload")
     fn = {"kvserve": run_kvserve, "vllm": run_vllm, "hf": run_hf}[args.engine]
     elapsed, tokens = fn(args, prompts)
     print(
@@ -106,6 +118,7 @@ def main() -> None:
                 "num_requests": args.num_requests,
                 "elapsed": elapsed,
                 "output_tokens": tokens,
+                "stop_at_eos": args.stop_at_eos,
                 "output_tok_s": tokens / elapsed,
                 "step_time": STEP_BREAKDOWN or None,
             }
