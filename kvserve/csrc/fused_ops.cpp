@@ -87,13 +87,17 @@ inline Vec rnd(Vec v) {
 }
 
 // Hugging Face's Llama RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), math in float32.
+// With `residual` defined, first residual = T(residual + x) in place (the decoder layer's
+// skip connection) and the norm is taken of that sum.
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps,
+                   at::Tensor* residual) {
   const int64_t rows = x.size(0), h = x.size(1);
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const int64_t xs = x.stride(0), os = out.stride(0), rs = residual ? residual->stride(0) : 0;
   at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xp + r * xs;
@@ -101,9 +105,14 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, do
       Vec ss(0.f);
       for (int64_t i = 0; i < h; i += Vec::size()) {
         const int64_t n = std::min<int64_t>(Vec::size(), h - i);
-        const Vec v = load_f(xr + i, n);
+        Vec v = load_f(xr + i, n);
+        if (rp) {
+          v = rnd<T>(load_f(rp + r * rs + i, n) + v);
+          store_t(rp + r * rs + i, v, n);
+        }
         ss = ss + v * v;
       }
+      if (rp) xr = rp + r * rs;  // normalise the sum
       const float mean =
           at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, ss) / h;
       const float inv = 1.f / std::sqrt(mean + static_cast<float>(eps));
@@ -259,13 +268,26 @@ void check_cpu_2d(const at::Tensor& t, const char* name) {
     TORCH_CHECK(false, "kvserve fused ops support float32 and bfloat16");   \
   }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void check_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   check_cpu_2d(x, "x");
   check_cpu_2d(out, "out");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
                   weight.scalar_type() == x.scalar_type(), "dtypes/shapes");
-  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps)
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(out, x, weight);
+  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, nullptr)
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  check_cpu_2d(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  check_rms_norm(out, x, weight);
+  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, &residual)
 }
 
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
@@ -313,6 +335,9 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def(
+      "add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) "
+      "-> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def(
       "rope_write_kv(Tensor(a!) q_out, Tensor qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
@@ -321,6 +346,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("argmax_rows", &argmax_rows);

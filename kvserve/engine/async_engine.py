@@ -6,8 +6,12 @@ Threading model:
   requests and aborts through a lock-protected command list; the thread applies them between
   steps. Torch releases the GIL inside its kernels, so the event loop stays responsive while a
   step runs.
-* Each request has an ``asyncio.Queue`` of outputs in its caller's loop; the engine thread feeds
-  it with ``loop.call_soon_threadsafe`` (one call per loop per step, not per output).
+* Each request has a one-slot output collector in its caller's loop (``RequestStream``, like
+  vLLM's ``RequestOutputCollector``); the engine thread feeds it with
+  ``loop.call_soon_threadsafe`` (one call per loop per step for all requests, not per output).
+  Outputs are cumulative, so when the consumer has not yet taken the previous output the new one
+  simply replaces it: a consumer that falls behind (a busy event loop) gets one output carrying
+  several new tokens instead of a growing backlog, and the deltas it computes stay exact.
 * The thread sleeps on a condition variable while there is nothing to do: no busy loop.
 * After every step the thread publishes a ``stats()`` snapshot that the loop can read at any
   time without touching the engine.
@@ -70,6 +74,11 @@ class _AddCommand:
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative ``RequestOutput``s.
 
+    A one-slot collector rather than a queue: ``put`` replaces an output the consumer has not
+    taken yet (outputs are cumulative, so the newest holds everything the older one had, and its
+    finish state is the latest), so a slow consumer is never more than one item behind and gets
+    fewer, larger steps. An error replaces a pending output and is not itself replaced.
+
     Leaving early aborts the request so its KV blocks are freed: a cancelled ``__anext__``
     (client disconnect, task cancellation), ``aclose()``, or garbage collection all abort.
     """
@@ -80,8 +89,10 @@ class RequestStream:
         self.request_id = request_id
         self._engine = engine
         self.loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | BaseException | None = None  # not yet taken
+        self._waiter: asyncio.Future[None] | None = None  # a consumer waiting in __anext__
         self.finished = False  # the last output (or an error) has been handed to the consumer
+        self.num_coalesced = 0  # outputs replaced by a newer one before the consumer took them
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -89,14 +100,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        # Outputs are cumulative, so a slow consumer only needs the newest one.
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
+        while self._pending is None:
+            waiter = self.loop.create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.abort()
+                raise
+            finally:
+                self._waiter = None
+        item, self._pending = self._pending, None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -106,7 +120,16 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called in the stream's loop (via ``call_soon_threadsafe``)."""
-        self._queue.put_nowait(item)
+        pending = self._pending
+        if pending is not None:
+            if isinstance(pending, BaseException):
+                return  # the stream ends with that error; nothing after it matters
+            if isinstance(item, RequestOutput):
+                self.num_coalesced += 1  # cumulative: the new output supersedes the pending one
+        self._pending = item
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def abort(self) -> None:
         """Stop the request (idempotent; call it in the stream's loop)."""
@@ -114,7 +137,7 @@ class RequestStream:
             self.finished = True
             self._engine.abort(self.request_id)
             # Wake a consumer blocked in __anext__ in another task: it ends its iteration.
-            self._queue.put_nowait(StopAsyncIteration())
+            self.put(StopAsyncIteration())
 
     async def aclose(self) -> None:
         self.abort()

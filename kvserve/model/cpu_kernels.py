@@ -82,6 +82,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` (in place, rounded to its dtype), then returns RMSNorm(residual)."""
+    out = torch.empty_like(x)
+    torch.ops.kvserve.add_rms_norm(out, residual, x, weight, eps)
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [T, 2 * I]`` -> ``[T, I]`` (see ``MLP``)."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

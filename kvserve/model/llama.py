@@ -38,6 +38,16 @@ class RMSNorm(nn.Module):
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The skip connection and this norm: returns ``(residual + x, norm(residual + x))``.
+        Fused, the sum is written into ``residual`` (which the caller owns)."""
+        if self.fused:
+            return residual, cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, from the config's rope parameters (theta, scaling)."""
@@ -157,9 +167,18 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is ``x + residual`` (just ``x`` for the first layer); returns the
+        MLP output and the residual stream, whose sum is its output. Handing the sum to the
+        next layer's norm lets the fused path add and normalise in one pass."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(rope, h, kv_cache, md)
+        residual, h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -199,9 +218,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: ``[T]``; returns the final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv, md)
-        return self.norm(x)
+            x, residual = layer(rope, x, kv, md, residual)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_forward(x, residual)[1]
 
     def enable_fused_ops(self) -> bool:
         """Switch RMSNorm, SiLU*up and RoPE + KV write to the C++ CPU kernels when this model

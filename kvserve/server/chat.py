@@ -20,14 +20,13 @@ from kvserve.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     ChatResponseMessage,
-    ChatStreamChoice,
     ChatTokenLogprob,
-    DeltaMessage,
     TopLogprob,
     UsageInfo,
 )
 from kvserve.server.serving import (
     SSE_DONE,
+    ChunkEncoder,
     Limits,
     PromptInfo,
     final_outputs,
@@ -166,19 +165,26 @@ async def _stream(
 
     With ``include_usage`` every chunk carries ``usage: null`` and one last chunk with empty
     ``choices`` carries the totals, as OpenAI's spec says; without it there is no usage key.
+    Chunks are built as plain dicts in the pydantic models' field order (``ChatStreamChoice``,
+    ``DeltaMessage`` without its None fields): see ``ChunkEncoder``.
     """
-    model, drop = engine.model_name, not req.include_usage
-
-    def chunk(choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), drop)
-
+    enc = ChunkEncoder(request_id, "chat.completion.chunk", engine.model_name, req.include_usage)
+    return_ids = req.return_token_ids
     sent_chars = [0] * req.n
     sent_tokens = [0] * req.n
     done = [False] * req.n
     merged = merge_streams(streams)
     try:
         for i in range(req.n):
-            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            yield enc.choice(
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            )
         usage = None
         async for _, out in merged:
             for c in out.outputs:
@@ -186,18 +192,17 @@ async def _stream(
                 text = c.text[sent_chars[i] :]
                 if done[i] or (not text and c.finish_reason is None):
                     continue  # tokens without text yet wait for the next chunk
-                yield chunk(
-                    ChatStreamChoice(
-                        index=i,
-                        delta=DeltaMessage(content=text or None),
-                        logprobs=_choice_logprobs(engine, c, sent_tokens[i], top_k),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        token_ids=(
-                            list(c.token_ids[sent_tokens[i] :]) if req.return_token_ids else None
-                        ),
-                    )
-                )
+                logprobs = _choice_logprobs(engine, c, sent_tokens[i], top_k)
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if return_ids:
+                    choice["token_ids"] = c.token_ids[sent_tokens[i] :]
+                yield enc.choice(choice)
                 sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 done[i] = c.finish_reason is not None
             if out.finished:
@@ -205,7 +210,11 @@ async def _stream(
                     len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
                 )
         if req.include_usage and usage is not None:
-            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
+            yield sse(
+                ChatCompletionChunk(
+                    id=request_id, created=enc.created, model=enc.model, choices=[], usage=usage
+                )
+            )
     except Exception as e:
         yield error_event(stream_error(e))
     finally:

@@ -20,6 +20,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import (
     SSE_DONE,
+    ChunkEncoder,
     Limits,
     PromptInfo,
     final_outputs,
@@ -176,19 +177,24 @@ async def _stream(
         for i, p in enumerate(prompts)
         for k in range(req.n)
     }
+    enc = ChunkEncoder(request_id, "text_completion", engine.model_name, req.include_usage)
     finished: list[RequestOutput] = []
     merged = merge_streams(streams)
     try:
         async for i, out in merged:
             for c in out.outputs:
-                chunk = _delta_chunk(req, engine, cursors[i * req.n + c.index], i, c, request_id)
-                if chunk is not None:
-                    yield sse(chunk, drop_usage=not req.include_usage)
+                choice = _delta_choice(req, engine, cursors[i * req.n + c.index], i, c)
+                if choice is not None:
+                    yield enc.choice(choice)
             if out.finished:
                 finished.append(out)
         if req.include_usage:
             usage = CompletionResponse(
-                id=request_id, model=engine.model_name, choices=[], usage=_usage(finished)
+                id=request_id,
+                created=enc.created,
+                model=enc.model,
+                choices=[],
+                usage=_usage(finished),
             )
             yield sse(usage)
     except Exception as e:
@@ -198,15 +204,15 @@ async def _stream(
     yield SSE_DONE
 
 
-def _delta_chunk(
+def _delta_choice(
     req: CompletionRequest,
     engine: AsyncLLMEngine,
     cur: _ChoiceCursor,
     prompt_index: int,
     c: CompletionOutput,
-    request_id: str,
-) -> CompletionResponse | None:
-    """The chunk carrying what is new in ``c`` since the last one, or None if nothing is."""
+) -> dict[str, Any] | None:
+    """What is new in ``c`` since the last chunk, as a ``CompletionChoice``'s JSON fields (in
+    its field order, ``None`` token ids left out), or None if nothing is new."""
     if cur.done:
         return None
     text = c.text[cur.num_chars :]
@@ -214,21 +220,25 @@ def _delta_chunk(
     # text wait for the next chunk, so every chunk carries text or the finish reason.
     if not text and not cur.echo and c.finish_reason is None:
         return None
-    new_ids = c.token_ids[cur.num_tokens :]
+    num_tokens = cur.num_tokens
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
-        logprobs = _logprobs(engine.tokenizer, new_ids, c.logprobs[cur.num_tokens :], cur.offset)
-        cur.offset += sum(len(t) for t in logprobs.tokens)
-    choice = CompletionChoice(
-        index=prompt_index * req.n + c.index,
-        text=cur.echo + text,
-        logprobs=logprobs,
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        token_ids=list(new_ids) if req.return_token_ids else None,
-    )
+        lp = _logprobs(
+            engine.tokenizer, c.token_ids[num_tokens:], c.logprobs[num_tokens:], cur.offset
+        )
+        cur.offset += sum(len(t) for t in lp.tokens)
+        logprobs = lp.model_dump(mode="json")
+    choice: dict[str, Any] = {
+        "index": prompt_index * req.n + c.index,
+        "text": cur.echo + text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if req.return_token_ids:
+        choice["token_ids"] = c.token_ids[num_tokens:]
     cur.echo = ""
     cur.num_chars = len(c.text)
     cur.num_tokens = len(c.token_ids)
     cur.done = c.finish_reason is not None
-    return CompletionResponse(id=request_id, model=engine.model_name, choices=[choice], usage=None)
+    return choice

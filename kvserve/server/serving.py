@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -49,15 +50,43 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The JSON of every response body and SSE event: compact, UTF-8 kept as is.
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(payload: BaseModel | dict[str, Any], drop_usage: bool = False) -> str:
     """One server-sent event. ``drop_usage`` omits the ``usage`` key entirely (no include_usage)."""
     data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
     if drop_usage:
         data.pop("usage", None)
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(data)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ChunkEncoder:
+    """The SSE events of one streamed response, built without pydantic on the hot path.
+
+    Every chunk of a stream shares ``id``, ``object``, ``created`` and ``model``: they are
+    serialized once into a prefix, and each chunk only encodes its one choice (a plain dict
+    whose keys are in the pydantic model's field order). The result is exactly what
+    ``sse(CompletionResponse(...) / ChatCompletionChunk(...), drop_usage)`` gives for the same
+    values: ``usage: null`` on every chunk with ``include_usage``, no ``usage`` key without it.
+    """
+
+    def __init__(self, request_id: str, obj: str, model: str, include_usage: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        head = {"id": request_id, "object": obj, "created": self.created, "model": model}
+        # '{"id":...,"model":"m"' + ',"choices":['
+        self._head = f'data: {to_json(head)[:-1]},"choices":['
+        self._tail = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    def choice(self, choice: dict[str, Any]) -> str:
+        """The event carrying one choice."""
+        return self._head + to_json(choice) + self._tail
 
 
 async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -195,7 +224,11 @@ async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]
 async def merge_streams(
     streams: Sequence[RequestStream],
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(prompt index, output) from several streams as they come; closing aborts them all."""
+    """(prompt index, output) from several streams as they come; closing aborts them all.
+
+    Like each ``RequestStream``, the merge keeps only the newest (cumulative) output per
+    stream that the consumer has not taken yet, so a slow consumer does not fall behind.
+    """
     if len(streams) == 1:
         try:
             async for out in streams[0]:
@@ -203,28 +236,32 @@ async def merge_streams(
         finally:
             streams[0].abort()
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    latest: dict[int, RequestOutput] = {}  # stream index -> newest output not yet yielded
+    errors: list[BaseException] = []
+    ready = asyncio.Event()
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                latest[i] = out
+                ready.set()
         except Exception as e:
-            queue.put_nowait(e)
+            errors.append(e)
         finally:
-            queue.put_nowait(None)
+            ready.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        while True:
+            await ready.wait()
+            ready.clear()
+            while latest:  # a yield may let pumps add more
+                i = next(iter(latest))
+                yield i, latest.pop(i)
+            if errors:
+                raise errors[0]
+            if all(t.done() for t in tasks) and not latest:
+                return
     finally:
         for t in tasks:
             t.cancel()

@@ -20,13 +20,14 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import random_prompts
 
 PROMPTS = random_prompts([5, 9, 3, 12])
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # long enough to abort
 SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+MID = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 MakeEngine = Callable[..., AsyncLLMEngine]
 
@@ -242,3 +243,85 @@ async def test_finished_callback_runs_once_per_request(make_engine: MakeEngine) 
         *(collect(engine.generate(p, SHORT, f"r{i}")) for i, p in enumerate(PROMPTS))
     )
     assert sorted(finished) == [f"r{i}" for i in range(len(PROMPTS))]
+
+
+async def test_a_slow_consumer_gets_coalesced_outputs_with_the_same_tokens(
+    make_engine: MakeEngine,
+) -> None:
+    engine = make_engine()
+    # The same greedy request twice, in one batch: both get an output at every step.
+    fast = engine.generate(PROMPTS[1], MID, request_id="fast")
+    slow = engine.generate(PROMPTS[1], MID, request_id="slow")
+    first = await slow.__anext__()
+    fast_outs = await collect(fast)  # meanwhile the slow consumer takes nothing
+    slow_outs = [first, *[out async for out in slow]]
+    # The slow consumer's pending output was replaced at every step: it gets the first and
+    # the final output only, and nothing was lost or duplicated.
+    assert len(slow_outs) == 2 < len(fast_outs)
+    assert len(slow_outs) + slow.num_coalesced == MID.max_tokens  # one output per step
+    assert len(fast_outs) + fast.num_coalesced == MID.max_tokens
+    assert [o.finished for o in slow_outs] == [False, True]
+    final = slow_outs[-1].outputs[0]
+    assert final.finish_reason == "length" and len(final.token_ids) == MID.max_tokens
+    assert final.token_ids == fast_outs[-1].outputs[0].token_ids
+    # The deltas a streaming consumer computes add up to the same tokens.
+    deltas: list[int] = []
+    for out in slow_outs:
+        deltas += out.outputs[0].token_ids[len(deltas) :]
+    assert deltas == fast_outs[-1].outputs[0].token_ids
+    await wait_idle(engine)
+
+
+class _StubEngine:
+    """What a RequestStream needs of its engine."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self._orphans: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _output(ids: list[int], finish: str | None = None) -> RequestOutput:
+    done = finish is not None
+    comp = CompletionOutput(0, "", ids, None, None, finish_reason=finish)
+    return RequestOutput("r", None, [1], [comp], finished=done)
+
+
+async def test_request_stream_keeps_only_the_newest_output_and_errors_win() -> None:
+    loop = asyncio.get_running_loop()
+    stub = _StubEngine()
+    stream = ae.RequestStream("r", stub, loop)  # type: ignore[arg-type]
+    stream.put(_output([7]))
+    stream.put(_output([7, 8]))
+    stream.put(_output([7, 8, 9]))
+    assert (await stream.__anext__()).outputs[0].token_ids == [7, 8, 9]
+    assert stream.num_coalesced == 2
+    # A consumer waiting in __anext__ is woken by put.
+    waiting = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    stream.put(_output([7, 8, 9, 10], "length"))
+    assert (await waiting).finished
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    assert stub.aborted == []  # it finished: nothing to abort
+
+    # An error replaces a pending output, and is not replaced by a later one.
+    errored = ae.RequestStream("e", stub, loop)  # type: ignore[arg-type]
+    errored.put(_output([1]))
+    errored.put(EngineStepError("boom"))
+    errored.put(_output([1, 2]))
+    with pytest.raises(EngineStepError, match="boom"):
+        await errored.__anext__()
+    with pytest.raises(StopAsyncIteration):
+        await errored.__anext__()
+
+    # Aborting from another task ends the waiting consumer's iteration.
+    aborted = ae.RequestStream("a", stub, loop)  # type: ignore[arg-type]
+    consumer = asyncio.ensure_future(collect(aborted))
+    await asyncio.sleep(0)
+    aborted.abort()
+    assert await consumer == []
+    assert stub.aborted == ["a"]

@@ -46,6 +46,20 @@ def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    """The skip connection's add and the next norm in one pass; the sum lands in residual."""
+    norm = RMSNorm(1000, 1e-6).to(dtype)
+    norm.weight.data = rand(1000, dtype=dtype, seed=7, scale=1.0)
+    x, residual = rand(9, 1000, dtype=dtype, seed=8), rand(9, 1000, dtype=dtype, seed=9)
+    ref_sum, ref_out = norm.add_forward(x, residual)  # PyTorch path: residual untouched
+    fused = residual.clone()
+    got = cpu_kernels.add_rms_norm(x, fused, norm.weight, 1e-6)
+    torch.testing.assert_close(fused, ref_sum, atol=0, rtol=0)
+    tol = 0 if EXACT[dtype] else 1e-5
+    torch.testing.assert_close(got, ref_out, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("tokens", "inter"), [(1, 40), (5, 2816), (128, 2816)])
 def test_silu_and_mul(dtype: torch.dtype, tokens: int, inter: int) -> None:
     gate_up = rand(tokens, 2 * inter, dtype=dtype, seed=3)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
+from kvserve.server.protocol import ChatCompletionChunk
 from tests.server.conftest import BUILTIN, Server
-from tests.server.test_completions import sse_events
+from tests.server.test_completions import (
+    assert_chunks_are_the_models_json,
+    raw_sse_events,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +142,36 @@ def test_chat_stop_string(server: Server) -> None:
     r = client.chat.completions.create(**kw, stop=[stop])  # type: ignore[call-overload]
     assert r.choices[0].message.content == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
+         "return_token_ids": True, "ignore_eos": True},
+        {"n": 2, "temperature": 0.7, "seed": 3, "stop": ["."]},
+    ],
+)  # fmt: skip
+def test_chat_stream_chunks_are_exactly_the_models_json(
+    server: Server, extra: dict[str, Any]
+) -> None:
+    body = {"model": BUILTIN, "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+            "stream": True, **extra}  # fmt: skip
+    include_usage = "stream_options" in extra
+    events = raw_sse_events(server, "/v1/chat/completions", body)
+    chunks = assert_chunks_are_the_models_json(events, ChatCompletionChunk, include_usage)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    n = int(extra.get("n", 1))
+    roles = [c["choices"][0] for c in chunks[:n]]
+    assert [r["index"] for r in roles] == list(range(n))
+    assert all(r["delta"] == {"role": "assistant", "content": ""} for r in roles)
+    choices = [ch for c in chunks[n:] for ch in c["choices"]]
+    assert all(list(ch)[:5] == ["index", "delta", "logprobs", "finish_reason", "stop_reason"]
+               for ch in choices)  # fmt: skip
+    assert all(set(ch["delta"]) <= {"content"} for ch in choices)
+    assert sorted(ch["index"] for ch in choices if ch["finish_reason"]) == list(range(n))
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+        assert len([t for ch in choices for t in ch["token_ids"]]) == 6
+        assert len([t for ch in choices for t in ch["logprobs"]["content"]]) == 6

@@ -4,10 +4,14 @@ logprobs, echo, usage."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
+from kvserve.server.protocol import CompletionResponse
+from kvserve.server.serving import sse
 from tests.server.conftest import BUILTIN, Server
 
 pytestmark = pytest.mark.slow
@@ -20,19 +24,37 @@ def tokenize(server: Server, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def sse_events(server: Server, path: str, body: dict[str, object]) -> list[object]:
-    """The raw SSE payloads (parsed JSON, and the literal "[DONE]")."""
-    events: list[object] = []
+def raw_sse_events(server: Server, path: str, body: dict[str, object]) -> list[str]:
+    """The raw SSE payloads, as sent (JSON text, and the literal "[DONE]")."""
     with httpx.stream(
         "POST", f"{server.url}{path}", json=body, headers=server.headers(), timeout=60
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+        text = r.read().decode()
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)  # one line each
+    return [e[len("data: ") :] for e in events]
+
+
+def sse_events(server: Server, path: str, body: dict[str, object]) -> list[object]:
+    """The raw SSE payloads (parsed JSON, and the literal "[DONE]")."""
+    return [e if e == "[DONE]" else json.loads(e) for e in raw_sse_events(server, path, body)]
+
+
+def assert_chunks_are_the_models_json(
+    events: list[str], model: type[BaseModel], include_usage: bool
+) -> list[dict[str, Any]]:
+    """Every chunk is byte for byte what ``sse(model(...))`` gives for its values (field order,
+    nulls, omitted keys), and they all share one id and created; returns them parsed."""
+    *chunks, done = events
+    assert done == "[DONE]" and chunks
+    parsed = [json.loads(c) for c in chunks]
+    for raw, data in zip(chunks, parsed, strict=True):
+        assert f"data: {raw}\n\n" == sse(model.model_validate(data), drop_usage=not include_usage)
+    assert len({(d["id"], d["created"]) for d in parsed}) == 1
+    return parsed
 
 
 def test_greedy_completion(server: Server) -> None:
@@ -227,3 +249,35 @@ def test_token_id_prompts(server: Server) -> None:
     assert a.usage.prompt_tokens == len(ids)
     assert b.usage.prompt_tokens == 2 * len(ids)
     assert [ch.text for ch in b.choices] == [a.choices[0].text] * 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {
+            "stream_options": {"include_usage": True},
+            "logprobs": 2,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+        {"prompt": [PROMPT, "Hello"], "n": 2, "echo": True, "stop": ["."]},
+    ],
+)
+def test_stream_chunks_are_exactly_the_models_json(server: Server, extra: dict[str, Any]) -> None:
+    body = {"model": BUILTIN, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "stream": True, **extra}  # fmt: skip
+    include_usage = "stream_options" in extra
+    events = raw_sse_events(server, "/v1/completions", body)
+    chunks = assert_chunks_are_the_models_json(events, CompletionResponse, include_usage)
+    assert all(c["object"] == "text_completion" and c["model"] == BUILTIN for c in chunks)
+    choices = [ch for c in chunks for ch in c["choices"]]
+    assert all(list(ch)[:5] == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
+               for ch in choices)  # fmt: skip
+    assert all(("token_ids" in ch) == bool(extra.get("return_token_ids")) for ch in choices)
+    assert all("prompt_token_ids" not in ch for ch in choices)
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+        ids = [t for ch in choices for t in ch["token_ids"]]
+        assert len(ids) == 6
+        assert sum(len(ch["logprobs"]["tokens"]) for ch in choices) == 6
