@@ -160,3 +160,77 @@ async def test_merged_streams_raise_a_stream_error_and_abort_the_others() -> Non
             got.append(item)
     assert [i for i, _ in got] == [0]
     assert stub.aborted == ["r0"]  # the unfinished one is aborted; the failed one is done
+
+
+class _StubModel:
+    """What the streaming handlers need of an AsyncLLMEngine."""
+
+    model_name = "m"
+    tokenizer = None
+
+
+def _text_output(text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
+    comp = CompletionOutput(0, text, ids, None, None, finish_reason=finish)
+    return RequestOutput("r", None, [1, 2, 3], [comp], finished=finish is not None)
+
+
+async def _events(gen: Any, stream: RequestStream) -> list[dict[str, Any] | str]:
+    """Drive a handler's SSE generator: one output, then three coalesced ones, then the end."""
+    stream.put(_text_output("a", [11]))
+    events = [await gen.__anext__()]
+    for n in (2, 3, 4):  # the loop was busy: these pile up and only the newest is sent
+        stream.put(_text_output("abcd"[:n], [11, 12, 13, 14][:n]))
+    events.append(await gen.__anext__())
+    stream.put(_text_output("abcde", [11, 12, 13, 14, 15], "length"))
+    events += [e async for e in gen]
+    assert stream.num_coalesced == 2
+    return [e if e == "data: [DONE]\n\n" else json.loads(e[len("data: ") :]) for e in events]
+
+
+async def test_completion_stream_sends_coalesced_outputs_as_one_exact_chunk() -> None:
+    from kvserve.server import completions
+    from kvserve.server.protocol import CompletionRequest
+    from kvserve.server.serving import PromptInfo
+
+    stream = RequestStream("r", _StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
+    req = CompletionRequest(
+        prompt=[1, 2, 3], max_tokens=5, stream=True, return_token_ids=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
+    )  # fmt: skip
+    gen = completions._stream(req, _StubModel(), [PromptInfo(None, [1, 2, 3])], [stream], "c-1")  # type: ignore[arg-type]
+    *chunks, usage, done = await _events(gen, stream)
+    assert done == "data: [DONE]\n\n"
+    assert [(c["choices"][0]["text"], c["choices"][0]["token_ids"]) for c in chunks] == [  # type: ignore[index]
+        ("a", [11]),
+        ("bcd", [12, 13, 14]),
+        ("e", [15]),
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]  # type: ignore[index]
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}  # type: ignore[index]
+
+
+async def test_chat_stream_sends_coalesced_outputs_as_one_exact_chunk() -> None:
+    from kvserve.server import chat
+    from kvserve.server.protocol import ChatCompletionRequest
+
+    stream = RequestStream("r", _StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], stream=True,  # type: ignore[list-item]
+        return_token_ids=True,
+    )  # fmt: skip
+    gen = chat._stream(req, _StubModel(), [stream], "cc-1", None)  # type: ignore[arg-type]
+    role = json.loads((await gen.__anext__())[len("data: ") :])
+    assert role["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None, "stop_reason": None}
+    ]  # fmt: skip
+    *chunks, done = await _events(gen, stream)
+    assert done == "data: [DONE]\n\n"
+    deltas = [(c["choices"][0]["delta"], c["choices"][0]["token_ids"]) for c in chunks]  # type: ignore[index]
+    assert deltas == [
+        ({"content": "a"}, [11]),
+        ({"content": "bcd"}, [12, 13, 14]),
+        ({"content": "e"}, [15]),
+    ]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert all("usage" not in c for c in chunks)  # no include_usage: no usage key
