@@ -43,8 +43,8 @@ def attention_ms(batch: int, context: int, block_size: int, use_kernel: bool) ->
     num_blocks = batch * nb * 2
     caches = [
         (
-            torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=g).to(DT),
-            torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=g).to(DT),
+            torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=g).to(DT),
+            torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=g).to(DT),
         )
         for _ in range(LAYERS)
     ]
@@ -82,7 +82,7 @@ def fused_ms(batch: int, repeats: int) -> dict[str, tuple[float, float]]:
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(DT)
     cos = torch.rand(batch, HEAD_DIM, generator=g).to(DT)
     sin = torch.rand(batch, HEAD_DIM, generator=g).to(DT)
-    k_cache = torch.zeros(batch, 1, KV_HEADS, HEAD_DIM, dtype=DT)
+    k_cache = torch.zeros(batch, KV_HEADS, 1, HEAD_DIM, dtype=DT)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.arange(batch)
     logits = torch.randn(batch, VOCAB, generator=g).to(DT)

@@ -152,7 +152,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
 
 // Rotate-half RoPE on q and k as Hugging Face computes it in the model dtype:
 // T(T(x * cos) + T(rotate_half(x) * sin)). q goes to q_out [T, H, D]; rotated k and v are
-// written to their slots of the paged cache [num_blocks, block_size, Hkv, D].
+// written to their slots of the paged cache [num_blocks, Hkv, block_size, D].
 template <typename T>
 void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -165,7 +165,7 @@ void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tens
   T* qo = q_out.data_ptr<T>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-  const int64_t row = qkv.stride(0), slot_elems = num_kv_heads * d;
+  const int64_t row = qkv.stride(0), bs = k_cache.size(2);
   // rotate_half(x) = [-x2, x1] for x = [x1, x2]; both halves computed from the same loads.
   auto rotate = [&](const T* x, const T* c, const T* s, T* dst) {
     for (int64_t i = 0; i < half; i += Vec::size()) {
@@ -185,9 +185,13 @@ void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tens
       for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * d, c, s, qo + (t * num_heads + h) * d);
       const T* k = x + num_heads * d;
       const T* v = k + num_kv_heads * d;
-      T* kd = kc + slot[t] * slot_elems;
-      for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * d, c, s, kd + h * d);
-      std::copy(v, v + num_kv_heads * d, vc + slot[t] * slot_elems);
+      // Cache layout [num_blocks, Hkv, block_size, D]: head h of slot (block, offset).
+      const int64_t block = slot[t] / bs, offset = slot[t] % bs;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t at = ((block * num_kv_heads + h) * bs + offset) * d;
+        rotate(k + h * d, c, s, kc + at);
+        std::copy(v + h * d, v + (h + 1) * d, vc + at);
+      }
     }
   });
 }
@@ -310,7 +314,7 @@ void rope_write_kv(at::Tensor q_out, const at::Tensor& qkv, const at::Tensor& co
   TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos/sin");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == d &&
+                  k_cache.size(1) == num_kv_heads && k_cache.size(3) == d &&
                   v_cache.sizes() == k_cache.sizes(), "cache");
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.numel() == qkv.size(0), "slot_mapping");

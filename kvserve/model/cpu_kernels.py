@@ -66,7 +66,7 @@ def paged_decode_attention(
 ) -> None:
     """Decode attention reading K/V in place through the block tables, written into ``out``.
 
-    q, out: ``[T, H, D]``; caches ``[num_blocks, block_size, Hkv, D]``; block_tables
+    q, out: ``[T, H, D]``; caches ``[num_blocks, Hkv, block_size, D]``; block_tables
     ``[Bd, nb]`` int64 (rows may be a strided view); seq_lens ``[Bd]`` int64; rows ``[Bd]``
     int64 token rows of q/out for each decode row, or empty when row i is token i.
     """

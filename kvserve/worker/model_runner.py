@@ -91,8 +91,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, model.head_dim)
-        # One (K, V) pair per layer: [num_blocks, block_size, Hkv, D].
+        shape = (num_blocks, cfg.num_key_value_heads, block_size, model.head_dim)
+        # One (K, V) pair per layer: [num_blocks, Hkv, block_size, D] (see attention.py).
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

@@ -38,8 +38,8 @@ def build_batch(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
     # Each request gets a random, non-contiguous set of blocks.
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, qsl = [], [], [0]
@@ -96,9 +96,8 @@ def test_reference_equals_dense_causal_attention() -> None:
     q, kc, vc, md = build_batch([13], [13], 4, 8, 2, 1, 8, torch.float32, 5)
     table = md.block_tables[0]
     pos = torch.arange(13)
-    slots = table[pos // 4] * 4 + pos % 4
-    k = kc.view(-1, 1, 8)[slots]  # [13, 1, 8]
-    v = vc.view(-1, 1, 8)[slots]
+    k = kc[table[pos // 4], :, pos % 4]  # [13, 1, 8]: token p in block p // 4, offset p % 4
+    v = vc[table[pos // 4], :, pos % 4]
     dense = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1).expand(2, 13, 8),
@@ -107,6 +106,16 @@ def test_reference_equals_dense_causal_attention() -> None:
         scale=0.5,
     ).transpose(0, 1)
     torch.testing.assert_close(reference_paged_attention(q, kc, vc, md, 0.5), dense)
+
+
+def test_write_kv_layout() -> None:
+    """Cache layout [num_blocks, Hkv, block_size, D]: slot s, head h -> [s // bs, h, s % bs]."""
+    kc, vc = torch.zeros(3, 2, 4, 5), torch.zeros(3, 2, 4, 5)
+    k = torch.arange(2 * 2 * 5, dtype=torch.float32).view(2, 2, 5) + 1  # [T=2, Hkv=2, D=5]
+    write_kv(k, -k, kc, vc, torch.tensor([6, 1]))  # block 1 offset 2; block 0 offset 1
+    assert torch.equal(kc[1, :, 2], k[0]) and torch.equal(kc[0, :, 1], k[1])
+    assert torch.equal(vc[1, :, 2], -k[0]) and torch.equal(vc[0, :, 1], -k[1])
+    assert int((kc != 0).any(dim=-1).sum()) == 4  # 2 tokens x 2 heads, nothing else
 
 
 def test_gather_workspace_grows_and_reuses() -> None:

@@ -81,7 +81,7 @@ def test_rope_write_kv(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(6))
     slots = slots[:tokens]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
     k_ref, v_ref = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     k_got, v_got = k_ref.clone(), v_ref.clone()
 
@@ -96,7 +96,7 @@ def test_rope_write_kv(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
     torch.testing.assert_close(q_got, q_ref, atol=0, rtol=0)
     torch.testing.assert_close(k_got, k_ref, atol=0, rtol=0)
     torch.testing.assert_close(v_got, v_ref, atol=0, rtol=0)
-    assert int((k_got != 0).any(dim=(2, 3)).sum()) == tokens  # exactly the written slots
+    assert int((k_got != 0).any(dim=(1, 3)).sum()) == tokens  # exactly the written slots
 
 
 def test_bad_input_raises() -> None:
