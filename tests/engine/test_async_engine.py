@@ -22,7 +22,7 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from tests.engine.utils import random_prompts
+from tests.engine.utils import StubEngine, random_prompts
 
 PROMPTS = random_prompts([5, 9, 3, 12])
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # long enough to abort
@@ -272,17 +272,6 @@ async def test_a_slow_consumer_gets_coalesced_outputs_with_the_same_tokens(
     await wait_idle(engine)
 
 
-class _StubEngine:
-    """What a RequestStream needs of its engine."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-        self._orphans: list[str] = []
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-
 def _output(ids: list[int], finish: str | None = None) -> RequestOutput:
     done = finish is not None
     comp = CompletionOutput(0, "", ids, None, None, finish_reason=finish)
@@ -291,7 +280,7 @@ def _output(ids: list[int], finish: str | None = None) -> RequestOutput:
 
 async def test_request_stream_keeps_only_the_newest_output_and_errors_win() -> None:
     loop = asyncio.get_running_loop()
-    stub = _StubEngine()
+    stub = StubEngine()
     stream = ae.RequestStream("r", stub, loop)  # type: ignore[arg-type]
     stream.put(_output([7]))
     stream.put(_output([7, 8]))

@@ -78,3 +78,14 @@ def run_engine_checked(
                 done[out.request_id] = out.outputs[0].token_ids
         engine.kv.check_integrity()
     return done
+
+
+class StubEngine:
+    """What a ``RequestStream`` needs of its async engine: somewhere to send aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self._orphans: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)

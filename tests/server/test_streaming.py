@@ -23,6 +23,7 @@ from kvserve.server.protocol import (
     TopLogprob,
 )
 from kvserve.server.serving import ChunkEncoder, merge_streams, sse
+from tests.engine.utils import StubEngine
 
 TEXTS = ["", "plain", 'quotes " and \\ back\nslash\t', "Ünïcödé ✓ 漢字 🙂", "\x00\x1f"]
 
@@ -103,15 +104,6 @@ def test_a_streamed_chunk_has_the_openai_structure() -> None:
     assert list(data) == ["id", "object", "created", "model", "choices"]
 
 
-class _StubEngine:
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-        self._orphans: list[str] = []
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-
 def _output(rid: str, ids: list[int], finished: bool = False) -> RequestOutput:
     comp = CompletionOutput(0, "", ids, None, None, "length" if finished else None)
     return RequestOutput(rid, None, [1], [comp], finished=finished)
@@ -119,7 +111,7 @@ def _output(rid: str, ids: list[int], finished: bool = False) -> RequestOutput:
 
 async def test_merged_streams_coalesce_per_stream() -> None:
     loop = asyncio.get_running_loop()
-    stub = _StubEngine()
+    stub = StubEngine()
     streams = [RequestStream(f"r{i}", stub, loop) for i in range(2)]  # type: ignore[arg-type]
     got: list[tuple[int, list[int], bool]] = []
     merged = merge_streams(streams)
@@ -150,7 +142,7 @@ async def test_merged_streams_coalesce_per_stream() -> None:
 
 async def test_merged_streams_raise_a_stream_error_and_abort_the_others() -> None:
     loop = asyncio.get_running_loop()
-    stub = _StubEngine()
+    stub = StubEngine()
     streams = [RequestStream(f"r{i}", stub, loop) for i in range(2)]  # type: ignore[arg-type]
     got: list[Any] = []
     streams[0].put(_output("r0", [1]))
@@ -192,7 +184,7 @@ async def test_completion_stream_sends_coalesced_outputs_as_one_exact_chunk() ->
     from kvserve.server.protocol import CompletionRequest
     from kvserve.server.serving import PromptInfo
 
-    stream = RequestStream("r", _StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
+    stream = RequestStream("r", StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
     req = CompletionRequest(
         prompt=[1, 2, 3], max_tokens=5, stream=True, return_token_ids=True,
         stream_options={"include_usage": True},  # type: ignore[arg-type]
@@ -213,7 +205,7 @@ async def test_chat_stream_sends_coalesced_outputs_as_one_exact_chunk() -> None:
     from kvserve.server import chat
     from kvserve.server.protocol import ChatCompletionRequest
 
-    stream = RequestStream("r", _StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
+    stream = RequestStream("r", StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], stream=True,  # type: ignore[list-item]
         return_token_ids=True,
