@@ -34,47 +34,14 @@ def free_port() -> int:
 
 
 def server_cmd(engine: str, python: str, model: str, port: int, max_seqs: int) -> list[str]:
+    # Flags both OpenAI servers take under the same names.
+    common = ["--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]
+    common += ["--dtype", "bfloat16", "--max-num-seqs", str(max_seqs)]
     if engine == "vllm":
-        return [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--served-model-name",
-            "m",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "bfloat16",
-            "--max-num-seqs",
-            str(max_seqs),
-            "--max-model-len",
-            "2048",
-        ]
-    return [
-        python,
-        "-m",
-        "kvserve.cli",
-        "serve",
-        model,
-        "--served-model-name",
-        "m",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--max-num-seqs",
-        str(max_seqs),
-        "--kv-cache-memory",
-        "2GiB",
-        "--max-num-batched-tokens",
-        "4096",
-    ]
+        entry = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        return [*entry, *common, "--max-model-len", "2048"]
+    entry = [python, "-m", "kvserve.cli", "serve", model]
+    return [*entry, *common, "--kv-cache-memory", "2GiB", "--max-num-batched-tokens", "4096"]
 
 
 def bench(port: int, model: str, n: int, output_len: int, out_dir: Path) -> float:
