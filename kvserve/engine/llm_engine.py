@@ -26,6 +26,7 @@ from kvserve.engine.output_processor import CompletionState, ParentRequest, upda
 from kvserve.model.loader import load_hf_config, load_model, model_max_len
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.malloc_tuning import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("kvserve")
@@ -96,6 +97,9 @@ class LLMEngine:
             mc.seed,
             mc.attention_backend,
         )
+        if self.device.type == "cpu":
+            # After the weights and KV cache exist, so only step-time buffers are affected.
+            keep_freed_memory()
         self.scheduler = Scheduler(config.scheduler, cc, self.kv)
         self.kv_info = {
             "num_blocks": num_blocks,
@@ -189,7 +193,7 @@ class LLMEngine:
                 cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, self.device
             )
             stream = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             state = CompletionState(i, req, stream)
             parent.children.append(state)
