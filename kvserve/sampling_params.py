@@ -31,6 +31,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens exist
     logprobs: int | None = None  # number of top logprobs per output token (plus the sampled one)
     skip_special_tokens: bool = True  # drop special tokens when detokenizing
+    detokenize: bool = True  # False: token ids only, no text (vLLM's flag; saves CPU time)
     stop_list: list[str] = field(init=False, default_factory=list)  # normalised `stop`
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class SamplingParams:
             self.stop_list = list(self.stop)
         if any(not s for s in self.stop_list):
             raise ValueError("stop strings must be non-empty.")
+        if self.stop_list and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in text).")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
 

@@ -21,7 +21,7 @@ class CompletionState:
 
     index: int  # position among the parent's n completions
     request: Request  # the scheduler's request (token ids, status)
-    stream: DecodeStream | None  # incremental detokenizer; None without a tokenizer
+    stream: DecodeStream | None  # incremental detokenizer; None: no tokenizer or detokenize off
     text: str = ""  # full decoded text, cut at a stop string once one matched
     finish_reason: str | None = None  # set when finished
     stop_reason: int | str | None = None  # matched stop string or stop token id

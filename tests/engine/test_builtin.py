@@ -61,6 +61,17 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
     assert out.text == " Paris."
 
 
+def test_detokenize_false_gives_same_ids_and_no_text(llm: LLM) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with_text = llm.generate(prompts, params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False)
+    ids_only = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(with_text, ids_only, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert a.outputs[0].text != "" and b.outputs[0].text == ""
+
+
 def test_stop_token_ids(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     paris = tok.encode(" Paris")[0]

@@ -57,6 +57,7 @@ def test_bad_request_raises_and_engine_survives(
         ({"top_k": -5}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"stop": ["."], "detokenize": False}, "stop strings need detokenize=True"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict[str, object], message: str) -> None:
