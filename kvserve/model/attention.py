@@ -12,13 +12,16 @@ Two implementations share one signature:
   yardstick the fast path is tested against.
 - ``paged_attention``: decode rows (one query token) in one call, either the C++ CPU kernel
   that reads K/V in place through the block tables (``cpu_kernels``), or a single batched SDPA
-  over a padded gather of their contexts (any device); prefill rows use the reference loop.
+  over a padded gather of their contexts (any device). Fresh prompts (no earlier context) of
+  one length share one SDPA call; other prefill rows (chunked, prefix hits) use the reference
+  loop.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +63,17 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillGroup:
+    """Fresh prompts of one length (their whole context is this step's tokens), batched."""
+
+    length: int  # tokens per prompt (L)
+    tokens: torch.Tensor | slice  # [n * L] their rows in the flat batch (a slice if adjacent)
+    blocks: torch.Tensor  # [n * L] cache block of each token, to read K/V back
+    offsets: torch.Tensor  # [n * L] offset of each token in its block
+    mask: torch.Tensor  # [L, L] bool causal mask, the reference's own
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about the flat batch of one step (built by the runner)."""
 
@@ -69,7 +83,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0 (never read unmasked)
     block_size: int  # tokens per block
     decode: DecodeBatch | None = None  # the one-token rows, None when there are none
-    prefill_rows: list[int] | None = None  # rows with more than one query token (None: unsplit)
+    prefill_rows: list[int] | None = None  # multi-token rows left to the loop (None: unsplit)
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)  # batched fresh prompts
 
     @property
     def num_rows(self) -> int:
@@ -86,6 +101,7 @@ class AttentionMetadata:
         qsl = self.query_start_loc
         dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1]
         self.prefill_rows = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] > 1]
+        self._group_fresh_prompts()
         if not dec:
             self.decode = None
             return
@@ -106,6 +122,43 @@ class AttentionMetadata:
             workspace=workspace,
             use_kernel=use_kernel,
         )
+
+    def _group_fresh_prompts(self) -> None:
+        """Move fresh prompts sharing a length from ``prefill_rows`` into batched groups.
+
+        Only exact-length groups: padding would change the sizes SDPA works on, and with them
+        its summation order, so results would no longer equal the reference's bit for bit.
+        """
+        qsl, rows = self.query_start_loc, self.prefill_rows or []
+        by_len: dict[int, list[int]] = {}
+        for i in rows:
+            if qsl[i + 1] - qsl[i] == self.seq_lens[i]:  # no cached context before this step
+                by_len.setdefault(self.seq_lens[i], []).append(i)
+        groups = {n: g for n, g in by_len.items() if len(g) > 1}
+        if not groups:
+            self.prefill_groups = []
+            return
+        grouped = {i for g in groups.values() for i in g}
+        self.prefill_rows = [i for i in rows if i not in grouped]
+        device = self.block_tables.device
+        self.prefill_groups = []
+        for length, members in groups.items():
+            starts = [qsl[i] for i in members]
+            adjacent = all(b - a == length for a, b in itertools.pairwise(starts))
+            tokens: torch.Tensor | slice
+            if adjacent:
+                tokens = slice(starts[0], starts[0] + length * len(members))
+                slots = self.slot_mapping[tokens]
+            else:
+                idx = [s + p for s in starts for p in range(length)]
+                tokens = torch.tensor(idx, dtype=torch.long, device=device)
+                slots = self.slot_mapping[tokens]
+            mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            self.prefill_groups.append(
+                PrefillGroup(
+                    length, tokens, slots // self.block_size, slots % self.block_size, mask
+                )
+            )
 
 
 def write_kv(
@@ -212,6 +265,27 @@ def _batched_decode(
         out[dec.token_idx] = o
 
 
+def _batched_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: PrefillGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One SDPA over n fresh prompts of length L, with the mask the reference uses."""
+    length, (h, d) = group.length, q.shape[1:]
+    hkv = k_cache.shape[1]
+    # This step's K/V, read back from their slots: [n * L, Hkv, D] -> [n, Hkv, L, D].
+    k = k_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
+    v = v_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
+    qg = q[group.tokens].view(-1, length, h, d).transpose(1, 2)  # [n, H, L, D]
+    o = F.scaled_dot_product_attention(
+        qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+    )  # [n, H, L, D]
+    out[group.tokens] = o.transpose(1, 2).reshape(-1, h, d)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -219,12 +293,14 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Fast path with the reference's results: batched decode rows, looped prefill rows."""
+    """Fast path with the reference's results: batched decode rows and fresh prompts."""
     if md.prefill_rows is None:
         md.split_rows()
     out = torch.empty_like(q)
     if md.decode is not None:
         _batched_decode(q, k_cache, v_cache, md.decode, scale, out)
+    for group in md.prefill_groups:
+        _batched_prefill(q, k_cache, v_cache, group, scale, out)
     if md.prefill_rows:
         reference_paged_attention(q, k_cache, v_cache, md, scale, rows=md.prefill_rows, out=out)
     return out

@@ -83,6 +83,43 @@ def test_fast_path_equals_reference(dtype: torch.dtype, seed: int) -> None:
     assert md.prefill_rows == [3, 5, 6]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_of_one_length_share_a_call(dtype: torch.dtype) -> None:
+    # Rows 0, 1, 3 and 6 are fresh 6-token prompts (3 and 6 apart from the first two), rows 2
+    # and 5 fresh 11-token ones, row 4 a chunk after cached context, row 7 a lone 3-token prompt.
+    seq_lens = [6, 6, 11, 6, 20, 11, 6, 3, 30]
+    query_lens = [6, 6, 11, 6, 7, 11, 6, 3, 1]
+    q, kc, vc, md = build_batch(seq_lens, query_lens, 4, 64, 8, 2, 32, dtype, 3)
+    ref = reference_paged_attention(q, kc, vc, md, scale=0.2)
+    md.split_rows()
+    assert md.prefill_rows == [4, 7]  # left to the loop
+    lens = [g.length for g in md.prefill_groups]
+    assert lens == [6, 11]
+    six, eleven = md.prefill_groups
+    qsl = md.query_start_loc
+    assert six.tokens.tolist() == [  # type: ignore[union-attr]
+        p for i in (0, 1, 3, 6) for p in range(qsl[i], qsl[i + 1])
+    ]
+    assert eleven.tokens.tolist() == [  # type: ignore[union-attr]
+        p for i in (2, 5) for p in range(qsl[i], qsl[i + 1])
+    ]
+    fast = paged_attention(q, kc, vc, md, scale=0.2)
+    prefill = slice(0, qsl[-2])  # every row but the decode row at the end
+    # Batched fresh prompts run SDPA on the reference's sizes and mask: the same bits.
+    torch.testing.assert_close(fast[prefill], ref[prefill], atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+
+
+def test_adjacent_fresh_prompts_are_a_slice() -> None:
+    q, kc, vc, md = build_batch([5, 5, 5], [5, 5, 5], 4, 16, 4, 2, 16, torch.float32, 4)
+    ref = reference_paged_attention(q, kc, vc, md, scale=0.3)
+    md.split_rows()
+    assert md.prefill_rows == [] and len(md.prefill_groups) == 1
+    assert md.prefill_groups[0].tokens == slice(0, 15)
+    torch.testing.assert_close(paged_attention(q, kc, vc, md, 0.3), ref, atol=0, rtol=0)
+
+
 def test_all_decode_batch_skips_indexing() -> None:
     q, kc, vc, md = build_batch([3, 20, 9], [1, 1, 1], 4, 16, 4, 2, 8, torch.float32, 9)
     fast = paged_attention(q, kc, vc, md, scale=0.3)
