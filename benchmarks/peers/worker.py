@@ -32,11 +32,14 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[flo
         kv_cache_memory=args.kv_cache,
         max_num_batched_tokens=4096,
     )
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # Token ids only, no text: as the vLLM run (detokenize=False), so both do the same work.
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
+    )
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warm, use_tqdm=False)
     if args.stop_at_eos:
-        params = SamplingParams(temperature=0, max_tokens=args.output_len)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

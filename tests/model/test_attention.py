@@ -173,7 +173,7 @@ needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("h", "hkv", "d", "block_size"),
-    [(4, 2, 16, 8), (8, 8, 32, 4), (8, 2, 64, 16), (12, 3, 16, 1), (4, 1, 128, 16)],
+    [(4, 2, 16, 8), (8, 8, 32, 4), (8, 2, 64, 16), (12, 3, 16, 1), (4, 1, 128, 16), (8, 2, 64, 24)],
 )
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cpu_kernel_equals_reference(
