@@ -93,6 +93,7 @@ class ModelConfig:
     prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
     fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
+    warmup: bool = True  # prepacked (CPU bf16): a dummy max-size prefill before serving
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))

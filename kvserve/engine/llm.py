@@ -44,6 +44,7 @@ def build_engine_config(
     prepack_weights: bool = True,
     attention_backend: str = "auto",
     fused_ops: bool = True,
+    warmup: bool = True,
 ) -> EngineConfig:
     """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
     if model is not None and Path(model).is_dir():
@@ -62,6 +63,7 @@ def build_engine_config(
             prepack_weights=prepack_weights,
             attention_backend=AttentionBackend(attention_backend),
             fused_ops=fused_ops,
+            warmup=warmup,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -24,6 +24,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import CompletionState, ParentRequest, update_text
 from kvserve.model.loader import load_hf_config, load_model, model_max_len
+from kvserve.model.packed_linear import packing_supported
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.malloc_tuning import keep_freed_memory
@@ -100,6 +101,17 @@ class LLMEngine:
         if self.device.type == "cpu":
             # After the weights and KV cache exist, so only step-time buffers are affected.
             keep_freed_memory()
+        self.warmup_tokens = 0  # tokens of the start-up dummy prefill (0: none)
+        if mc.warmup and mc.prepack_weights and packing_supported(self.device, mc.dtype):
+            # After the malloc tuning, so the warm-up's buffers stay in the heap for reuse.
+            t1 = time.perf_counter()
+            max_tokens = config.scheduler.max_num_batched_tokens
+            self.warmup_tokens = self.runner.warm_up(max_tokens, self.max_model_len)
+            logger.info(
+                "warm-up: %d-token dummy prefill in %.2fs",
+                self.warmup_tokens,
+                time.perf_counter() - t1,
+            )
         self.scheduler = Scheduler(config.scheduler, cc, self.kv)
         self.kv_info = {
             "num_blocks": num_blocks,

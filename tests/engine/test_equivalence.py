@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +91,34 @@ def test_bf16_fast_paths_keep_outputs(tiny_models: TinyModels, arch: str) -> Non
         assert llm.engine.runner.model.norm.fused == fused
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_warm_up_leaves_no_trace(tiny_llama: Path) -> None:
+    """The dummy prefill at start-up runs whole 32-token rows into blocks 0.. without the
+    block pool, and later requests generate exactly what they do without it."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = []
+    for warmup in (False, True):
+        llm = LLM(
+            str(tiny_llama),
+            dtype="bfloat16",
+            num_kv_blocks=40,
+            block_size=4,
+            max_num_batched_tokens=100,
+            warmup=warmup,
+        )
+        assert llm.engine.warmup_tokens == (96 if warmup else 0)
+        assert llm.stats()["num_free_kv_blocks"] == 40  # the pool never saw the dummy rows
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    runner = llm.engine.runner
+    k_cache = runner.kv_caches[0][0]
+    k_cache.zero_()
+    # 100 tokens -> 3 rows of 32 (8 blocks of 4 each): blocks 0..23 written, 24.. untouched.
+    assert runner.warm_up(100, max_len=2048) == 96
+    written = k_cache.flatten(1).ne(0).any(dim=1)  # [num_blocks]
+    assert written.nonzero().flatten().tolist() == list(range(24))
+    # A short context limit shortens the rows; the KV cache caps the row count.
+    assert runner.warm_up(100, max_len=6) == 96  # 16 rows of 6 tokens, 2 blocks each
+    assert runner.warm_up(10_000, max_len=2048) == 5 * 32  # 40 blocks hold 5 rows
