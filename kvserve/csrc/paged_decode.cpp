@@ -46,7 +46,6 @@ struct HeadTask {
   int64_t len;            // context tokens
   int64_t block_stride;   // elements from one block to the next (hkv * block_size * d)
   float scale;            // softmax scale
-  float* scores;          // scratch [group * len]: scores, then softmax numerators
 };
 
 // Asks the CPU to start loading this head's first `n` vectors of block `blk` (one
@@ -111,9 +110,10 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t d) {
   }
 }
 
-// Scratch of one thread for head_generic: scaled float queries, accumulators, one row.
+// Scratch of one thread for head_generic: scaled float queries, accumulators, one row, scores.
 struct Scratch {
   std::vector<float> qf, acc, row;
+  std::vector<float> scores;  // [group * len]: scores, then softmax numerators
 };
 
 template <typename T>
@@ -122,6 +122,8 @@ void head_generic(const HeadTask<T>& t, Scratch& w) {
   w.qf.resize(t.group * d);
   w.acc.assign(t.group * d, 0.f);
   w.row.resize(d);
+  w.scores.resize(t.group * len);
+  float* scores = w.scores.data();
   float *qf = w.qf.data(), *acc = w.acc.data(), *row = w.row.data();
   for (int64_t g = 0; g < t.group; ++g) {
     for (int64_t i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(t.q[g][i]) * t.scale;
@@ -133,15 +135,15 @@ void head_generic(const HeadTask<T>& t, Scratch& w) {
       for (int64_t i = 0; i < d; i += Vec::size()) {
         s = at::vec::fmadd(Vec::loadu(qf + g * d + i), Vec::loadu(row + i), s);
       }
-      t.scores[g * len + p] = reduce_sum(s);
+      scores[g * len + p] = reduce_sum(s);
     }
   });
   float inv[kMaxGroup];
-  softmax_numerators(t.scores, t.group, len, inv);
+  softmax_numerators(scores, t.group, len, inv);
   for_each_token(t, t.v, [&](int64_t p, const T* v) {  // acc[g] = sum_p w[g, p] * v_p
     load_row(v, row, d);
     for (int64_t g = 0; g < t.group; ++g) {
-      const Vec wv(t.scores[g * len + p]);
+      const Vec wv(scores[g * len + p]);
       float* a = acc + g * d;
       for (int64_t i = 0; i < d; i += Vec::size()) {
         at::vec::fmadd(wv, Vec::loadu(row + i), Vec::loadu(a + i)).store(a + i);
@@ -299,7 +301,6 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   const int64_t items = num_rows * hkv;
   const int64_t grain = total * hkv * d * 2 < at::internal::GRAIN_SIZE ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
     Scratch scratch;
     HeadTask<T> t{};
     t.group = group;
@@ -318,8 +319,6 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       t.v = v_cache.const_data_ptr<T>() + kh * bs * d;
       t.table = tables + r * table_stride;
       t.len = lens[r];
-      scores.resize(group * t.len);
-      t.scores = scores.data();
       run_head(t, scratch);
     }
   });

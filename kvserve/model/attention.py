@@ -148,11 +148,10 @@ class AttentionMetadata:
             tokens: torch.Tensor | slice
             if adjacent:
                 tokens = slice(starts[0], starts[0] + length * len(members))
-                slots = self.slot_mapping[tokens]
             else:
                 idx = [s + p for s in starts for p in range(length)]
                 tokens = torch.tensor(idx, dtype=torch.long, device=device)
-                slots = self.slot_mapping[tokens]
+            slots = self.slot_mapping[tokens]
             mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
             self.prefill_groups.append(
                 PrefillGroup(
