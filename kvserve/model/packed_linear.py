@@ -8,6 +8,8 @@ the packed layer gives the same numbers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -18,14 +20,32 @@ DEFAULT_BATCH_HINT = 64
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Prepacking applies to bf16 on CPUs whose PyTorch build has oneDNN."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Prepacking applies to bf16 on CPUs whose oneDNN has a bf16 path for them."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16_packing()
+
+
+@functools.cache
+def _onednn_bf16_packing() -> bool:
+    """Whether this CPU can run oneDNN's bf16 weight reorder.
+
+    oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (seen
+    on an AMD EPYC Milan VM) ``_reorder_linear_weight`` raises, so the server could not even
+    load its model. Asked once, with a tiny probe; such CPUs keep ``nn.Linear``.
+    """
+    mkldnn = torch.ops.mkldnn
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+    ):
+        return False
+    if hasattr(mkldnn, "_is_mkldnn_bf16_supported") and not mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.packed_linear import packing_supported
 from tests.engine.conftest import TinyModels
 from tests.engine.utils import random_prompts
 
@@ -108,7 +109,9 @@ def test_warm_up_leaves_no_trace(tiny_llama: Path) -> None:
             max_num_batched_tokens=100,
             warmup=warmup,
         )
-        assert llm.engine.warmup_tokens == (96 if warmup else 0)
+        # The engine warms up only where weights are prepacked (not on AVX2-only CPUs).
+        packs = packing_supported(torch.device("cpu"), torch.bfloat16)
+        assert llm.engine.warmup_tokens == (96 if warmup and packs else 0)
         assert llm.stats()["num_free_kv_blocks"] == 40  # the pool never saw the dummy rows
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]

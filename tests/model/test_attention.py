@@ -216,7 +216,7 @@ def test_cpu_kernel_matches_sdpa_path_across_thread_counts() -> None:
 
 @needs_kernels
 def test_cpu_kernel_rejects_bad_input() -> None:
-    q, kc, vc, md = build_batch([5], [1], 4, 8, 2, 1, 8, torch.float32, 0)  # head_dim 8
+    q, kc, vc, md = build_batch([5], [1], 4, 8, 2, 1, 4, torch.float32, 0)  # head_dim 4
     md.split_rows(use_kernel=True)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple"):
         paged_attention(q, kc, vc, md, 0.5)

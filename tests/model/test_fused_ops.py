@@ -15,6 +15,11 @@ from kvserve.model.llama import RMSNorm, apply_rope
 # bit (the model uses them only in bf16). float32: RMSNorm sums its squares in another order
 # and SiLU's scalar tail uses another exp, so allow float rounding there.
 EXACT = {torch.bfloat16: True, torch.float32: False}
+# The kernel sums RMSNorm's squares 16 floats at a time, in ATen's AVX-512 order. Where torch
+# dispatches to AVX2 (8-wide; seen on an AMD EPYC Milan VM) ATen sums in another order, and a
+# row's float32 norm can differ in its last bit: 3 of 131,072 bf16 outputs then differ by one
+# bf16 ulp of x * rsqrt(mean). There that is allowed for RMSNorm; everything else stays exact.
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 # With a compiler the kernels must build: a broken build fails here instead of skipping.
 HAS_COMPILER = shutil.which("c++") is not None
@@ -39,7 +44,13 @@ def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
     x = rand(tokens, hidden, dtype=dtype, seed=2)
     ref = norm(x)
     got = cpu_kernels.rms_norm(x, norm.weight, 1e-5)
-    if EXACT[dtype]:
+    if EXACT[dtype] and not AVX512:
+        # One ulp of the bf16 intermediate x * rsqrt(mean), scaled by the weight: within two
+        # bf16 roundings of the reference, and in at most 1 of 10,000 outputs.
+        bound = 2 * torch.finfo(torch.bfloat16).eps * ref.float().abs()
+        assert ((got.float() - ref.float()).abs() <= bound).all()
+        assert int((got != ref).sum()) <= tokens * hidden // 10_000
+    elif EXACT[dtype]:
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
     else:
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
