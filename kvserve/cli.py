@@ -24,6 +24,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-policy", choices=["preempt", "reserve"], default="preempt")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--swap-space", default="4GiB", help="CPU swap space for --preemption-mode swap")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="admission order: first come first served, or by the request's priority "
+        "(lower first; with --kv-policy preempt a waiting request may preempt a running one)",
+    )
+    p.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        default=1,
+        help="with --scheduling-policy priority: how much lower a waiting request's priority "
+        "must be to preempt a running request",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="cap on the context length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -56,6 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "block_size": args.block_size,
         "kv_policy": args.kv_policy,
         "preemption_mode": args.preemption_mode,
+        "scheduling_policy": args.scheduling_policy,
+        "priority_scheduling_preemption_threshold": args.priority_scheduling_preemption_threshold,
         "swap_space": args.swap_space,
         "max_model_len": args.max_model_len,
         "seed": args.seed,

@@ -27,6 +27,13 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"  # copy the blocks to CPU swap space and back when resumed
 
 
+class SchedulingPolicy(enum.Enum):
+    """The order in which waiting requests are admitted (vLLM's ``--scheduling-policy``)."""
+
+    FCFS = "fcfs"  # first come, first served; the newest running request is preempted first
+    PRIORITY = "priority"  # lowest ``priority`` value first, then arrival; may preempt
+
+
 class AttentionBackend(enum.Enum):
     """How decode rows attend over the paged KV cache (prefill rows always use SDPA)."""
 
@@ -125,6 +132,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # most tokens computed in one step (prefill chunking)
     kv_policy: KVPolicy = KVPolicy.PREEMPT
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # Under PRIORITY + PREEMPT, a waiting request preempts a running one only when its
+    # priority value is lower by at least this much (SGLang's flag), so that near-equal
+    # priorities do not evict each other back and forth.
+    priority_scheduling_preemption_threshold: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -136,6 +148,12 @@ class SchedulerConfig:
         # Accept the strings users type ("reserve", "swap") as well as the enums.
         object.__setattr__(self, "kv_policy", KVPolicy(self.kv_policy))
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        if self.priority_scheduling_preemption_threshold < 1:
+            raise ValueError(
+                "priority_scheduling_preemption_threshold must be at least 1, got "
+                f"{self.priority_scheduling_preemption_threshold}."
+            )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ class CompletionOutput:
     token_ids: list[int]  # generated token ids so far (cumulative)
     cumulative_logprob: float | None  # sum of sampled-token logprobs, when logprobs were asked for
     logprobs: list[TokenLogprobs] | None  # per generated token, when logprobs were asked for
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None if running
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     def finished(self) -> bool:
@@ -41,3 +41,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # timing, for the server's histograms
     num_cached_tokens: int = 0  # prompt tokens served from cache (reserved for prefix caching)
     extra: dict[str, object] = field(default_factory=dict)  # free-form info for callers
+    # Why the engine failed this request (its completions end with finish reason "error");
+    # None for every request that ran normally. Other requests are never affected.
+    error: str | None = None

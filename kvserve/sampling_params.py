@@ -6,10 +6,54 @@ clear ``ValueError`` before a request ever reaches the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is treated as greedy (argmax); vLLM uses the same cut-off.
 _GREEDY_EPS = 1e-5
+# Seeds are int64: torch.Generator.manual_seed takes [-2**63, 2**64), and the n > 1 children
+# use seed + i, which must stay inside that range.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def is_int(value: object) -> bool:
+    """A real integer: ``bool`` is an ``int`` subclass in Python, but ``True`` is no token id."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Every field that reaches a tensor has the type the tensor needs (clear errors, early)."""
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if value is not None and not is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}.")
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
+        raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {params.seed}.")
+    ids = params.stop_token_ids
+    if ids is not None and (
+        not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids)
+    ):
+        raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}.")
+    stop = params.stop
+    if stop is not None and not (
+        isinstance(stop, str)
+        or (isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop))
+    ):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}.")
 
 
 @dataclass
@@ -35,6 +79,7 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, default_factory=list)  # normalised `stop`
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
@@ -73,8 +118,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty.")
         if self.stop_list and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in text).")
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"  # cancelled by the caller
+    FINISHED_ERROR = "error"  # the engine failed on this request's data; others unaffected
 
     @property
     def finished(self) -> bool:
@@ -25,6 +26,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
     @property
@@ -44,8 +46,10 @@ class Request:
         eos_token_ids: list[int],
         arrival_time: float | None = None,
         device: str | torch.device = "cpu",
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower runs first under SchedulingPolicy.PRIORITY
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens  # resolved: the request param capped by the context

@@ -9,17 +9,21 @@ The KV policy decides admission and what happens when blocks run out:
   preempts the newest running request (FCFS keeps the oldest going), by recompute or swap.
 - ``KVPolicy.RESERVE``: admit only when prompt + max_tokens fit, and hold those blocks;
   running requests then always have room, so nothing is ever preempted.
+
+The scheduling policy (``request_queue.py``) orders the waiting and swapped queues and picks
+preemption victims: FCFS, or priority (lower value first). Under priority + preempt, a waiting
+request whose priority beats a running one's by the threshold may preempt it.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig
+from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request_queue import create_request_queue, pick_victim
 
 
 @dataclass
@@ -62,16 +66,17 @@ class Scheduler:
         self.config = sched
         self.block_size = cache.block_size
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.policy = sched.scheduling_policy
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []  # in admission order
+        self.swapped = create_request_queue(self.policy)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
         self._refresh_stats()
 
     def has_unfinished_requests(self) -> bool:
@@ -96,6 +101,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], {}, {})
+        self._admitted: set[str] = set()  # ids admitted this step: never preempted in it
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
         # older than anything waiting, so they come back first.
@@ -118,6 +124,14 @@ class Scheduler:
         out.scheduled.append(req)
         out.num_scheduled_tokens[req.request_id] = n
 
+    def _unschedule(self, out: SchedulerOutput, req: Request) -> int:
+        """Take a request that is about to be preempted out of this step; its tokens go back
+        to the budget (returned)."""
+        n = out.num_scheduled_tokens.pop(req.request_id, 0)
+        if n:
+            out.scheduled.remove(req)
+        return n
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -126,12 +140,18 @@ class Scheduler:
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 if self.config.kv_policy is KVPolicy.RESERVE:
                     raise RuntimeError("reserve policy ran out of reserved blocks")  # a bug
-                victim = self.running.pop()  # the newest running request
+                victim = pick_victim(self.running, self.policy)
+                victim_idx = self.running.index(victim)
+                del self.running[victim_idx]
+                budget += self._unschedule(out, victim)  # scheduled earlier this step
                 self._preempt(victim, out)
                 if victim is req:
                     break
+                if victim_idx < idx:
+                    idx -= 1
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: it was the last one running
+                continue  # it preempted itself; running[idx] is now the next request
             self._take(out, req, n)
             budget -= n
             idx += 1
@@ -146,17 +166,38 @@ class Scheduler:
             if pairs is not None:
                 out.blocks_to_swap_out.extend(pairs)
                 req.status = RequestStatus.SWAPPED
-                self.swapped.appendleft(req)
+                self.swapped.prepend(req)
                 return
             # Swap space full: fall back to recompute rather than fail the request.
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Priority + preempt: preempt the lowest-priority running request for the waiting
+        ``req`` if ``req`` beats it by the threshold; returns the budget given back, or None
+        when there is no such victim. Requests admitted this step are never victims (a
+        request swapped in this step cannot be swapped out in the same step)."""
+        if self.policy is not SchedulingPolicy.PRIORITY or self.config.kv_policy is not (
+            KVPolicy.PREEMPT
+        ):
+            return None
+        candidates = [r for r in self.running if r.request_id not in self._admitted]
+        if not candidates:
+            return None
+        victim = pick_victim(candidates, self.policy)
+        threshold = self.config.priority_scheduling_preemption_threshold
+        if victim.priority - req.priority < threshold:
+            return None
+        self.running.remove(victim)
+        given_back = self._unschedule(out, victim)
+        self._preempt(victim, out)
+        return given_back
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.swapped[0]
+            req = self.swapped.peek()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = blocks_for(req.num_computed_tokens + n, self.block_size)
             if not self.kv.can_allocate(max(need, self.kv.num_swapped_blocks(req.request_id))):
@@ -165,30 +206,42 @@ class Scheduler:
             assert pairs is not None  # room was checked above
             out.blocks_to_swap_in.extend(pairs)
             self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
-            self.swapped.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._take(out, req, n)
+            self.swapped.pop()
+            self._admit(out, req, n)
             budget -= n
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.waiting[0]
+        while self.waiting and budget > 0:
+            req = self.waiting.peek()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.config.kv_policy is KVPolicy.RESERVE:
-                if not self.kv.can_allocate(blocks_for(req.max_total_tokens, self.block_size)):
-                    break
-                self.kv.allocate_slots(req.request_id, req.max_total_tokens)
-            elif self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
-                break
-            self.waiting.popleft()
+            if len(self.running) >= self.config.max_num_seqs or not self._allocate_new(req, n):
+                given_back = self._preempt_for(req, out)
+                if given_back is None:
+                    break  # the head of the line waits; nothing behind it jumps ahead
+                budget += given_back
+                continue
+            self.waiting.pop()
             if req.num_output_tokens == 0 and req.metrics.num_preemptions == 0:
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._take(out, req, n)
+            self._admit(out, req, n)
             budget -= n
+
+    def _allocate_new(self, req: Request, n: int) -> bool:
+        """Blocks for a request leaving the waiting queue: prompt + max_tokens under reserve,
+        its first ``n`` tokens under preempt. False (nothing held) when they do not fit."""
+        if self.config.kv_policy is KVPolicy.RESERVE:
+            if not self.kv.can_allocate(blocks_for(req.max_total_tokens, self.block_size)):
+                return False
+            self.kv.allocate_slots(req.request_id, req.max_total_tokens)
+            return True
+        return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is not None
+
+    def _admit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._admitted.add(req.request_id)
+        self._take(out, req, n)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int]

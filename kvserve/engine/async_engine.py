@@ -63,12 +63,18 @@ class EngineStepError(RuntimeError):
     """An engine step failed; every request that was in flight is failed with this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request's own data; other requests were not affected."""
+
+
 @dataclass
 class _AddCommand:
     request_id: str
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
+    priority: int = 0  # lower runs first (vLLM's convention); used by the priority policy
+    num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
 
 
 class RequestStream:
@@ -158,11 +164,15 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         max_queued_requests: int | None = None,
         start: bool = True,
+        max_queued_tokens: int | None = None,
     ) -> None:
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_queued_tokens is not None and max_queued_tokens < 0:
+            raise ValueError(f"max_queued_tokens must be >= 0, got {max_queued_tokens}")
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_requests = max_queued_requests  # counts sequences (n per request)
+        self.max_queued_tokens = max_queued_tokens  # counts prompt tokens x n of queued sequences
         self._cond = threading.Condition()  # guards every field below that both threads use
         self._commands: list[_AddCommand | str] = []  # adds, and request ids to abort
         # request id -> stream, until finished. Weak, so that a stream its consumer dropped is
@@ -171,6 +181,8 @@ class AsyncLLMEngine:
         self._orphans: collections.deque[str] = collections.deque()  # ids of collected streams
         self._pending_seqs = 0  # sequences (n per request) handed over but not yet added
         self._waiting_seqs = 0  # sequences waiting in the engine, as of the last publish
+        self._pending_tokens = 0  # prompt tokens x n handed over but not yet added
+        self._waiting_tokens = 0  # prompt tokens of waiting sequences, as of the last publish
         self._stats: dict[str, Any] = {}
         self._stop = False
         self._dead_reason: str | None = None
@@ -234,38 +246,79 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a request and return its output stream: ``async for out in generate(...)``.
 
         Deliberately not an ``async def`` generator: validation and admission happen here, at
         call time, so bad input raises ``ValueError`` and a full queue ``QueueFullError`` at
         once, before the caller commits to (say) a streaming HTTP response. Must be called from
-        a running event loop, which is where the outputs are delivered.
+        a running event loop, which is where the outputs are delivered. ``priority`` orders
+        admission under the ``priority`` scheduling policy (lower first, as in vLLM).
         """
         params = params or SamplingParams()
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
         text, ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate(ids, params)
+        self.engine.validate(ids, params, priority)
         # Hand over the tokenized form so the engine thread does not tokenize again.
         resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        cmd = _AddCommand(
+            request_id, resolved, params, time.monotonic(), priority, len(ids) * params.n
+        )
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            queued = self._pending_seqs + self._waiting_seqs
-            if self.max_queued_requests is not None and queued >= self.max_queued_requests:
-                raise QueueFullError(
-                    f"the server is busy: {queued} requests are already queued "
-                    f"(limit {self.max_queued_requests}); retry later",
-                    self._retry_after(),
-                )
+            self._check_queue_room(cmd)
             self._streams[request_id] = weakref.ref(stream)
-            self._commands.append(_AddCommand(request_id, resolved, params, time.monotonic()))
+            self._commands.append(cmd)
             self._pending_seqs += params.n
+            self._pending_tokens += cmd.num_tokens
             self._cond.notify()
         return stream
+
+    def _check_queue_room(self, cmd: _AddCommand) -> None:
+        """Raise ``QueueFullError`` unless the request's sequences (n of them) and prompt tokens
+        fit under the queue caps. Call with the lock held."""
+        n = cmd.params.n
+        queued = self._pending_seqs + self._waiting_seqs
+        cap = self.max_queued_requests
+        if cap is not None and queued + n > cap:
+            raise QueueFullError(
+                f"the server is busy: {queued} sequences are already queued and this request "
+                f"adds {n} (limit {cap}, --max-queued-requests); retry later",
+                self._retry_after(),
+            )
+        tokens = self._pending_tokens + self._waiting_tokens
+        cap = self.max_queued_tokens
+        if cap is not None and tokens + cmd.num_tokens > cap:
+            raise QueueFullError(
+                f"the server is busy: {tokens} prompt tokens are already queued and this "
+                f"request adds {cmd.num_tokens} (limit {cap}, --max-num-queued-tokens); "
+                f"retry later",
+                self._retry_after(),
+            )
+
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted and not yet finished, failed or aborted (any thread)."""
+        with self._cond:
+            return len(self._streams)
+
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every request in flight with ``error`` (their streams raise it; a streaming
+        handler sends it as an error event before ``[DONE]``) and abort them in the engine.
+        Thread-safe; the engine keeps serving new requests. Returns how many were failed."""
+        with self._cond:
+            refs, self._streams = self._streams, {}
+            for rid in refs:
+                if not self._drop_pending_add(rid):
+                    self._commands.append(rid)
+            self._cond.notify()
+        streams = [s for s in (r() for r in refs.values()) if s is not None]
+        self._send([(s, error) for s in streams])
+        return len(refs)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, idempotent); its KV blocks are freed before the next
@@ -278,13 +331,20 @@ class AsyncLLMEngine:
         """Forget the stream; drop a pending add, else queue an engine abort (returned True)."""
         if self._streams.pop(request_id, None) is None:
             return False  # unknown or already finished
+        if self._drop_pending_add(request_id):
+            return False
+        self._commands.append(request_id)
+        return True
+
+    def _drop_pending_add(self, request_id: str) -> bool:
+        """Remove a not-yet-applied add of ``request_id`` (lock held); True if there was one."""
         for i, cmd in enumerate(self._commands):
             if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
                 del self._commands[i]
                 self._pending_seqs -= cmd.params.n
-                return False
-        self._commands.append(request_id)
-        return True
+                self._pending_tokens -= cmd.num_tokens
+                return True
+        return False
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; requests still in flight fail with ``EngineDeadError``."""
@@ -337,8 +397,12 @@ class AsyncLLMEngine:
             if isinstance(cmd, str):
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
-            except ValueError as exc:  # e.g. state changed since validation: fail just this one
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority
+                )
+            except Exception as exc:  # this request's own fault: fail just this one
+                if not isinstance(exc, ValueError):
+                    logger.exception("adding request %s failed", cmd.request_id)
                 with self._cond:
                     ref = self._streams.pop(cmd.request_id, None)
                 stream = ref() if ref is not None else None
@@ -347,6 +411,7 @@ class AsyncLLMEngine:
             finally:
                 with self._cond:
                     self._pending_seqs -= cmd.params.n
+                    self._pending_tokens -= cmd.num_tokens
         self._publish_stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -358,7 +423,8 @@ class AsyncLLMEngine:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
                 if stream is not None:  # else aborted or collected meanwhile
-                    items.append((stream, out))
+                    error = None if out.error is None else RequestFailedError(out.error)
+                    items.append((stream, error or out))
         for out in outputs:
             if out.finished:
                 self._request_finished(out)
@@ -413,6 +479,7 @@ class AsyncLLMEngine:
             ids = [c for c in self._commands if isinstance(c, str)] + (aborted or [])
             self._commands = []
             self._pending_seqs = 0
+            self._pending_tokens = 0
         streams = [s for s in (r() for r in refs.values()) if s is not None]
         self._send([(s, error) for s in streams])
         self.engine.abort_request([*refs, *ids])
@@ -422,8 +489,11 @@ class AsyncLLMEngine:
         # The scheduler's counters refresh on schedule(); the live queue length is more useful
         # for admission control, and reading it is safe here in the engine thread.
         waiting = self.engine.num_waiting()
+        # Summing the waiting prompts costs O(waiting) per step: only when a token cap asks.
+        waiting_tokens = self.engine.num_waiting_tokens() if self.max_queued_tokens else 0
         with self._cond:
             self._waiting_seqs = waiting
+            self._waiting_tokens = waiting_tokens
             stats["num_waiting"] = waiting
             stats["num_pending"] = self._pending_seqs
             stats["num_queued"] = self._pending_seqs + waiting

@@ -36,6 +36,8 @@ def build_engine_config(
     max_num_batched_tokens: int = 2048,
     kv_policy: str = "preempt",
     preemption_mode: str = "recompute",
+    scheduling_policy: str = "fcfs",
+    priority_scheduling_preemption_threshold: int = 1,
     swap_space: int | str = "4GiB",
     seed: int = 0,
     max_model_len: int | None = None,
@@ -76,6 +78,8 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             kv_policy=kv_policy,
             preemption_mode=preemption_mode,
+            scheduling_policy=scheduling_policy,
+            priority_scheduling_preemption_threshold=priority_scheduling_preemption_threshold,
         ),
         device=device,
     )
@@ -99,8 +103,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in the order given."""
+        """One ``RequestOutput`` per prompt, in the order given.
+
+        ``priority``: one value per prompt, lower runs first (needs
+        ``scheduling_policy="priority"``). A request the engine fails on (never expected:
+        input is validated first) comes back with finish reason ``error`` and
+        ``RequestOutput.error`` set; the other requests are not affected.
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -114,19 +125,26 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
-        for p, sp in zip(prompts, params_list, strict=True):
-            self.engine.validate(self.engine.tokenize_prompt(p)[1], sp)
-        return self._run(prompts, params_list, use_tqdm)
+        for p, sp, prio in zip(prompts, params_list, priorities, strict=True):
+            self.engine.validate(self.engine.tokenize_prompt(p)[1], sp, prio)
+        return self._run(prompts, params_list, priorities, use_tqdm)
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         done: dict[str, RequestOutput] = {}
         try:
-            for rid, p, sp in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(rid, p, sp)
+            for rid, p, sp, prio in zip(ids, prompts, params, priorities, strict=True):
+                self.engine.add_request(rid, p, sp, priority=prio)
             with tqdm(
                 total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
             ) as bar:

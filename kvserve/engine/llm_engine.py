@@ -18,15 +18,16 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig, PreemptionMode
+from kvserve.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.fault_isolation import EngineFaultError, engine_works, execute_isolating
 from kvserve.engine.output_processor import CompletionState, ParentRequest, update_text
 from kvserve.model.loader import load_hf_config, load_model, model_max_len
 from kvserve.model.packed_linear import packing_supported
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_int
 from kvserve.worker.malloc_tuning import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -141,7 +142,10 @@ class LLMEngine:
         """(text or None, token ids) for any accepted prompt form; raises ValueError if bad."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -149,20 +153,30 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; send prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. a lone surrogate, which no tokenizer can encode
+                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
+        if isinstance(prompt, list) and all(is_int(t) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Check a request can ever run; returns its resolved max_tokens."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
+        """Check a request can ever run, with the model's real limits (every token id inside
+        the vocabulary); returns its resolved max_tokens. Raises ValueError."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
         vocab = self.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {vocab})")
+            raise ValueError(f"token id {bad[0]!r} is out of the vocabulary (size {vocab})")
+        bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is out of the vocabulary (size {vocab})"
+            )
+        self._check_priority(priority)
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
@@ -182,18 +196,32 @@ class LLMEngine:
             )
         return max_tokens
 
+    def _check_priority(self, priority: int) -> None:
+        if not is_int(priority) or not SEED_MIN <= priority <= SEED_MAX:
+            raise ValueError(f"priority must be an int64 integer, got {priority!r}")
+        policy = self.config.scheduler.scheduling_policy
+        if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
+            # vLLM's rule: a priority that would be ignored is an error, not a silent no-op.
+            raise ValueError(
+                f"got priority {priority} but priority scheduling is not enabled "
+                f"(scheduling_policy is {policy.value!r}; use --scheduling-policy priority)"
+            )
+
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request (``n`` child sequences). ``priority``: lower runs first under the
+        ``priority`` scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        max_tokens = self.validate(ids, params)
+        max_tokens = self.validate(ids, params, priority)
         parent = ParentRequest(request_id, text, ids, params)
         for i in range(params.n):
             child_params = params
@@ -202,7 +230,14 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
-                cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, self.device
+                cid,
+                ids,
+                child_params,
+                max_tokens,
+                self.eos_token_ids,
+                arrival_time,
+                self.device,
+                priority,
             )
             stream = None
             if self.tokenizer is not None and params.detokenize:
@@ -240,6 +275,10 @@ class LLMEngine:
         """Requests queued and not yet running (preempted-with-recompute ones included)."""
         return len(self.scheduler.waiting)
 
+    def num_waiting_tokens(self) -> int:
+        """Tokens of the queued requests (prompt plus any output of a preempted one)."""
+        return sum(r.num_tokens for r in self.scheduler.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -248,15 +287,24 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. A fault caused by one request's data fails that request alone
+        (finish reason ``error``, ``RequestOutput.error`` says why); the others continue with
+        the outputs they would have had. Raises ``EngineFaultError`` only when the engine
+        itself is broken (see ``fault_isolation``)."""
         timings = self.runner.timings
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         timings.schedule += time.perf_counter() - t0
-        out = self.runner.execute(sched)
+        out = execute_isolating(self.runner, sched)
         t1 = time.perf_counter()
+        failed_parents = self._fail_requests(out.failed)
+        all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
+        if all_failed and not engine_works(self.runner, self.kv):
+            raise EngineFaultError(f"every request of the step failed: {out.failed}")
         updated, finished = self.scheduler.update_from_output(sched, out.sampled)
         now = time.monotonic()
         stopped: list[str] = []
+        text_failed: dict[str, str] = {}
         for req in updated:
             rid = req.request_id
             state = self._child_state[rid]
@@ -266,7 +314,12 @@ class LLMEngine:
                 req.cumulative_logprob += out.sampled_logprob[rid]
                 req.logprobs.append(out.top_logprobs.get(rid, {}))
             parent = self._child_parent[rid]
-            if update_text(state, self._backend_tokenizer, parent.params):
+            try:
+                hit = update_text(state, self._backend_tokenizer, parent.params)
+            except Exception as exc:  # a token the tokenizer cannot decode, say
+                text_failed[rid] = f"detokenizing failed: {exc!r}"
+                continue
+            if hit:
                 if req.status.finished:
                     req.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
                 else:
@@ -278,11 +331,32 @@ class LLMEngine:
             if state.stop_reason is None:
                 state.stop_reason = req.stop_reason
             req.metrics.finished_time = now
-        outputs = self._collect(
-            {self._child_parent[r.request_id].request_id: None for r in updated}
-        )
+        failed_parents += self._fail_requests(text_failed)
+        parent_ids = dict.fromkeys(failed_parents)
+        parent_ids.update((self._child_parent[r.request_id].request_id, None) for r in updated)
+        outputs = self._collect(parent_ids)
         timings.output += time.perf_counter() - t1
         return outputs
+
+    def _fail_requests(self, reasons: dict[str, str]) -> list[str]:
+        """Finish the parents of the failed child requests (all their children: they share
+        the data that failed) with finish reason ``error``; returns the parent ids."""
+        parents: list[str] = []
+        for cid, reason in reasons.items():
+            parent = self._child_parent.get(cid)
+            if parent is None or parent.error is not None:
+                continue
+            logger.warning("request %s failed and is finished: %s", parent.request_id, reason)
+            parent.error = reason
+            ids = [c.request.request_id for c in parent.children]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            now = time.monotonic()
+            for c in parent.children:
+                if c.finish_reason is None:
+                    c.finish_reason = RequestStatus.FINISHED_ERROR.finish_reason
+                    c.request.metrics.finished_time = now
+            parents.append(parent.request_id)
+        return parents
 
     def _collect(self, parent_ids: dict[str, None]) -> list[RequestOutput]:
         outputs = []

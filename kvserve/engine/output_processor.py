@@ -52,6 +52,7 @@ class ParentRequest:
     prompt_token_ids: list[int]  # tokenized prompt
     params: SamplingParams  # the caller's parameters (n children share them, seeds offset)
     children: list[CompletionState] = field(default_factory=list)  # one per completion
+    error: str | None = None  # why the engine failed this request (finish reason "error")
 
     @property
     def finished(self) -> bool:
@@ -67,6 +68,7 @@ class ParentRequest:
             outputs=[c.completion(self.params, hold) for c in self.children],
             finished=self.finished,
             metrics=first.metrics,
+            error=self.error,
         )
 
 

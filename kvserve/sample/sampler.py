@@ -355,8 +355,15 @@ def _sample_random_rows(
     if filter_rows:
         need_k = any(params[j].top_k > 0 for j in filter_rows)
         need_p = any(params[j].top_p < 1.0 for j in filter_rows)
+        # k >= V keeps every token (the same as disabled): clamp before building the tensor, so
+        # a huge k (2**63 from a client) cannot overflow int64.
+        vocab_size = logits.shape[1]
         top_k = (
-            torch.tensor([params[j].top_k for j in filter_rows], dtype=torch.long, device=device)
+            torch.tensor(
+                [min(params[j].top_k, vocab_size) for j in filter_rows],
+                dtype=torch.long,
+                device=device,
+            )
             if need_k
             else None
         )  # [F]

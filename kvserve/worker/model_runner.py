@@ -8,17 +8,21 @@ of their tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.config import AttentionBackend
+from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.sample.sampler import SamplingMetadata, sample
+from kvserve.sample.sampler import SamplerOutput, SamplingMetadata, sample
+
+logger = logging.getLogger("kvserve.runner")
 
 
 @dataclass
@@ -46,6 +50,15 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token id
     sampled_logprob: dict[str, float] = field(default_factory=dict)  # id -> its logprob
     top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # id -> top-n + sampled
+    # request id -> why sampling its row failed (the others' rows were sampled without it)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def update(self, other: ModelRunnerOutput) -> None:
+        """Merge the output of a part of the batch (per-request retries)."""
+        self.sampled.update(other.sampled)
+        self.sampled_logprob.update(other.sampled_logprob)
+        self.top_logprobs.update(other.top_logprobs)
+        self.failed.update(other.failed)
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -149,7 +162,8 @@ class ModelRunner:
         self.model.compute_logits(hidden[row_len - 1 :: row_len])  # [rows, V]
         return rows * row_len
 
-    def _swap(self, sched: SchedulerOutput) -> None:
+    def swap(self, sched: SchedulerOutput) -> None:
+        """The step's swap copies (swap-out first, then swap-in)."""
         # Swap-out runs first: its device blocks may be handed to other requests this step.
         if sched.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in sched.blocks_to_swap_out], device=self.device)
@@ -208,9 +222,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, swap: bool = True) -> ModelRunnerOutput:
+        """Run one step. ``swap=False`` skips the swap copies: a retry of a failed step must
+        not redo them (a swapped-out block may already hold another request's new K/V)."""
         t0 = time.perf_counter()
-        self._swap(sched)
+        if swap:
+            self.swap(sched)
         if not sched.scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, md, logits_idx = self._prepare(sched)
@@ -229,8 +246,30 @@ class ModelRunner:
         self.timings.steps += 1
         return out
 
-    def _sample(self, reqs: list, logits: torch.Tensor) -> ModelRunnerOutput:
-        md = SamplingMetadata(
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> ModelRunnerOutput:
+        """Sample one token per row; a failure is narrowed to the rows that cause it."""
+        md = self._sampling_metadata(reqs)
+        # Seeded rows: keep their generator states, so that a retry draws the same noise.
+        states = [None if g is None else g.get_state() for g in md.generators]
+        try:
+            return _runner_output(reqs, sample(logits, md))
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; retrying row by row", len(reqs))
+        out = ModelRunnerOutput({})
+        for i, r in enumerate(reqs):
+            gen, state = md.generators[i], states[i]
+            if gen is not None and state is not None:
+                gen.set_state(state)
+            try:
+                res = sample(logits[i : i + 1], _metadata_row(md, i))  # [1, V]
+            except Exception as exc:
+                out.failed[r.request_id] = f"sampling failed: {exc!r}"
+                continue
+            out.update(_runner_output([r], res))
+        return out
+
+    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
@@ -246,14 +285,28 @@ class ModelRunner:
             ],
             default_generator=self.generator,
         )
-        res = sample(logits, md)
-        out = ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(reqs, res.sampled_token_ids, strict=True)}
-        )
-        if res.sampled_logprobs is not None:
-            for i, r in enumerate(reqs):
-                if r.params.logprobs is not None:
-                    out.sampled_logprob[r.request_id] = res.sampled_logprobs[i]
-                    top = res.top_logprobs[i] if res.top_logprobs else None
-                    out.top_logprobs[r.request_id] = top or {}
-        return out
+
+
+def _metadata_row(md: SamplingMetadata, i: int) -> SamplingMetadata:
+    """Row ``i`` of ``md`` as a one-row ``SamplingMetadata``."""
+    return SamplingMetadata(
+        params=[md.params[i]],
+        prompt_token_ids=[md.prompt_token_ids[i]],
+        output_token_ids=[md.output_token_ids[i]],
+        generators=[md.generators[i]],
+        min_tokens_stop_ids=[md.min_tokens_stop_ids[i]],
+        default_generator=md.default_generator,
+    )
+
+
+def _runner_output(reqs: list[Request], res: SamplerOutput) -> ModelRunnerOutput:
+    out = ModelRunnerOutput(
+        {r.request_id: t for r, t in zip(reqs, res.sampled_token_ids, strict=True)}
+    )
+    if res.sampled_logprobs is not None:
+        for i, r in enumerate(reqs):
+            if r.params.logprobs is not None:
+                out.sampled_logprob[r.request_id] = res.sampled_logprobs[i]
+                top = res.top_logprobs[i] if res.top_logprobs else None
+                out.top_logprobs[r.request_id] = top or {}
+    return out

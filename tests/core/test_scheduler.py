@@ -88,7 +88,7 @@ def test_preempts_newest_with_recompute() -> None:
     assert out.preempted_req_ids == ["new"]
     assert out.num_scheduled_tokens == {"old": 1}
     assert s.stats.num_preemptions == 1
-    new = s.waiting[0]
+    new = s.waiting.peek()
     assert new.request_id == "new" and new.num_computed_tokens == 0
     assert new.output_token_ids == [7]  # kept, recomputed with the prompt later
 
@@ -101,7 +101,7 @@ def test_preempt_with_swap_keeps_computed_tokens() -> None:
     out, _ = fake_step(s)
     assert out.blocks_to_swap_out == [(1, 0)]
     assert s.stats.num_swapped == 1
-    swapped = s.swapped[0]
+    swapped = s.swapped.peek()
     assert swapped.num_computed_tokens == 2 and swapped.status is RequestStatus.SWAPPED
 
 
