@@ -114,6 +114,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; used when num_kv_blocks is None
     num_kv_blocks: int | None = None  # exact number of blocks; wins over kv_cache_memory
     swap_space: int = 4 * 1024**3  # bytes of CPU swap space for PreemptionMode.SWAP
+    # Reuse the K/V of full blocks across requests with the same prefix (vLLM's automatic
+    # prefix caching, on by default there too).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -39,7 +39,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # n completions, ordered by index
     finished: bool  # every completion has finished
     metrics: RequestMetrics | None = None  # timing, for the server's histograms
-    num_cached_tokens: int = 0  # prompt tokens served from cache (reserved for prefix caching)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field)
     extra: dict[str, object] = field(default_factory=dict)  # free-form info for callers
     # Why the engine failed this request (its completions end with finish reason "error");
     # None for every request that ran normally. Other requests are never affected.

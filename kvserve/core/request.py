@@ -57,6 +57,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, appended per step
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time or time.monotonic())

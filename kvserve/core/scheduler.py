@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue, pick_victim
@@ -59,6 +60,8 @@ class SchedulerStats:
     num_generation_tokens: int = 0  # tokens sampled, total
     num_steps: int = 0  # engine steps that computed anything
     max_num_running: int = 0  # the most requests that ran in one step
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
 
 
 class Scheduler:
@@ -72,6 +75,11 @@ class Scheduler:
         self.swapped = create_request_queue(self.policy)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self._admitted: set[str] = set()  # ids admitted this step: never preempted in it
+        # Hashes of blocks that requests scheduled this step complete: a waiting request whose
+        # next block is among them waits a step and then finds it cached (n > 1 siblings, or
+        # users arriving together with one system prompt, compute it once).
+        self._pending: set[BlockHash] = set()
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -101,7 +109,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], {}, {})
-        self._admitted: set[str] = set()  # ids admitted this step: never preempted in it
+        self._admitted.clear()
+        self._pending.clear()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
         # older than anything waiting, so they come back first.
@@ -123,6 +132,17 @@ class Scheduler:
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(req)
         out.num_scheduled_tokens[req.request_id] = n
+        if self.kv.enable_caching:
+            first, end = req.num_computed_tokens // self.block_size, req.num_computed_tokens + n
+            if end // self.block_size > first:  # completes blocks (rare for a decode)
+                self._pending.update(self.kv.block_hashes(req, end)[first:])
+
+    def _waits_for_pending(self, req: Request, computed: list[int]) -> bool:
+        """True when the request's first uncached block is being computed this step."""
+        if not self.kv.enable_caching:
+            return False
+        hashes = self.kv.block_hashes(req, req.num_tokens - 1)
+        return len(computed) < len(hashes) and hashes[len(computed)] in self._pending
 
     def _unschedule(self, out: SchedulerOutput, req: Request) -> int:
         """Take a request that is about to be preempted out of this step; its tokens go back
@@ -169,7 +189,7 @@ class Scheduler:
                 self.swapped.prepend(req)
                 return
             # Swap space full: fall back to recompute rather than fail the request.
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, keep_hashes=True)  # its blocks stay cached while free
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.prepend(req)
@@ -213,29 +233,41 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
-            req = self.waiting.peek()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if len(self.running) >= self.config.max_num_seqs or not self._allocate_new(req, n):
+            req = self.waiting.peek()  # waiting requests hold no blocks: nothing is computed
+            computed = self.kv.get_computed_blocks(req)  # a prefix-cache hit, whole blocks
+            if self._waits_for_pending(req, computed):
+                break  # one step later that block is cached: compute it once
+            hit = len(computed) * self.block_size
+            n = min(req.num_tokens - hit, budget)
+            fits = len(self.running) < self.config.max_num_seqs
+            if not fits or not self._allocate_new(req, hit + n, computed):
                 given_back = self._preempt_for(req, out)
                 if given_back is None:
                     break  # the head of the line waits; nothing behind it jumps ahead
                 budget += given_back
                 continue
             self.waiting.pop()
+            req.num_computed_tokens = hit
+            self.stats.prefix_cache_queries += req.num_tokens
+            self.stats.prefix_cache_hits += hit
             if req.num_output_tokens == 0 and req.metrics.num_preemptions == 0:
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
+                req.num_cached_tokens = hit
             self._admit(out, req, n)
             budget -= n
 
-    def _allocate_new(self, req: Request, n: int) -> bool:
-        """Blocks for a request leaving the waiting queue: prompt + max_tokens under reserve,
-        its first ``n`` tokens under preempt. False (nothing held) when they do not fit."""
+    def _allocate_new(self, req: Request, num_tokens: int, computed: list[int]) -> bool:
+        """Blocks for a request leaving the waiting queue, on top of its cache-hit blocks
+        ``computed``: prompt + max_tokens under reserve (only the blocks it still needs count),
+        its first ``num_tokens`` under preempt. False (nothing held) when they do not fit."""
+        rid = req.request_id
         if self.config.kv_policy is KVPolicy.RESERVE:
-            if not self.kv.can_allocate(blocks_for(req.max_total_tokens, self.block_size)):
+            need = blocks_for(req.max_total_tokens, self.block_size) - len(computed)
+            if not self.kv.can_allocate(need, computed):
                 return False
-            self.kv.allocate_slots(req.request_id, req.max_total_tokens)
+            self.kv.allocate_slots(rid, req.max_total_tokens, computed)
             return True
-        return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is not None
+        return self.kv.allocate_slots(rid, num_tokens, computed) is not None
 
     def _admit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         req.status = RequestStatus.RUNNING
@@ -252,6 +284,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished by an abort between schedule and update
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            self.kv.cache_computed_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end

@@ -39,6 +39,7 @@ def build_engine_config(
     scheduling_policy: str = "fcfs",
     priority_scheduling_preemption_threshold: int = 1,
     swap_space: int | str = "4GiB",
+    enable_prefix_caching: bool = True,
     seed: int = 0,
     max_model_len: int | None = None,
     device: str = "cpu",
@@ -72,6 +73,7 @@ def build_engine_config(
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
             swap_space=parse_bytes(swap_space),
+            enable_prefix_caching=enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -97,6 +99,10 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were dropped."""
+        return self.engine.reset_prefix_cache()
 
     def generate(
         self,

@@ -88,7 +88,7 @@ class LLMEngine:
         # More swap than twice the device cache is never useful here (a full swap space
         # falls back to recompute), and capping keeps a tiny model from a huge block list.
         num_swap = min(cc.swap_space // per_block, 2 * num_blocks) if swap else 0
-        self.kv = KVCacheManager(num_blocks, cc.block_size, num_swap)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, num_swap, cc.enable_prefix_caching)
         self.runner = ModelRunner(
             model,
             cc.block_size,
@@ -369,6 +369,11 @@ class LLMEngine:
                     self._child_parent.pop(c.request.request_id, None)
                     self._child_state.pop(c.request.request_id, None)
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); returns how many
+        blocks were dropped. Running requests are not affected."""
+        return self.kv.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         """Totals and the current batch state (plain numbers, for users and /metrics)."""

@@ -68,6 +68,7 @@ class ParentRequest:
             outputs=[c.completion(self.params, hold) for c in self.children],
             finished=self.finished,
             metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
             error=self.error,
         )
 

@@ -75,7 +75,7 @@ def test_manager_grows_requests_by_blocks() -> None:
     assert kv.allocate_slots("b", 13) is None  # needs 3 more, only 2 free
     assert kv.block_ids("b") == [2]  # a failed grow keeps what it had
     kv.free("a")
-    assert kv.allocate_slots("b", 13) == [4, 5, 0]
+    assert kv.allocate_slots("b", 13) == [4, 5, 3]  # a was freed tail first: 3, 1, 0
     kv.check_integrity()
 
 
@@ -85,11 +85,11 @@ def test_manager_swap_out_and_in() -> None:
     assert kv.swap_out("a") == [(0, 0), (1, 1), (2, 2)]
     assert kv.pool.num_free_blocks == 4
     assert kv.num_swapped_blocks("a") == 3
-    kv.allocate_slots("b", 4)  # takes 3, 0 (FIFO after the freed ones)
-    assert kv.block_ids("b") == [3, 0]
+    kv.allocate_slots("b", 4)  # takes 3, then 2 (a's blocks were freed tail first)
+    assert kv.block_ids("b") == [3, 2]
     assert kv.swap_in("a") is None  # only 2 free
-    kv.free("b")
-    assert kv.swap_in("a") == [(0, 1), (1, 2), (2, 3)]
-    assert kv.block_ids("a") == [1, 2, 3]
+    kv.free("b")  # queue: 1, 0, then b's tail first: 2, 3
+    assert kv.swap_in("a") == [(0, 1), (1, 0), (2, 2)]
+    assert kv.block_ids("a") == [1, 0, 2]
     assert kv.swap_pool is not None and kv.swap_pool.num_free_blocks == 3
     kv.check_integrity()

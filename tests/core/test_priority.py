@@ -53,7 +53,7 @@ def test_victim_is_lowest_priority_and_gives_its_budget_back() -> None:
     assert out.preempted_req_ids == ["lo"]
     assert out.num_scheduled_tokens == {"hi": 1}
     assert [r.request_id for r in out.scheduled] == ["hi"]
-    assert out.block_tables == {"hi": [2, 0]}  # lo freed [0, 1] head first; 0 comes back first
+    assert out.block_tables == {"hi": [2, 1]}  # lo freed [0, 1] tail first: 1 comes back first
     lo = s.waiting.peek()
     assert lo.request_id == "lo" and lo.num_computed_tokens == 0
     assert lo.status is RequestStatus.WAITING

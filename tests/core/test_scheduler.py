@@ -115,7 +115,7 @@ def test_reserve_never_preempts_and_reserves_all_blocks() -> None:
     for _ in range(3):
         fake_step(s)
     out, _ = fake_step(s)
-    assert out.block_tables == {"b": [3, 4, 0]}
+    assert out.block_tables == {"b": [3, 4, 2]}  # a freed tail first: 2, 1, 0
     assert s.stats.num_preemptions == 0
 
 
