@@ -25,6 +25,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--swap-space", default="4GiB", help="CPU swap space for --preemption-mode swap")
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes across requests (vLLM's flag)",
+    )
+    p.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
@@ -73,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "scheduling_policy": args.scheduling_policy,
         "priority_scheduling_preemption_threshold": args.priority_scheduling_preemption_threshold,
         "swap_space": args.swap_space,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "device": args.device,

@@ -26,6 +26,14 @@ _FLOAT_FIELDS = (
 )
 
 
+class ParamError(ValueError):
+    """A bad ``SamplingParams`` field; ``param`` names it (the server's error ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def is_int(value: object) -> bool:
     """A real integer: ``bool`` is an ``int`` subclass in Python, but ``True`` is no token id."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -36,24 +44,34 @@ def _check_types(params: SamplingParams) -> None:
     for name in _INT_FIELDS:
         value = getattr(params, name)
         if value is not None and not is_int(value):
-            raise ValueError(f"{name} must be an integer, got {value!r}.")
+            raise ParamError(name, f"{name} must be an integer, got {value!r}.")
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
         if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}.")
+            raise ParamError(name, f"{name} must be a finite number, got {value!r}.")
     if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
-        raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {params.seed}.")
+        raise ParamError("seed", f"seed must be in [-2**63, 2**63 - 1], got {params.seed}.")
+    if params.seed is not None and is_int(params.n) and params.seed + params.n - 1 > SEED_MAX:
+        # Completion i of n draws with seed + i: the last one must stay an int64 too.
+        raise ParamError(
+            "seed",
+            f"seed + n - 1 must be at most 2**63 - 1 (completion i uses seed + i), "
+            f"got seed {params.seed} with n {params.n}.",
+        )
     ids = params.stop_token_ids
     if ids is not None and (
         not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids)
     ):
-        raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}.")
+        raise ParamError(
+            "stop_token_ids",
+            f"stop_token_ids must be a list of non-negative integers, got {ids!r}.",
+        )
     stop = params.stop
     if stop is not None and not (
         isinstance(stop, str)
         or (isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop))
     ):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}.")
+        raise ParamError("stop", f"stop must be a string or a list of strings, got {stop!r}.")
 
 
 @dataclass
@@ -81,33 +99,49 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_types(self)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise ParamError("n", f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ParamError(
+                "temperature", f"temperature must be non-negative, got {self.temperature}."
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k == -1:
             self.top_k = 0
         if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
+            raise ParamError(
+                "top_k", f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}."
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            raise ParamError(
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
+            )
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            raise ParamError(
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+            )
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+            raise ParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be positive, got {self.repetition_penalty}.",
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+            raise ParamError(
+                "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}."
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            raise ParamError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
             )
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+            raise ParamError("logprobs", f"logprobs must be non-negative, got {self.logprobs}.")
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
@@ -115,9 +149,11 @@ class SamplingParams:
         else:
             self.stop_list = list(self.stop)
         if any(not s for s in self.stop_list):
-            raise ValueError("stop strings must be non-empty.")
+            raise ParamError("stop", "stop strings must be non-empty.")
         if self.stop_list and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True (they are matched in text).")
+            raise ParamError(
+                "stop", "stop strings need detokenize=True (they are matched in text)."
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property

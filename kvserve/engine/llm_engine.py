@@ -227,7 +227,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 # Distinct but reproducible streams per completion, as vLLM does.
-                child_params = dataclasses.replace(params, seed=params.seed + i)
+                child_params = dataclasses.replace(params, n=1, seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid,

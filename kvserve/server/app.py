@@ -13,17 +13,21 @@ import threading
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.body_check import invalid_unicode_error
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.openapi import error_responses, generation_responses, install_openapi
 from kvserve.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -37,6 +41,7 @@ logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # health and metrics stay open
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -51,6 +56,8 @@ class ServerState:
     model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
     ready: bool = False  # every model has loaded
     load_error: str | None = None
+    # Set on SIGTERM/SIGINT (kvserve.server.drain): API requests get 503, /health 503 "draining"
+    draining: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_engine(self, engine: AsyncLLMEngine, path: str | None = None) -> None:
@@ -86,7 +93,7 @@ class ServerState:
 
 
 class GuardMiddleware:
-    """API-key check and request-body size limit, before any parsing happens.
+    """API-key check, request-body size limit and invalid-Unicode check, before any parsing.
 
     The body is buffered (it is small by construction) and replayed to the app; after the
     replay, ``receive`` is passed through so disconnect detection keeps working.
@@ -109,6 +116,11 @@ class GuardMiddleware:
             )  # fmt: skip
             await resp(scope, receive, send)
             return
+        if self.state.draining and path.startswith(_PROTECTED_PREFIXES):
+            # Connection: close, so that a client (or load balancer) reconnects elsewhere.
+            resp = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"})
+            await resp(scope, receive, send)
+            return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
@@ -120,6 +132,10 @@ class GuardMiddleware:
                 code="request_too_large",
             )  # fmt: skip
             await resp(scope, receive, send)
+            return
+        invalid = invalid_unicode_error(body)
+        if invalid is not None:
+            await invalid.response()(scope, receive, send)
             return
         replayed = False
 
@@ -156,17 +172,20 @@ class GuardMiddleware:
 def _authorized(scope: Scope, key: str) -> bool:
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            # Constant-time comparison: no timing side channel on the key.
-            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+            scheme, _, token = value.partition(b" ")
+            # Constant-time comparison: no timing side channel on the key. On bytes, because
+            # compare_digest refuses non-ASCII str and a header may carry any byte.
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
     return False
 
 
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app serving ``state``'s engines."""
-    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is served (no key needed, like /health); the HTML docs are not.
+    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.kvserve = state
     install_error_handlers(app)
+    install_openapi(app, _PROTECTED_PREFIXES if state.api_key else None)
     app.add_middleware(GuardMiddleware, state=state)  # type: ignore[arg-type]
     _add_openai_routes(app, state)
     _add_ops_routes(app, state)
@@ -174,22 +193,22 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         engine = state.engine_for(req.model)
         return await create_completion(req, raw, engine, state.limits)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         engine = state.engine_for(req.model)
         return await create_chat_completion(req, raw, engine, state.limits)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(500, 503))
     async def list_models() -> ModelList:
         state.engine_for(None)  # 503 while loading
         return ModelList(data=[_card(state, name) for name in state.engines])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(404, 500, 503))
     async def get_model(model_id: str) -> ModelCard:
         return _card(state, state.engine_for(model_id).model_name)
 
@@ -200,8 +219,10 @@ def _card(state: ServerState, name: str) -> ModelCard:
 
 
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
+        if state.draining:
+            return error_response(503, f"draining: {SHUTTING_DOWN}")
         if not state.ready:
             return error_response(503, state.load_error or "loading models")
         dead = {n: e.dead_reason for n, e in state.engines.items() if not e.is_healthy}
@@ -209,12 +230,12 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"unhealthy engines: {dead}")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documents text/plain
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 404, 413, 500, 503))
     async def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
         engine = state.engine_for(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -225,7 +246,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             ids = await tokenize(engine, req.prompt or "", req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 404, 413, 500, 503))
     async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
         engine = state.engine_for(req.model)
         if engine.tokenizer is None:

@@ -29,6 +29,7 @@ from kvserve.server.serving import (
     ChunkEncoder,
     Limits,
     PromptInfo,
+    check_fan_out,
     final_outputs,
     make_params,
     merge_streams,
@@ -106,13 +107,14 @@ async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
 ) -> Response:
     _check_unsupported(req)
+    check_fan_out(limits, req.n, 1)
     prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(engine, len(prompt.token_ids), requested, limits)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req.sampling_params, max_tokens, top_k)
     request_id = new_id("chatcmpl")
-    streams = start_streams(engine, [prompt], params, request_id)
+    streams = start_streams(engine, [prompt], params, request_id, req.priority)
     if req.stream:
         return StreamingResponse(
             _stream(req, engine, streams, request_id, top_k), media_type="text/event-stream"

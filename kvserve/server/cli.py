@@ -55,12 +55,29 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="most sequences waiting per model; more get 429 + Retry-After (default: no limit)",
     )  # fmt: skip
     p.add_argument(
+        "--max-num-queued-tokens", type=int, default=None,
+        help="most prompt tokens (x n) waiting per model; more get 429 (default: no limit)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies get 413 (accepts e.g. 1MiB)",
     )  # fmt: skip
     p.add_argument(
         "--max-tokens-limit", type=int, default=None,
         help="most tokens one request may generate; above: 400 (default: the context)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-n", type=int, default=Limits.max_n,
+        help="most completions (n) one request may ask per prompt; above: 400",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-prompts-per-request", type=int, default=Limits.max_prompts_per_request,
+        help="most prompts in one completions request; above: 400",
+    )  # fmt: skip
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=0.0,
+        help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish (new ones "
+             "get 503) before the rest are aborted; 0: abort at once",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -87,6 +104,12 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
         raise ValueError("--max-queued-requests must be >= 0")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ValueError("--max-tokens-limit must be >= 1")
+    if args.max_num_queued_tokens is not None and args.max_num_queued_tokens < 0:
+        raise ValueError("--max-num-queued-tokens must be >= 0")
+    if args.max_n < 1 or args.max_prompts_per_request < 1:
+        raise ValueError("--max-n and --max-prompts-per-request must be >= 1")
+    if not args.shutdown_timeout >= 0:  # also rejects nan
+        raise ValueError("--shutdown-timeout must be >= 0")
     return list(zip(models, names, strict=True))
 
 
@@ -102,20 +125,30 @@ def load_models(
     for model, name in specs:
         config = build_engine_config(model, served_model_name=name, **engine_kwargs(args))  # type: ignore[arg-type]
         engine = LLMEngine(config)
-        state.add_engine(AsyncLLMEngine(engine, args.max_queued_requests), config.model.path)
+        queue = AsyncLLMEngine(
+            engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens
+        )
+        state.add_engine(queue, config.model.path)
         logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
     state.ready = True
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted; 0 on a clean stop, 1 if a model failed to load."""
+    """Run the server until interrupted; 0 on a clean stop (SIGTERM/SIGINT drain the requests
+    in flight first: ``kvserve.server.drain``), 1 if a model failed to load."""
     import uvicorn
+
+    from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
 
     specs = _model_specs(args)
     state = ServerState(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
-        limits=Limits(max_tokens_limit=args.max_tokens_limit),
+        limits=Limits(
+            max_tokens_limit=args.max_tokens_limit,
+            max_n=args.max_n,
+            max_prompts_per_request=args.max_prompts_per_request,
+        ),
     )
     config = uvicorn.Config(
         build_app(state),
@@ -124,9 +157,10 @@ def run_serve(args: argparse.Namespace) -> int:
         log_config=None,  # keep the process's logging setup
         log_level=args.log_level,
         access_log=not args.no_access_log,
-        timeout_graceful_shutdown=5,
+        # uvicorn's own wait comes after the drain, which has finished or failed every request.
+        timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state, args.shutdown_timeout)
 
     def loader() -> None:
         try:
@@ -144,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         state.shutdown()
+        logger.info("engines stopped; exiting")
     return 1 if state.load_error else 0
 
 

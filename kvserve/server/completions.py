@@ -23,6 +23,7 @@ from kvserve.server.serving import (
     ChunkEncoder,
     Limits,
     PromptInfo,
+    check_fan_out,
     final_outputs,
     make_params,
     merge_streams,
@@ -49,8 +50,8 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise bad_request("echo together with logprobs is not supported", "echo")
 
 
-async def _prompts(engine: AsyncLLMEngine, prompt: Any) -> list[PromptInfo]:
-    """Normalize the four prompt forms into (text, token ids) per prompt."""
+def _prompt_items(prompt: Any) -> list[Any]:
+    """The four prompt forms as a list of prompts (each a string or a list of token ids)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -59,6 +60,11 @@ async def _prompts(engine: AsyncLLMEngine, prompt: Any) -> list[PromptInfo]:
         items = list(prompt)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
+    return items
+
+
+async def _prompts(engine: AsyncLLMEngine, items: list[Any]) -> list[PromptInfo]:
+    """(text, token ids) per prompt."""
     out = []
     for p in items:
         if isinstance(p, str):
@@ -102,7 +108,9 @@ async def create_completion(
     req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
 ) -> Response:
     _check_unsupported(req)
-    prompts = await _prompts(engine, req.prompt)
+    items = _prompt_items(req.prompt)
+    check_fan_out(limits, req.n, len(items))
+    prompts = await _prompts(engine, items)
     # One SamplingParams for all prompts: the smallest resolved max_tokens fits every prompt.
     resolved = [
         resolve_max_tokens(engine, len(p.token_ids), req.max_tokens, limits) for p in prompts
@@ -110,7 +118,7 @@ async def create_completion(
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
     params = make_params(req.sampling_params, max_tokens, req.logprobs)
     request_id = new_id("cmpl")
-    streams = start_streams(engine, prompts, params, request_id)
+    streams = start_streams(engine, prompts, params, request_id, req.priority)
     if req.stream:
         return StreamingResponse(
             _stream(req, engine, prompts, streams, request_id), media_type="text/event-stream"

@@ -7,12 +7,13 @@ reads ``type``/``param``/``code`` from the body, so every error path goes throug
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -52,7 +53,7 @@ class APIError(Exception):
         self.code = code if code is not None else status
         self.headers = headers
 
-    def response(self) -> JSONResponse:
+    def response(self) -> Response:
         return error_response(
             self.status, self.message, type=self.type, param=self.param, code=self.code,
             headers=self.headers,
@@ -67,7 +68,7 @@ def error_response(
     param: str | None = None,
     code: int | str | None = None,
     headers: dict[str, str] | None = None,
-) -> JSONResponse:
+) -> Response:
     body = ErrorResponse(
         error=ErrorInfo(
             message=message,
@@ -76,7 +77,16 @@ def error_response(
             code=code if code is not None else status,
         )
     )
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return Response(
+        _ascii_json(body), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def _ascii_json(body: ErrorResponse) -> str:
+    """The body as ASCII-only JSON: a message may quote client text, and text holding a lone
+    surrogate cannot be encoded as UTF-8 (JSONResponse would raise while answering an error);
+    ``\\u`` escapes can carry anything."""
+    return json.dumps(body.model_dump(), ensure_ascii=True, separators=(",", ":"))
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -88,13 +98,18 @@ def error_event(error: APIError) -> str:
     body = ErrorResponse(
         error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
     )
-    return f"data: {body.model_dump_json()}\n\n"
+    return f"data: {_ascii_json(body)}\n\n"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message and the first offending field from pydantic's error list."""
     parts, param = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc is ("body", character offset): no field
+            at = (err.get("loc") or ("?",))[-1]
+            detail = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON: {detail} (at character {at})")
+            continue
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         field = ".".join(loc)
         if param is None and loc:
@@ -107,20 +122,20 @@ def install_error_handlers(app: FastAPI) -> None:
     """OpenAI-shaped bodies for our errors, validation (400, not 422), routing and crashes."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers) if exc.headers else None
         return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _crash(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in a request handler")
         return error_response(500, f"internal server error: {type(exc).__name__}")

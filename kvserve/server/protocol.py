@@ -3,6 +3,9 @@
 Requests ignore unknown fields, as vLLM does, so newer clients keep working; fields whose
 meaning kvserve cannot honour (``logit_bias``, ``tools``, ``suffix``...) are declared so that
 a non-trivial value is rejected with a 400 instead of being silently dropped.
+
+Requests validate strictly: JSON ``true`` is not the integer 1 (nor a token id), ``"2"`` is not
+a number, and ``NaN`` / ``Infinity`` (which Python's JSON parser accepts) are not floats.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default cap)
-MAX_N = 128  # the most completions per prompt
+# Seeds, priorities and top_k reach torch / the scheduler as 64-bit integers (vLLM bounds them
+# alike): larger values would overflow inside the engine step instead of failing here.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _omit_none(value: object) -> bool:
@@ -23,10 +28,12 @@ def _omit_none(value: object) -> bool:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: lax pydantic turns `true` into 1 and "0.5" into 0.5, so a boolean would become
+    # a token id; allow_inf_nan: a NaN penalty or temperature would poison every logit.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # accepted for vLLM clients; usage comes at the end
 
@@ -35,11 +42,11 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None serves the first model, as vLLM does
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # capped by the server's --max-n (serving.Limits)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -47,7 +54,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # unsupported: rejected when non-empty
     user: str | None = None  # accepted and ignored
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=INT64_MAX)  # the sampler holds it in an int64 tensor
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -56,6 +63,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
+    # lower runs first under --scheduling-policy priority; the default policy accepts only 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -95,7 +104,17 @@ class _SamplingFields(_Request):
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
+def _examples(*examples: dict[str, Any]) -> ConfigDict:
+    """Request examples for /openapi.json (no ``model``: the server's first model answers)."""
+    return ConfigDict(json_schema_extra={"examples": list(examples)})
+
+
 class CompletionRequest(_SamplingFields):
+    model_config = _examples(
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"prompt": [[1, 504, 3458], [1, 504]], "max_tokens": 4, "n": 2, "stream": True},
+    )
+
     prompt: PromptInput
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -104,7 +123,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None  # unsupported: rejected when set
 
 
-class TextPart(BaseModel):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
@@ -124,6 +143,10 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = _examples(
+        {"messages": [{"role": "user", "content": "Say hi"}], "max_completion_tokens": 8},
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -135,6 +158,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    model_config = _examples({"prompt": "Hello world"})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -143,6 +168,8 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    model_config = _examples({"tokens": [19556, 905]})
+
     model: str | None = None
     tokens: list[int]
 

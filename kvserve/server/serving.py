@@ -19,6 +19,7 @@ from kvserve.engine.async_engine import (
     EngineDeadError,
     EngineStepError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
 from kvserve.outputs import RequestOutput
@@ -35,9 +36,27 @@ DISCONNECT_POLL_SECONDS = 0.5
 
 @dataclass
 class Limits:
-    """Server-wide request limits."""
+    """Server-wide request limits (the admission side of fairness: one request cannot ask
+    for an unbounded share of the engine)."""
 
     max_tokens_limit: int | None = None  # most tokens one request may ask to generate
+    max_n: int = 128  # most completions per prompt
+    max_prompts_per_request: int = 256  # most prompts in one completions request
+
+
+def check_fan_out(limits: Limits, n: int, num_prompts: int) -> None:
+    """400 for a request asking more sequences than the server lets one request start.
+
+    Runs before any tokenization, so an oversized request costs the server nothing.
+    """
+    if n > limits.max_n:
+        raise bad_request(f"n is {n}, above this server's limit of {limits.max_n} (--max-n)", "n")
+    if num_prompts > limits.max_prompts_per_request:
+        raise bad_request(
+            f"the request has {num_prompts} prompts, above this server's limit of "
+            f"{limits.max_prompts_per_request} (--max-prompts-per-request)",
+            "prompt",
+        )
 
 
 @dataclass
@@ -139,21 +158,24 @@ def make_params(build: Any, *args: Any) -> SamplingParams:
     """Call a ``sampling_params`` builder, turning its ValueError into a 400."""
     try:
         return build(*args)
-    except ValueError as e:
-        raise bad_request(str(e)) from e
+    except ValueError as e:  # a ParamError names the field
+        raise bad_request(str(e), getattr(e, "param", None)) from e
 
 
 def start_streams(
-    engine: AsyncLLMEngine, prompts: Sequence[PromptInfo], params: SamplingParams, base_id: str
+    engine: AsyncLLMEngine,
+    prompts: Sequence[PromptInfo],
+    params: SamplingParams,
+    base_id: str,
+    priority: int = 0,
 ) -> list[RequestStream]:
     """Submit one request per prompt; all or nothing (a failure aborts those already in)."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(
-                engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, rid)
-            )
+            prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
+            streams.append(engine.generate(prompt, params, rid, priority=priority))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -173,6 +195,8 @@ def engine_error(e: BaseException) -> BaseException:
         return APIError(503, str(e))
     if isinstance(e, EngineStepError):
         return APIError(500, str(e))
+    if isinstance(e, RequestFailedError):
+        return APIError(500, f"the engine failed on this request (no other was affected): {e}")
     if isinstance(e, ValueError):
         return bad_request(str(e))
     return e

@@ -93,3 +93,36 @@ def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
     llm.engine.abort_request("x")
     assert llm.stats()["num_free_kv_blocks"] == 8
     llm.engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": True}, "n must be an integer"),
+        ({"top_k": 2.0}, "top_k must be an integer"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"seed": 2**63}, "seed must be in"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed \\+ n - 1 must be at most"),
+        ({"stop_token_ids": [True]}, "stop_token_ids must be a list of non-negative integers"),
+        ({"stop": [1]}, "stop must be a string or a list of strings"),
+    ],
+)
+def test_sampling_params_reject_wrong_types(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_engine_checks_token_ids_against_the_vocabulary(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="stop_token_ids: token id 256 is out of the vocabulary"):
+        llm.generate({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[256]))
+    with pytest.raises(ValueError, match="token id True is out of the vocabulary"):
+        llm.generate({"prompt_token_ids": [5, True]}, GOOD)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate({"prompt_token_ids": [5]}, GOOD, priority=[1])
+    # top_k above the vocabulary keeps every token, like no top_k; the largest int64 too.
+    params = SamplingParams(temperature=1.0, top_k=2**63 - 1, seed=3, max_tokens=4)
+    same = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    out = llm.generate({"prompt_token_ids": [5, 6]}, [params], use_tqdm=False)
+    ref = llm.generate({"prompt_token_ids": [5, 6]}, [same], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest.mock import ANY
 
 import pytest
@@ -17,6 +19,7 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import ServerState, build_app
 from kvserve.server.cli import _model_specs, add_serve_parser
+from kvserve.server.errors import APIError, error_event, error_response
 from tests.engine.utils import make_tiny_model
 
 
@@ -61,6 +64,89 @@ def test_validation_errors_are_400_not_422() -> None:
     assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
 
 
+JSON = {"Content-Type": "application/json"}
+
+
+def post_raw(client: TestClient, body: bytes, path: str = "/v1/completions") -> dict[str, Any]:
+    r = client.post(path, content=body, headers=JSON)
+    assert r.status_code == 400, r.text
+    return dict(r.json()["error"])
+
+
+def test_lone_surrogates_are_400_before_anything_else() -> None:
+    client = loading_client()  # every well-formed request would be a 503: the check comes first
+    chat = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'
+    err = post_raw(client, chat, "/v1/chat/completions")
+    assert err["param"] == "messages" and err["code"] == 400
+    where = "the string at messages[0].content[0].text holds a lone UTF-16 surrogate"
+    assert where in err["message"]
+    err = post_raw(client, b'{"logit_bias": {"\\uDC00": 1}}')
+    assert err["param"] == "logit_bias" and "a key in logit_bias" in err["message"]
+    err = post_raw(client, b'{"\\udbff": 1}')
+    assert err["param"] is None and "a key in the body" in err["message"]
+    # As bytes: encoded surrogates (not UTF-8, but json.loads decodes them), or UTF-16.
+    err = post_raw(client, b'{"prompt": ["ok", "\xed\xa0\x80"]}')
+    assert err["param"] == "prompt" and "the string at prompt[1]" in err["message"]
+    err = post_raw(client, '{"stop": "\ud800"}'.encode("utf-16-le", "surrogatepass"))
+    assert err["param"] == "stop"
+    # Not JSON (cut short): the JSON parser's 400, which names no field.
+    err = post_raw(client, b'{"prompt": "\\ud800')
+    assert err["param"] is None and "not valid JSON" in err["message"]
+    # Valid text goes through to the 503: a valid pair (one code point), an escaped backslash,
+    # UTF-8 (Hangul syllables start with the byte of encoded surrogates, 0xED), UTF-16.
+    for body in (
+        b'{"prompt": "\\ud83d\\ude00"}',
+        b'{"prompt": "\\\\ud800"}',
+        '{"prompt": "\ud55c\uad6d"}'.encode(),
+        '{"prompt": "h\u00e9"}'.encode("utf-16"),
+    ):
+        r = client.post("/v1/completions", content=body, headers=JSON)
+        assert r.status_code == 503, r.text
+
+
+def test_error_bodies_survive_odd_text() -> None:
+    r = error_response(400, "bad \ud800 text", param="\udfff")
+    assert r.body == (
+        b'{"error":{"message":"bad \\ud800 text","type":"invalid_request_error",'
+        b'"param":"\\udfff","code":400}}'
+    )
+    event = error_event(APIError(500, "\ud800 \u00e9"))
+    assert event.startswith("data: {") and event.endswith("}\n\n") and event.isascii()
+
+
+def test_openapi_documents_the_real_statuses() -> None:
+    open_doc = loading_client().get("/openapi.json").json()
+    client = loading_client(api_key="k")
+    r = client.get("/openapi.json")  # no key needed, like /health
+    assert r.status_code == 200
+    doc = r.json()
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in json.dumps(doc)
+    ops = {(m, p): op for p, item in doc["paths"].items() for m, op in item.items()}
+    statuses = {key: sorted(op["responses"]) for key, op in ops.items()}
+    generation = ["200", "400", "401", "404", "413", "429", "500", "503"]
+    assert statuses == {
+        ("post", "/v1/completions"): generation,
+        ("post", "/v1/chat/completions"): generation,
+        ("get", "/v1/models"): ["200", "401", "500", "503"],
+        ("get", "/v1/models/{model_id}"): ["200", "401", "404", "500", "503"],
+        ("get", "/health"): ["200", "503"],
+        ("get", "/metrics"): ["200"],
+        ("post", "/tokenize"): ["200", "400", "401", "404", "413", "500", "503"],
+        ("post", "/detokenize"): ["200", "400", "401", "404", "413", "500", "503"],
+    }
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {
+        "schema": error
+    }
+    assert ops["get", "/v1/models"]["security"] == [{"bearerAuth": []}]
+    assert "security" not in ops["get", "/health"]
+    # Without an API key there is no 401 and no security scheme.
+    assert "401" not in json.dumps(open_doc["paths"])
+    assert "securitySchemes" not in open_doc["components"]
+    for path in ("/docs", "/redoc"):
+        assert client.get(path).status_code == 404
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
@@ -74,6 +160,10 @@ def test_serve_defaults_are_safe() -> None:
     assert args.api_key is None and args.max_queued_requests is None
     assert parse("--max-request-body-bytes", "2MiB").max_request_body_bytes == 2 * 1024**2
     assert _model_specs(args) == [(None, None)]
+    assert (args.max_n, args.max_prompts_per_request) == (128, 256)
+    assert args.max_num_queued_tokens is None
+    args = parse("--max-n", "4", "--max-prompts-per-request", "2", "--max-num-queued-tokens", "9")
+    assert (args.max_n, args.max_prompts_per_request, args.max_num_queued_tokens) == (4, 2, 9)
 
 
 def test_serve_flag_errors() -> None:
@@ -81,6 +171,12 @@ def test_serve_flag_errors() -> None:
         _model_specs(parse("--served-model-name", "a", "b"))
     with pytest.raises(ValueError, match="does not exist"):
         _model_specs(parse("/no/such/model"))
+    with pytest.raises(ValueError, match="--max-n"):
+        _model_specs(parse("--max-n", "0"))
+    with pytest.raises(ValueError, match="--max-prompts-per-request"):
+        _model_specs(parse("--max-prompts-per-request", "0"))
+    with pytest.raises(ValueError, match="--max-num-queued-tokens"):
+        _model_specs(parse("--max-num-queued-tokens", "-1"))
     # Through the real entry point: a clear message and exit code 2, before loading anything.
     r = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "serve", "/no/such/model"],

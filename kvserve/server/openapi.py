@@ -1,0 +1,107 @@
+"""The OpenAPI document served at ``/openapi.json``, stating the statuses the server answers.
+
+FastAPI documents a 422 for every route with a body or a path parameter, but validation errors
+are answered with OpenAI's 400 (``errors.install_error_handlers``): the 422s are dropped and
+each route lists its real error statuses with the ``ErrorResponse`` body. The API key is
+documented as a bearer scheme (plus a 401) on the routes the guard middleware protects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from kvserve.server.protocol import ErrorResponse
+
+_WHEN = {
+    400: "Invalid request: a field fails validation, text that is not Unicode, or a limit "
+    "(context length, --max-tokens-limit, --max-n, --max-prompts-per-request...)",
+    401: "Missing or wrong API key",
+    404: "The model is not served",
+    413: "The body is larger than --max-request-body-bytes",
+    429: "The model's queue is full (--max-queued-requests, --max-num-queued-tokens); "
+    "retry after the Retry-After header's seconds",
+    500: "The engine failed while running the request (it keeps serving others)",
+    503: "The server is loading its models or shutting down, or the engine is dead",
+}
+_SECURITY_SCHEME = "bearerAuth"
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` for these error statuses, all with the OpenAI error body."""
+    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
+
+
+def generation_responses(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a generation route: ``body`` as JSON, or SSE with ``stream: true``."""
+    # Before OpenAPI 3.2 (FastAPI writes 3.1) an event stream's schema describes one event.
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": "a chunk as JSON, an {'error': ...} object, or [DONE] (the last)",
+            },
+            "event": {"type": "string"},
+        },
+    }
+    sse = {"schema": event, "example": "data: {...}\n\ndata: [DONE]\n\n"}
+    return {
+        200: {
+            "model": body,
+            "description": "The response; with stream: true, server-sent events of chunks "
+            "ending with 'data: [DONE]'",
+            "content": {"text/event-stream": sse},
+        },
+        **error_responses(400, 404, 413, 429, 500, 503),
+    }
+
+
+def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...] | None) -> None:
+    """Post-process FastAPI's generated document (FastAPI's documented way to extend it).
+
+    ``protected_prefixes``: the paths that need the API key, or None when there is no key.
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()  # cached by FastAPI in app.openapi_schema, edited in place
+            _drop_422(schema)
+            if protected_prefixes is not None:
+                _add_auth(schema, protected_prefixes)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _operations(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(path, op) for path, item in schema["paths"].items() for op in item.values()]
+
+
+def _drop_422(schema: dict[str, Any]) -> None:
+    for _, op in _operations(schema):
+        op.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+
+
+def _add_auth(schema: dict[str, Any], prefixes: tuple[str, ...]) -> None:
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SECURITY_SCHEME] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "the server's --api-key",
+    }
+    for path, op in _operations(schema):
+        if path.startswith(prefixes):
+            op["security"] = [{_SECURITY_SCHEME: []}]
+            op.setdefault("responses", {})["401"] = {
+                "description": _WHEN[401],
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                },
+            }
