@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -75,6 +76,17 @@ class _AddCommand:
     arrival_time: float
     priority: int = 0  # lower runs first (vLLM's convention); used by the priority policy
     num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
+
+
+@dataclass
+class _CallCommand:
+    """Run ``fn(engine)`` on the engine thread between steps (``AsyncLLMEngine.call``)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+Command = _AddCommand | _CallCommand | str  # str: a request id to abort
 
 
 class RequestStream:
@@ -174,7 +186,7 @@ class AsyncLLMEngine:
         self.max_queued_requests = max_queued_requests  # counts sequences (n per request)
         self.max_queued_tokens = max_queued_tokens  # counts prompt tokens x n of queued sequences
         self._cond = threading.Condition()  # guards every field below that both threads use
-        self._commands: list[_AddCommand | str] = []  # adds, and request ids to abort
+        self._commands: list[Command] = []  # adds, and request ids to abort
         # request id -> stream, until finished. Weak, so that a stream its consumer dropped is
         # collected and its request aborted (see RequestStream.__del__).
         self._streams: dict[str, weakref.ref[RequestStream]] = {}
@@ -301,6 +313,21 @@ class AsyncLLMEngine:
                 self._retry_after(),
             )
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn(engine)`` on the engine thread between two steps (the only thread that may
+        touch the ``LLMEngine``); the future holds its result or exception."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
+            self._commands.append(_CallCommand(fn, future))
+            self._cond.notify()
+        return future
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were dropped."""
+        return int(await asyncio.wrap_future(self.call(LLMEngine.reset_prefix_cache)))
+
     def num_unfinished_requests(self) -> int:
         """Requests submitted and not yet finished, failed or aborted (any thread)."""
         with self._cond:
@@ -389,12 +416,15 @@ class AsyncLLMEngine:
         except Exception:  # the engine is going away anyway; just do not die silently
             logger.exception("could not abort the remaining requests at shutdown")
 
-    def _apply(self, commands: list[_AddCommand | str]) -> None:
+    def _apply(self, commands: list[Command]) -> None:
         aborts = [c for c in commands if isinstance(c, str)]
         if aborts:
             self.engine.abort_request(aborts)
         for cmd in commands:
             if isinstance(cmd, str):
+                continue
+            if isinstance(cmd, _CallCommand):
+                _run_call(cmd, self.engine)
                 continue
             try:
                 self.engine.add_request(
@@ -477,11 +507,15 @@ class AsyncLLMEngine:
             refs, self._streams = self._streams, {}
             # Pending aborts are kept as ids to abort below; pending adds are simply dropped.
             ids = [c for c in self._commands if isinstance(c, str)] + (aborted or [])
+            calls = [c for c in self._commands if isinstance(c, _CallCommand)]
             self._commands = []
             self._pending_seqs = 0
             self._pending_tokens = 0
         streams = [s for s in (r() for r in refs.values()) if s is not None]
         self._send([(s, error) for s in streams])
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(error)
         self.engine.abort_request([*refs, *ids])
 
     def _publish_stats(self) -> None:
@@ -500,6 +534,15 @@ class AsyncLLMEngine:
             stats["max_queued_requests"] = self.max_queued_requests
             stats["healthy"] = self._dead_reason is None
             self._stats = stats
+
+
+def _run_call(cmd: _CallCommand, engine: LLMEngine) -> None:
+    if not cmd.future.set_running_or_notify_cancel():
+        return
+    try:
+        cmd.future.set_result(cmd.fn(engine))
+    except Exception as exc:  # the caller's problem, not the engine's
+        cmd.future.set_exception(exc)
 
 
 def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

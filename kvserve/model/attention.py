@@ -9,17 +9,17 @@ its block table lists, in order; token ``p`` of the request sits in block
 
 Two implementations share one signature:
 - ``reference_paged_attention``: one request at a time, the plain definition. It is the
-  yardstick the fast path is tested against.
+  yardstick the fast path is tested against, and the path for rows the fast path leaves.
 - ``paged_attention``: decode rows (one query token) in one call, either the C++ CPU kernel
   that reads K/V in place through the block tables (``cpu_kernels``), or a single batched SDPA
-  over a padded gather of their contexts (any device). Fresh prompts (no earlier context) of
-  one length share one SDPA call; other prefill rows (chunked, prefix hits) use the reference
-  loop.
+  over a padded gather of their contexts (any device). Multi-token rows are batched too
+  (``prefill_attention``): fresh prompts of one length share one SDPA call (bit-identical to
+  the loop), and the other prefill rows (chunks after cached context, prefix-cache hits, lone
+  prompts) go in size buckets through one padded SDPA call each over their gathered contexts.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -27,6 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import cpu_kernels
+from kvserve.model.prefill_attention import (
+    ContextGroup,
+    PrefillGroup,
+    batched_context,
+    batched_prefill,
+    group_context_rows,
+    group_fresh_prompts,
+)
+
+__all__ = [
+    "AttentionMetadata",
+    "ContextGroup",
+    "DecodeBatch",
+    "GatherWorkspace",
+    "PrefillGroup",
+    "paged_attention",
+    "reference_paged_attention",
+    "write_kv",
+]
 
 
 class GatherWorkspace:
@@ -63,17 +82,6 @@ class DecodeBatch:
 
 
 @dataclass
-class PrefillGroup:
-    """Fresh prompts of one length (their whole context is this step's tokens), batched."""
-
-    length: int  # tokens per prompt (L)
-    tokens: torch.Tensor | slice  # [n * L] their rows in the flat batch (a slice if adjacent)
-    blocks: torch.Tensor  # [n * L] cache block of each token, to read K/V back
-    offsets: torch.Tensor  # [n * L] offset of each token in its block
-    mask: torch.Tensor  # [L, L] bool causal mask, the reference's own
-
-
-@dataclass
 class AttentionMetadata:
     """Everything attention needs about the flat batch of one step (built by the runner)."""
 
@@ -85,23 +93,34 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None  # the one-token rows, None when there are none
     prefill_rows: list[int] | None = None  # multi-token rows left to the loop (None: unsplit)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)  # batched fresh prompts
+    context_groups: list[ContextGroup] = field(default_factory=list)  # batched other prefills
 
     @property
     def num_rows(self) -> int:
         return len(self.seq_lens)
 
     def split_rows(
-        self, workspace: GatherWorkspace | None = None, use_kernel: bool = False
+        self,
+        workspace: GatherWorkspace | None = None,
+        use_kernel: bool = False,
+        *,
+        batch_context: bool = True,
     ) -> None:
-        """Derive the decode batch and prefill rows once per step (shared by every layer).
+        """Derive the decode batch and prefill batches once per step (shared by every layer).
 
         ``use_kernel`` picks the C++ CPU decode kernel (the caller checked it is available).
+        ``batch_context=False`` leaves the prefill rows outside fresh-prompt groups to the
+        per-row loop (the old path, kept for comparison).
         """
         device = self.block_tables.device
         qsl = self.query_start_loc
         dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1]
-        self.prefill_rows = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] > 1]
-        self._group_fresh_prompts()
+        multi = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] > 1]
+        self.prefill_groups, self.prefill_rows = group_fresh_prompts(self, multi)
+        self.context_groups = []
+        if batch_context and self.prefill_rows:
+            self.context_groups = group_context_rows(self, self.prefill_rows, workspace)
+            self.prefill_rows = []
         if not dec:
             self.decode = None
             return
@@ -122,42 +141,6 @@ class AttentionMetadata:
             workspace=workspace,
             use_kernel=use_kernel,
         )
-
-    def _group_fresh_prompts(self) -> None:
-        """Move fresh prompts sharing a length from ``prefill_rows`` into batched groups.
-
-        Only exact-length groups: padding would change the sizes SDPA works on, and with them
-        its summation order, so results would no longer equal the reference's bit for bit.
-        """
-        qsl, rows = self.query_start_loc, self.prefill_rows or []
-        by_len: dict[int, list[int]] = {}
-        for i in rows:
-            if qsl[i + 1] - qsl[i] == self.seq_lens[i]:  # no cached context before this step
-                by_len.setdefault(self.seq_lens[i], []).append(i)
-        groups = {n: g for n, g in by_len.items() if len(g) > 1}
-        if not groups:
-            self.prefill_groups = []
-            return
-        grouped = {i for g in groups.values() for i in g}
-        self.prefill_rows = [i for i in rows if i not in grouped]
-        device = self.block_tables.device
-        self.prefill_groups = []
-        for length, members in groups.items():
-            starts = [qsl[i] for i in members]
-            adjacent = all(b - a == length for a, b in itertools.pairwise(starts))
-            tokens: torch.Tensor | slice
-            if adjacent:
-                tokens = slice(starts[0], starts[0] + length * len(members))
-            else:
-                idx = [s + p for s in starts for p in range(length)]
-                tokens = torch.tensor(idx, dtype=torch.long, device=device)
-            slots = self.slot_mapping[tokens]
-            mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-            self.prefill_groups.append(
-                PrefillGroup(
-                    length, tokens, slots // self.block_size, slots % self.block_size, mask
-                )
-            )
 
 
 def write_kv(
@@ -264,27 +247,6 @@ def _batched_decode(
         out[dec.token_idx] = o
 
 
-def _batched_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: PrefillGroup,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """One SDPA over n fresh prompts of length L, with the mask the reference uses."""
-    length, (h, d) = group.length, q.shape[1:]
-    hkv = k_cache.shape[1]
-    # This step's K/V, read back from their slots: [n * L, Hkv, D] -> [n, Hkv, L, D].
-    k = k_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
-    v = v_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
-    qg = q[group.tokens].view(-1, length, h, d).transpose(1, 2)  # [n, H, L, D]
-    o = F.scaled_dot_product_attention(
-        qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-    )  # [n, H, L, D]
-    out[group.tokens] = o.transpose(1, 2).reshape(-1, h, d)
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -292,14 +254,16 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Fast path with the reference's results: batched decode rows and fresh prompts."""
+    """Fast path with the reference's results: batched decode rows and prefill rows."""
     if md.prefill_rows is None:
         md.split_rows()
     out = torch.empty_like(q)
     if md.decode is not None:
         _batched_decode(q, k_cache, v_cache, md.decode, scale, out)
     for group in md.prefill_groups:
-        _batched_prefill(q, k_cache, v_cache, group, scale, out)
+        batched_prefill(q, k_cache, v_cache, group, scale, out)
+    for ctx in md.context_groups:  # after decode: they reuse its workspace buffers
+        batched_context(q, k_cache, v_cache, ctx, scale, out)
     if md.prefill_rows:
         reference_paged_attention(q, k_cache, v_cache, md, scale, rows=md.prefill_rows, out=out)
     return out

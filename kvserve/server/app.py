@@ -40,7 +40,8 @@ from kvserve.server.serving import Limits, tokenize
 logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # health and metrics stay open
+# health, metrics and the OpenAPI document stay open
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -234,6 +235,15 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.post("/reset_prefix_cache", responses=error_responses(404, 500, 503))
+    async def reset_prefix_cache(model: str | None = None) -> JSONResponse:
+        """Forget the cached prefix blocks of every model (or of ``?model=``), as vLLM's
+        endpoint does; running requests are not affected."""
+        state.engine_for(None)  # 503 while loading
+        names = [state.engine_for(model).model_name] if model else list(state.engines)
+        dropped = {n: await state.engines[n].reset_prefix_cache() for n in names}
+        return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
     @app.post("/tokenize", responses=error_responses(400, 404, 413, 500, 503))
     async def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:

@@ -16,7 +16,6 @@ from kvserve.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from kvserve.server.serving import (
     SSE_DONE,
@@ -35,6 +34,7 @@ from kvserve.server.serving import (
     stream_error,
     token_text,
     tokenize,
+    usage_info,
 )
 
 
@@ -90,14 +90,6 @@ def _logprobs(
     return lp
 
 
-def _usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
-
-
 def _prompt_text(engine: AsyncLLMEngine, p: PromptInfo) -> str:
     if p.text is not None:
         return p.text
@@ -130,7 +122,7 @@ async def create_completion(
         for c in out.outputs:
             choices.append(_choice(req, engine, i * req.n + c.index, c, echo, out))
     body = CompletionResponse(
-        id=request_id, model=engine.model_name, choices=choices, usage=_usage(outputs)
+        id=request_id, model=engine.model_name, choices=choices, usage=usage_info(outputs)
     )
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -202,7 +194,7 @@ async def _stream(
                 created=enc.created,
                 model=enc.model,
                 choices=[],
-                usage=_usage(finished),
+                usage=usage_info(finished),
             )
             yield sse(usage)
     except Exception as e:

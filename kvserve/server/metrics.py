@@ -37,7 +37,13 @@ _COUNTERS = [
     ("num_preemptions", "kvserve:num_preemptions", "Preemptions since start."),
     ("num_prompt_tokens", "kvserve:prompt_tokens", "Prompt tokens of admitted requests."),
     ("num_generation_tokens", "kvserve:generation_tokens", "Generated tokens."),
-]
+    # vLLM's names and meaning: tokens looked up in the prefix cache at admission, and how
+    # many of them were found (hits / queries is the token-weighted hit rate).
+    ("prefix_cache_queries", "kvserve:prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "kvserve:prefix_cache_hits",
+     "Prompt tokens found in the prefix cache (not computed again)."),
+]  # fmt: skip
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip

@@ -25,6 +25,7 @@ from kvserve.engine.async_engine import (
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import PromptTokensDetails, UsageInfo
 
 T = TypeVar("T")
 
@@ -63,6 +64,20 @@ def check_fan_out(limits: Limits, n: int, num_prompts: int) -> None:
 class PromptInfo:
     text: str | None  # the prompt text, when known (echo needs it)
     token_ids: list[int]
+
+
+def usage_info(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    """OpenAI's usage of finished requests (a prompt counts once, whatever its ``n``), with
+    ``prompt_tokens_details.cached_tokens`` from the prefix cache."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def new_id(prefix: str) -> str:

@@ -133,6 +133,7 @@ def test_openapi_documents_the_real_statuses() -> None:
         ("get", "/metrics"): ["200"],
         ("post", "/tokenize"): ["200", "400", "401", "404", "413", "500", "503"],
         ("post", "/detokenize"): ["200", "400", "401", "404", "413", "500", "503"],
+        ("post", "/reset_prefix_cache"): ["200", "401", "404", "500", "503"],
     }
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {
