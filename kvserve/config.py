@@ -82,6 +82,22 @@ _DTYPES = {
 }
 
 
+def auto_dtype(device: str | torch.device) -> torch.dtype:
+    """``dtype="auto"``: bfloat16 where the device computes it natively, else float32.
+
+    On a CPU without AVX512-BF16/AMX (an AVX2-only AMD EPYC), oneDNN has no bf16 kernels and
+    bf16 runs emulated: the built-in model took 10.6 s for a 300-token prefill and 874 ms per
+    decode token in bf16, against 4.1 s and 105 ms in float32 (same machine, same load).
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return torch.bfloat16
+    mkldnn = torch.ops.mkldnn
+    if hasattr(mkldnn, "_is_mkldnn_bf16_supported"):
+        return torch.bfloat16 if mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -101,6 +117,7 @@ class ModelConfig:
     fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
     warmup: bool = True  # prepacked (CPU bf16): a dummy max-size prefill before serving
+    chat_template: str | None = None  # Jinja text for chat prompts; None: the tokenizer's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))

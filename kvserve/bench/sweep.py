@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 from kvserve.bench import plots, serve
+from kvserve.engine.arg_utils import field_choices, flag_name
 
 LOOPBACK = "127.0.0.1"  # servers started by the sweep listen here only
 
@@ -85,8 +86,8 @@ def parse_list(spec: str | None, cast: Callable[[str], Any] = str) -> list[Any]:
 def engine_grid(args: argparse.Namespace) -> list[EngineSetting]:
     """Every combination of the engine-setting lists, in the order given."""
     for name, allowed in (
-        ("sweep_kv_policy", ("preempt", "reserve")),
-        ("sweep_preemption_mode", ("recompute", "swap")),
+        ("sweep_kv_policy", field_choices("kv_policy")),
+        ("sweep_preemption_mode", field_choices("preemption_mode")),
     ):
         bad = [v for v in parse_list(getattr(args, name)) if v is not None and v not in allowed]
         if bad:
@@ -123,7 +124,7 @@ def server_command(args: argparse.Namespace, setting: EngineSetting, port: int) 
     for key in ("max_num_seqs", "kv_cache_memory", "kv_policy", "preemption_mode"):
         value = getattr(setting, key)
         if value is not None:
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            cmd += [flag_name(key), str(value)]  # kvserve serve's EngineArgs flag
     return cmd + shlex.split(args.server_extra_args)
 
 

@@ -18,34 +18,16 @@ from typing import Any
 from kvserve.bench import options
 from kvserve.bench.datasets import SampleRequest, get_samples
 from kvserve.bench.tokenizer import load_tokenizer
+from kvserve.engine.arg_utils import EngineArgs
 
-# Engine options passed to LLM(...) only when given, so the engine's defaults apply otherwise.
-ENGINE_OPTIONS = (
-    "dtype",
-    "kv_cache_memory",
-    "num_kv_blocks",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "kv_policy",
-    "preemption_mode",
-    "swap_space",
-)
+# --seed and --tokenizer are the dataset's flags (options.add_dataset_args). --seed seeds the
+# engine too; --tokenizer is only the dataset's, the engine reads the model folder's.
+DATASET_FLAGS = frozenset({"seed", "tokenizer"})
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Every option of ``bench throughput``."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Model folder; default: the built-in model.")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16.")
-    g.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB.")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--kv-policy", default=None, choices=["preempt", "reserve"])
-    g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
-    g.add_argument("--swap-space", default=None, help="CPU swap space, e.g. 4GiB.")
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"), exclude=DATASET_FLAGS)
     r = parser.add_argument_group("run")
     r.add_argument("--num-warmups", type=int, default=0, help="Untimed warm-up prompts.")
     r.add_argument("--disable-tqdm", action="store_true")
@@ -57,16 +39,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM(...)`` keyword arguments: the given engine options plus model and seed."""
-    from kvserve.config import parse_bytes  # the engine's own size parser ("512MiB")
-
-    kwargs: dict[str, Any] = {"model": args.model, "seed": args.seed}
-    for name in ENGINE_OPTIONS:
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        kwargs[name] = parse_bytes(value) if name in ("kv_cache_memory", "swap_space") else value
-    return kwargs
+    """``LLM(...)`` keyword arguments: the model and the engine options that differ from
+    their defaults (checked here, before the dataset is built)."""
+    return EngineArgs.from_cli_args(args, exclude=frozenset({"tokenizer"})).llm_kwargs()
 
 
 def count_tokens(outputs: Sequence[Any]) -> tuple[int, int]:
@@ -134,9 +109,10 @@ def run_throughput(
             raise RuntimeError(f"kvserve.LLM is not available in this build ({e}).") from e
         from kvserve.sampling_params import SamplingParams
     options.apply_general_lengths(args)
+    llm_kwargs = engine_kwargs(args)
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     samples = get_samples(args, tokenizer)
-    llm = (llm_factory or LLM)(**engine_kwargs(args))
+    llm = (llm_factory or LLM)(**llm_kwargs)
     prompts = [s.prompt for s in samples]
     params = sampling_params_for(samples, args, SamplingParams)
     if args.num_warmups > 0:

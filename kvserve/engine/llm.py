@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from kvserve.config import (
-    AttentionBackend,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    parse_bytes,
-    parse_dtype,
-)
+from kvserve.config import EngineConfig
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -25,73 +18,24 @@ from kvserve.sampling_params import SamplingParams
 ChatMessages = list[dict[str, Any]]
 
 
-def build_engine_config(
-    model: str | None = None,
-    *,
-    dtype: str = "auto",
-    kv_cache_memory: int | str | None = None,
-    num_kv_blocks: int | None = None,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    kv_policy: str = "preempt",
-    preemption_mode: str = "recompute",
-    scheduling_policy: str = "fcfs",
-    priority_scheduling_preemption_threshold: int = 1,
-    swap_space: int | str = "4GiB",
-    enable_prefix_caching: bool = True,
-    seed: int = 0,
-    max_model_len: int | None = None,
-    device: str = "cpu",
-    served_model_name: str | None = None,
-    prepack_weights: bool = True,
-    attention_backend: str = "auto",
-    fused_ops: bool = True,
-    warmup: bool = True,
-) -> EngineConfig:
-    """Engine config from the user-facing keyword arguments (shared by LLM and the CLI)."""
-    if model is not None and Path(model).is_dir():
-        path, name = Path(model), Path(model).name
-    else:
-        from kvserve.model.builtin import resolve_model  # the built-in model or a GGUF file
-
-        path, name = resolve_model(model)
-    return EngineConfig(
-        model=ModelConfig(
-            path=str(path),
-            dtype=parse_dtype("bfloat16" if dtype == "auto" else dtype),
-            max_model_len=max_model_len,
-            seed=seed,
-            served_name=served_model_name or name,
-            prepack_weights=prepack_weights,
-            attention_backend=AttentionBackend(attention_backend),
-            fused_ops=fused_ops,
-            warmup=warmup,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-            swap_space=parse_bytes(swap_space),
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_policy=kv_policy,
-            preemption_mode=preemption_mode,
-            scheduling_policy=scheduling_policy,
-            priority_scheduling_preemption_threshold=priority_scheduling_preemption_threshold,
-        ),
-        device=device,
-    )
+def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """``EngineArgs(model, **kwargs).create_engine_config()``: the options are declared in
+    ``kvserve.engine.arg_utils``; kept for code that builds an ``LLMEngine`` directly."""
+    return EngineArgs.from_kwargs(model, **kwargs).create_engine_config()
 
 
 class LLM:
-    """An engine for offline generation. ``model=None`` serves the built-in SmolLM2 model."""
+    """An engine for offline generation. ``model=None`` serves the built-in SmolLM2 model.
+
+    ``kwargs`` are ``EngineArgs`` fields (vLLM's names where they carry over); an unknown
+    one raises ``TypeError`` naming it.
+    """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        args = EngineArgs.from_kwargs(model, **kwargs)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.engine = LLMEngine(args.create_engine_config())
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -172,8 +116,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the chat template to each conversation, then generate. The template is
+        ``chat_template``, else the engine's (``--chat-template``), else the tokenizer's."""
         tok = self.engine.tokenizer
+        chat_template = chat_template or self.engine.config.model.chat_template
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages

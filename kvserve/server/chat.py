@@ -22,7 +22,6 @@ from kvserve.server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
-    UsageInfo,
 )
 from kvserve.server.serving import (
     SSE_DONE,
@@ -40,6 +39,7 @@ from kvserve.server.serving import (
     start_streams,
     stream_error,
     token_text,
+    usage_info,
 )
 
 _MISSING_LOGPROB = -9999.0  # never expected: the engine always reports the sampled token
@@ -60,7 +60,11 @@ async def chat_prompt(
 
     def render() -> PromptInfo:
         text = tok.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            conv,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            # --chat-template; None keeps the tokenizer's own template
+            chat_template=engine.engine.config.model.chat_template,
         )
         # The template already holds the special tokens: do not add BOS again.
         return PromptInfo(text, tok.encode(text, add_special_tokens=False))
@@ -131,21 +135,14 @@ async def create_chat_completion(
         )
         for c in out.outputs
     ]
-    num_completion = sum(len(c.token_ids) for c in out.outputs)
     body = ChatCompletionResponse(
         id=request_id,
         model=engine.model_name,
         choices=choices,
-        usage=_usage(len(out.prompt_token_ids), num_completion),
+        usage=usage_info([out]),
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
     )
     return Response(body.model_dump_json(), media_type="application/json")
-
-
-def _usage(prompt: int, completion: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 def _choice_logprobs(
@@ -208,9 +205,7 @@ async def _stream(
                 sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 done[i] = c.finish_reason is not None
             if out.finished:
-                usage = _usage(
-                    len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-                )
+                usage = usage_info([out])
         if req.include_usage and usage is not None:
             yield sse(
                 ChatCompletionChunk(

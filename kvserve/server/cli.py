@@ -12,10 +12,12 @@ import logging
 import os
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvserve.config import parse_bytes
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
 from kvserve.server.serving import Limits
 
@@ -26,8 +28,6 @@ API_KEY_ENV = "KVSERVE_API_KEY"
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``serve`` sub-command on ``subparsers`` (from ``add_subparsers``)."""
-    from kvserve.cli import add_engine_args  # the engine flags every command shares
-
     p = subparsers.add_parser(
         "serve",
         help="serve models over an OpenAI-compatible HTTP API",
@@ -36,8 +36,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "models", nargs="*", default=[],
-        help="model folders or .gguf files, each served as its own model "
-             "(none: the built-in SmolLM2-135M-Instruct)",
+        help="model folders or .gguf files, each served as its own model (or one with "
+             "--model, as vllm serve; none: the built-in SmolLM2-135M-Instruct)",
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000)
@@ -45,10 +45,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--api-key", default=None,
         help=f"require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize "
              f"(default: ${API_KEY_ENV} if set)",
-    )  # fmt: skip
-    p.add_argument(
-        "--served-model-name", nargs="+", default=None,
-        help="the name clients use, one per model (default: the folder or file name)",
     )  # fmt: skip
     p.add_argument(
         "--max-queued-requests", type=int, default=None,
@@ -79,15 +75,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish (new ones "
              "get 503) before the rest are aborted; 0: abort at once",
     )  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level", "--uvicorn-log-level", default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the HTTP server's (uvicorn's) log level; --uvicorn-log-level is vLLM's name",
+    )  # fmt: skip
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     return p
 
 
 def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
     """(model, served name) pairs; raises ValueError for inconsistent flags."""
     models: list[str | None] = list(args.models) or [None]
+    if args.model is not None:  # vllm serve --model M: the same as the positional M
+        if args.models and args.models != [args.model]:
+            raise ValueError(
+                f"--model {args.model!r} and the positional models {args.models} disagree; "
+                "give the model one way"
+            )
+        models = [args.model]
     for m in models:
         if m is not None and not Path(m).expanduser().exists():
             raise ValueError(f"model {m!r} does not exist; give a model folder or a .gguf file")
@@ -114,16 +121,17 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
 
 
 def load_models(
-    state: ServerState, specs: list[tuple[str | None, str | None]], args: argparse.Namespace
+    state: ServerState,
+    specs: list[tuple[str | None, str | None]],
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
 ) -> None:
     """Build each engine and register it; then mark the server ready. Raises on failure."""
-    from kvserve.cli import engine_kwargs
     from kvserve.engine.async_engine import AsyncLLMEngine
-    from kvserve.engine.llm import build_engine_config
     from kvserve.engine.llm_engine import LLMEngine
 
     for model, name in specs:
-        config = build_engine_config(model, served_model_name=name, **engine_kwargs(args))  # type: ignore[arg-type]
+        config = replace(engine_args, model=model, served_model_name=name).create_engine_config()
         engine = LLMEngine(config)
         queue = AsyncLLMEngine(
             engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens
@@ -141,6 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
 
     specs = _model_specs(args)
+    # Built before uvicorn starts, so a bad engine option exits with code 2 and a message.
+    engine_args = replace(EngineArgs.from_cli_args(args), model=None, served_model_name=None)
+    for model, _ in specs:
+        replace(engine_args, model=model)  # per-model checks (e.g. --tokenizer)
     state = ServerState(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -164,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def loader() -> None:
         try:
-            load_models(state, specs, args)
+            load_models(state, specs, args, engine_args)
             logger.info(
                 "ready: http://%s:%d/v1 (%s)", args.host, args.port, ", ".join(state.engines)
             )

@@ -66,7 +66,8 @@ def test_throughput_counts_what_the_engine_returned(byte_tokenizer_dir: Path, tm
     )  # fmt: skip
     result = throughput.run_throughput(args, llm_factory=FakeLLM)
     llm = FakeLLM.instances[-1]
-    assert llm.kwargs == {"model": None, "seed": 0, "kv_cache_memory": 64 * 2**20,
+    # The model and the options that differ from EngineArgs' defaults (seed 0 is the default).
+    assert llm.kwargs == {"model": None, "kv_cache_memory": "64MiB",
                           "max_num_seqs": 4, "kv_policy": "reserve"}  # fmt: skip
     assert llm.calls == [2, 6]  # warm-up, then the timed call
     assert result["num_requests"] == 6

@@ -1,0 +1,442 @@
+"""Every engine option, declared once: ``EngineArgs`` (the shape of vLLM's ``arg_utils``).
+
+Each field carries its default and help text; ``add_cli_args`` turns the fields into the
+flags of ``kvserve generate``, ``serve`` and ``bench throughput``, ``LLM(model, **kwargs)``
+takes the same names as keyword arguments, and ``create_engine_config`` builds the frozen
+``EngineConfig``. vLLM's names are accepted wherever their meaning carries over; a vLLM
+option whose feature kvserve lacks is refused with a message naming it, never dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    auto_dtype,
+    parse_bytes,
+    parse_dtype,
+)
+
+logger = logging.getLogger("kvserve")
+
+GENERATION_CONFIGS = ("auto", "vllm")
+# generation_config.json keys vLLM's --generation-config auto turns into default sampling
+# parameters; kvserve does not, so "auto" logs the ones a model sets.
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# vLLM options whose feature kvserve lacks: the value that means "not used" (accepted, since
+# it changes nothing) and why any other value is refused. Switches that vLLM turns on with a
+# bare flag have False here, so the flag itself is refused.
+VLLM_UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "pipeline_parallel_size": (1, "kvserve runs a model in one process on one device"),
+    "data_parallel_size": (1, "kvserve runs one engine per model"),
+    "quantization": (None, "kvserve loads unquantized weights only"),
+    "kv_cache_dtype": ("auto", "the KV cache always has the model's dtype"),
+    "trust_remote_code": (False, "kvserve never runs a model's own Python code"),
+    "enable_lora": (False, "kvserve has no LoRA adapters"),
+    "speculative_config": (None, "kvserve has no speculative decoding"),
+    "cpu_offload_gb": (0, "kvserve does not offload weights"),
+}
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    type: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+    nargs: str | None = None,
+) -> Any:
+    """A field with what its CLI flag needs (booleans become ``--x/--no-x``)."""
+    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs}
+    return field(default=default, metadata=meta)
+
+
+def _size_gib_if_bare(value: str) -> str:
+    """``--swap-space``: vLLM's unit is GiB, so a bare number means GiB ("4" -> "4GiB")."""
+    return f"{value}GiB" if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value) else value
+
+
+def flag_name(name: str) -> str:
+    """The CLI flag of field ``name``: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + name.replace("_", "-")
+
+
+def _refusal(name: str, value: object, reason: str) -> str:
+    shown = "" if isinstance(value, bool) else f" {value}"
+    return f"{name}={value!r} ({flag_name(name)}{shown}) is not supported: {reason}"
+
+
+def check_vllm_options(options: Mapping[str, object]) -> None:
+    """Refuse vLLM options whose feature kvserve lacks unless given their no-op value."""
+    for name, value in options.items():
+        noop, reason = VLLM_UNSUPPORTED[name]
+        if value != noop and not (noop is not None and value == str(noop)):
+            raise ValueError(_refusal(name, value, reason))
+
+
+class _VLLMOptionAction(argparse.Action):
+    """Collects a :data:`VLLM_UNSUPPORTED` flag's value for ``from_cli_args`` to check."""
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        given = dict(getattr(namespace, "vllm_options", {}))
+        given[self.dest] = True if self.nargs == 0 else values
+        namespace.vllm_options = given
+
+
+def available_memory(device: str) -> int:
+    """Free memory for ``device`` now, in bytes: on CUDA the free device memory, on the CPU
+    the kernel's MemAvailable (free pages plus caches it can reclaim, what a new
+    allocation can get without swapping)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    if dev.type != "cpu":
+        raise ValueError(
+            f"gpu_memory_utilization cannot measure the free memory of device {device!r}; "
+            "size the KV cache with kv_cache_memory or num_kv_blocks instead"
+        )
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        pass  # not Linux: the free pages, a lower bound
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given inline or as a file (vLLM's rule: braces or a newline mean
+    inline, anything else must be a readable file)."""
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"chat_template {value!r} (--chat-template) is neither a file nor a Jinja template"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options: ``LLM`` keyword arguments and the engine CLI flags."""
+
+    model: str | None = _opt(
+        None,
+        "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct); "
+        "`serve` also takes models as positional arguments",
+        type=str,
+    )
+    tokenizer: str | None = _opt(
+        None,
+        "vLLM's flag; kvserve reads the tokenizer from the model folder, so this may only "
+        "name that folder",
+        type=str,
+    )
+    served_model_name: str | list[str] | None = _opt(  # noqa: RUF009 (_opt is a field())
+        None, "the name clients use (serve: one per model; default: the folder or file name)",
+        type=str, nargs="+",
+    )  # fmt: skip
+    dtype: str = _opt(
+        "auto",
+        "auto (bfloat16 where the device computes it natively, else float32), "
+        "bfloat16, float16 or float32",
+    )
+    max_model_len: int | None = _opt(None, "cap on the context length (default: the model's)",
+                                     type=int)  # fmt: skip
+    seed: int = _opt(0, "seeds the engine's generator for requests without a seed")
+    device: str = _opt("cpu", "torch device: cpu or cuda")
+    kv_cache_memory: int | str | None = _opt(
+        None, "KV cache size, e.g. 2GiB (default: 1GiB; a bare number is bytes)", type=str
+    )
+    num_kv_blocks: int | None = _opt(
+        None, "KV cache size in blocks (wins over --kv-cache-memory)", type=int
+    )
+    gpu_memory_utilization: float | None = _opt(
+        None,
+        "vLLM's flag: size the KV cache as this fraction of the memory free at start-up "
+        "(CPU: MemAvailable, CUDA: free device memory); not with --kv-cache-memory or "
+        "--num-kv-blocks",
+        type=float,
+    )
+    block_size: int = _opt(16, "tokens per KV block")
+    swap_space: int | str = _opt(
+        "4GiB", "CPU swap space for --preemption-mode swap, e.g. 4GiB (a bare number is GiB, "
+        "as in vLLM)", type=_size_gib_if_bare,
+    )  # fmt: skip
+    enable_prefix_caching: bool = _opt(
+        True, "reuse the KV blocks of prompt prefixes across requests (vLLM's flag)"
+    )
+    max_num_seqs: int = _opt(256, "most requests per batch")
+    max_num_batched_tokens: int = _opt(
+        2048, "most tokens computed per step (longer prefills are chunked)"
+    )
+    kv_policy: str = _opt(
+        "preempt", "preempt: admit while blocks are free, preempt the newest when out; "
+        "reserve: admit only when prompt + max_tokens fit", choices=("preempt", "reserve"),
+    )  # fmt: skip
+    preemption_mode: str = _opt(
+        "recompute", "what happens to a preempted request's KV cache",
+        choices=("recompute", "swap"),
+    )  # fmt: skip
+    scheduling_policy: str = _opt(
+        "fcfs", "admission order: first come first served, or by the request's priority "
+        "(lower first; with --kv-policy preempt a waiting request may preempt a running one)",
+        choices=("fcfs", "priority"),
+    )  # fmt: skip
+    priority_scheduling_preemption_threshold: int = _opt(
+        1, "with --scheduling-policy priority: how much lower a waiting request's priority "
+        "must be to preempt a running request",
+    )  # fmt: skip
+    attention_backend: str = _opt(
+        "auto", "decode attention: C++ kernel on CPU (auto) or gather + SDPA",
+        choices=("auto", "sdpa", "cpu_kernel"),
+    )  # fmt: skip
+    fused_ops: bool = _opt(
+        True, "CPU bf16: C++ RMSNorm, SiLU*up and RoPE + KV write kernels (same rounding); "
+        "--no-fused-ops keeps the PyTorch op chains",
+    )  # fmt: skip
+    prepack_weights: bool = _opt(True, "CPU bf16: oneDNN-prepacked linear weights (same numbers)")
+    warmup: bool = _opt(True, "with prepacked weights: one dummy max-size prefill before serving")
+    num_threads: int | None = _opt(
+        None, "torch CPU threads (default: torch's choice; serve: one per core)", type=int
+    )
+    chat_template: str | None = _opt(
+        None, "vLLM's flag: a chat template file, or the template itself, for the chat "
+        "endpoint and LLM.chat (default: the tokenizer's)", type=str,
+    )  # fmt: skip
+    generation_config: str = _opt(
+        "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
+        "'auto' is accepted but does not apply generation_config.json (logged)",
+    )  # fmt: skip
+    tensor_parallel_size: int = _opt(1, "vLLM's flag: only 1 (one device per model)")
+    enforce_eager: bool = _opt(False, "vLLM's flag: no effect, kvserve always runs eagerly")
+    disable_log_requests: bool = _opt(
+        False, "vLLM's flag: no effect, kvserve never logs request contents"
+    )
+
+    def __post_init__(self) -> None:
+        """Check everything that needs no model, so bad options fail before any loading."""
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if not choices:
+                continue
+            value = getattr(self, f.name)
+            value = getattr(value, "value", value)  # enums (KVPolicy.RESERVE) as their string
+            if value not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+            setattr(self, f.name, value)
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        for size in (self.kv_cache_memory, self.swap_space):
+            if size is not None:
+                parse_bytes(size)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                _refusal("tensor_parallel_size", self.tensor_parallel_size,
+                         "kvserve runs a model on one device (tensor parallelism is a "
+                         "later issue); use 1")
+            )  # fmt: skip
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                _refusal("generation_config", self.generation_config,
+                         "kvserve's default sampling parameters are vLLM's; give 'vllm' "
+                         "or 'auto'")
+            )  # fmt: skip
+        self._check_memory_options()
+        if self.model is not None:
+            self._check_tokenizer(Path(self.model))
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)
+
+    def _check_memory_options(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is None:
+            return
+        if not 0 < util <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {util}"
+            )
+        for other in ("kv_cache_memory", "num_kv_blocks"):
+            if getattr(self, other) is not None:
+                raise ValueError(
+                    f"give only one of gpu_memory_utilization (--gpu-memory-utilization) and "
+                    f"{other} ({flag_name(other)}): both size the KV cache"
+                )
+
+    def _check_tokenizer(self, model_path: Path) -> None:
+        """``tokenizer`` must be the model (as given, or the folder a GGUF file became)."""
+        if self.tokenizer is None:
+            return
+        given = Path(self.tokenizer).expanduser().resolve()
+        same = [Path(p).expanduser().resolve() for p in (model_path, self.model) if p]
+        if given not in same:
+            raise ValueError(
+                f"tokenizer {self.tokenizer!r} (--tokenizer) is not the model folder "
+                f"{str(model_path)!r}: kvserve reads the tokenizer from the model folder; "
+                "a separate tokenizer folder is not supported"
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        """``LLM(model, **kwargs)``'s options; an unknown keyword is a ``TypeError`` naming it."""
+        names = [f.name for f in fields(cls)]
+        vllm = {k: kwargs.pop(k) for k in list(kwargs) if k in VLLM_UNSUPPORTED}
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine argument {key!r}{hint}")
+        check_vllm_options(vllm)
+        return cls(model=model, **kwargs)
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser | Any, exclude: frozenset[str] = frozenset()
+    ) -> Any:
+        """One flag per field (except ``exclude``d ones), plus the refused vLLM flags."""
+        for f in fields(cls):
+            if f.name in exclude:
+                continue
+            meta = f.metadata
+            kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+            if isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = meta["type"] or type(f.default)
+                if meta["choices"]:
+                    kw["choices"] = meta["choices"]
+                if meta["nargs"]:
+                    kw["nargs"] = meta["nargs"]
+            parser.add_argument(flag_name(f.name), **kw)
+        for name, (noop, _) in VLLM_UNSUPPORTED.items():
+            parser.add_argument(
+                flag_name(name), dest=name, action=_VLLMOptionAction,
+                nargs=0 if noop is False else None, default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )  # fmt: skip
+        return parser
+
+    @classmethod
+    def from_cli_args(
+        cls, args: argparse.Namespace, exclude: frozenset[str] = frozenset()
+    ) -> EngineArgs:
+        """The fields found on ``args``, except ``exclude`` (a flag of the same name that
+        means something else); the rest keep their defaults. Refused vLLM flags raise."""
+        check_vllm_options(getattr(args, "vllm_options", {}))
+        names = [f.name for f in fields(cls) if f.name not in exclude and hasattr(args, f.name)]
+        return cls(**{name: getattr(args, name) for name in names})
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """``LLM(**...)`` arguments that rebuild these args: the model and every changed field."""
+        changed = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "model" and getattr(self, f.name) != f.default
+        }
+        return {"model": self.model, **changed}
+
+    def create_engine_config(self, free_memory: Callable[[str], int] | None = None) -> EngineConfig:
+        """The engine's config. ``free_memory(device)`` (default: :func:`available_memory`)
+        gives the free bytes ``gpu_memory_utilization`` is a fraction of."""
+        path, name = self._resolve_model()
+        self._check_tokenizer(path)
+        self._log_vllm_noops(path)
+        served = self.served_model_name
+        if isinstance(served, list):
+            if len(served) > 1:
+                raise ValueError(f"served_model_name: one name per engine, got {served}")
+            served = served[0] if served else None
+        return EngineConfig(
+            model=ModelConfig(
+                path=str(path),
+                dtype=auto_dtype(self.device) if self.dtype == "auto" else parse_dtype(self.dtype),
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                served_name=served or name,
+                prepack_weights=self.prepack_weights,
+                attention_backend=self.attention_backend,  # type: ignore[arg-type]
+                fused_ops=self.fused_ops,
+                warmup=self.warmup,
+                chat_template=None
+                if self.chat_template is None
+                else load_chat_template(self.chat_template),
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory=self._kv_cache_bytes(free_memory),
+                swap_space=parse_bytes(self.swap_space),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                kv_policy=self.kv_policy,  # type: ignore[arg-type]
+                preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+                scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+                priority_scheduling_preemption_threshold=(
+                    self.priority_scheduling_preemption_threshold
+                ),
+            ),
+            device=self.device,
+        )
+
+    def _resolve_model(self) -> tuple[Path, str]:
+        if self.model is not None and Path(self.model).is_dir():
+            return Path(self.model), Path(self.model).name
+        from kvserve.model.builtin import resolve_model  # the built-in model or a GGUF file
+
+        return resolve_model(self.model)
+
+    def _kv_cache_bytes(self, free_memory: Callable[[str], int] | None) -> int | None:
+        if self.gpu_memory_utilization is None:
+            return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
+        free = (free_memory or available_memory)(self.device)
+        size = int(self.gpu_memory_utilization * free)
+        logger.info(
+            "gpu_memory_utilization %.3g: KV cache %.1f MiB of %.1f MiB free on %s",
+            self.gpu_memory_utilization, size / 2**20, free / 2**20, self.device,
+        )  # fmt: skip
+        return size
+
+    def _log_vllm_noops(self, path: Path) -> None:
+        """Say what the accepted-but-inert vLLM options do here, so none is silently dropped."""
+        if self.enforce_eager:
+            logger.info("enforce_eager: kvserve always runs eagerly (no CUDA graphs)")
+        if self.disable_log_requests:
+            logger.info("disable_log_requests: kvserve never logs request contents")
+        gen = path / "generation_config.json"
+        if self.generation_config == "auto" and gen.is_file():
+            values = json.loads(gen.read_text(encoding="utf-8"))
+            ignored = {k: values[k] for k in _SAMPLING_KEYS if k in values}
+            if ignored:
+                logger.info(
+                    "generation_config auto: kvserve does not apply %s from %s; requests "
+                    "use vLLM's default sampling parameters unless they set their own",
+                    ignored, gen,
+                )  # fmt: skip
+
+
+def field_choices(name: str) -> tuple[str, ...]:
+    """The allowed values of a field with choices (``kv_policy`` -> preempt, reserve)."""
+    return next(f.metadata["choices"] for f in fields(EngineArgs) if f.name == name)
