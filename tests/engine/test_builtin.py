@@ -112,3 +112,23 @@ def test_n_completions_and_logprobs(llm: LLM) -> None:
         )
     again = llm.generate("Hello", params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_prefix_caching_changes_no_greedy_output(llm: LLM, builtin_model_dir: Path) -> None:
+    """Chats one after another share the chat template's system prompt: with caching on they
+    reuse its blocks, and every greedy output is what it is with caching off (float32; in
+    bf16, SDPA's CPU kernel rounds a row differently with a different number of query rows,
+    so outputs may drift, as in vLLM)."""
+    questions = ["What is the capital of France?", "Tell me a joke.", "What is your name?",
+                 "Who wrote Hamlet?", "Do you like music?", "What is 2 + 2?"]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=40)
+    off = LLM(dtype="float32", kv_cache_memory="256MiB", enable_prefix_caching=False)
+    llm.reset_prefix_cache()
+    hits0 = llm.stats()["prefix_cache_hits"]
+    for q in questions:
+        conv = [{"role": "user", "content": q}]
+        (on_out,) = llm.chat(conv, params, use_tqdm=False)
+        (off_out,) = off.chat(conv, params, use_tqdm=False)
+        assert on_out.outputs[0].token_ids == off_out.outputs[0].token_ids
+        assert off_out.num_cached_tokens == 0
+    assert llm.stats()["prefix_cache_hits"] - hits0 >= 16 * (len(questions) - 1)
