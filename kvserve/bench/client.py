@@ -13,7 +13,8 @@ the client with ``time.perf_counter``:
 
 Token counts come from the server's final ``usage`` chunk when present; otherwise the output is
 counted with the benchmark's tokenizer, and without one by the number of text chunks; each
-record says which source it used.
+record says which source it used. ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+the server's prefix cache served, OpenAI's field) is kept when the server sends it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RequestRecord:
     generated_text: str = ""
     expected_output_len: int | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
 
 
 TokenCounter = Callable[[str], int]
@@ -239,6 +241,9 @@ class _StreamState:
         usage = self.usage or {}
         if isinstance(usage.get("prompt_tokens"), int):
             rec.prompt_len = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.cached_tokens = details["cached_tokens"]
         if isinstance(usage.get("completion_tokens"), int):
             rec.output_tokens, rec.output_tokens_source = usage["completion_tokens"], "usage"
         elif count_tokens is not None:

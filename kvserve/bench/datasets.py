@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -40,6 +40,8 @@ class SampleRequest:
     reference_output: str | None = None  # the dataset's own answer, when it has one
     metadata: dict[str, Any] = field(default_factory=dict)
 
+
+T = TypeVar("T")  # a sample: a SampleRequest, or a multi-turn Conversation
 
 # Pruning limits of vLLM's `is_valid_sequence` (from its original ShareGPT sampler).
 DEFAULT_MIN_LEN = 4
@@ -75,9 +77,9 @@ def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer(text).input_ids)
 
 
-def _fill_to(
-    samples: list[SampleRequest], num_requests: int, rng: random.Random, oversample: bool, name: str
-) -> list[SampleRequest]:
+def fill_to(
+    samples: list[T], num_requests: int, rng: random.Random, oversample: bool, name: str
+) -> list[T]:
     """Cut to ``num_requests``, or repeat random samples to reach it (as vLLM does)."""
     if len(samples) >= num_requests:
         return samples[:num_requests]
@@ -153,7 +155,7 @@ def sample_sharegpt(
         )
         if keep:
             samples.append(SampleRequest(prompt, prompt_len, out_len, reference_output=answer))
-    return _fill_to(samples, num_requests, rng, oversample, "ShareGPT")
+    return fill_to(samples, num_requests, rng, oversample, "ShareGPT")
 
 
 def chatterbot_data_dir() -> Path:
@@ -164,10 +166,11 @@ def chatterbot_data_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "english"
 
 
-def load_chatterbot_conversations(data_dir: Path | None = None) -> list[tuple[str, str]]:
-    """(first line, second line) of every English chatterbot conversation, in file order."""
+def load_chatterbot_dialogues(data_dir: Path | None = None) -> list[list[str]]:
+    """Every English chatterbot conversation with at least two lines, in file order; the
+    lines alternate between the two speakers (user, bot, user, ...)."""
     folder = data_dir or chatterbot_data_dir()
-    pairs: list[tuple[str, str]] = []
+    dialogues: list[list[str]] = []
     for path in sorted(folder.glob("*.yml")):
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
@@ -175,10 +178,20 @@ def load_chatterbot_conversations(data_dir: Path | None = None) -> list[tuple[st
             # A few entries are malformed (a bare string); YAML also turns "42" into an int.
             if not isinstance(conv, list) or len(conv) < 2:
                 continue
-            prompt, answer = conv[0], conv[1]
-            if isinstance(prompt, (str, int, float)) and isinstance(answer, (str, int, float)):
-                pairs.append((str(prompt).strip(), str(answer).strip()))
-    return [(p, a) for p, a in pairs if p and a]
+            lines: list[str] = []
+            for line in conv:
+                text = str(line).strip() if isinstance(line, (str, int, float)) else ""
+                if not text:
+                    break  # a hole would shift who speaks: keep what came before it
+                lines.append(text)
+            if len(lines) >= 2:
+                dialogues.append(lines)
+    return dialogues
+
+
+def load_chatterbot_conversations(data_dir: Path | None = None) -> list[tuple[str, str]]:
+    """(first line, second line) of every English chatterbot conversation, in file order."""
+    return [(d[0], d[1]) for d in load_chatterbot_dialogues(data_dir)]
 
 
 def sample_chatterbot(
@@ -212,19 +225,28 @@ def sample_chatterbot(
                 reference_output=answer,
             )
         )
-    return _fill_to(samples, num_requests, rng, oversample, "chatterbot")
+    return fill_to(samples, num_requests, rng, oversample, "chatterbot")
 
 
-DATASET_NAMES: Sequence[str] = ("sharegpt", "chatterbot", "random", "prefix")
+DATASET_NAMES: Sequence[str] = ("sharegpt", "chatterbot", "random", "prefix", "multi_turn")
 # vLLM's name for the shared-prefix dataset, accepted so that vLLM command lines work.
-DATASET_ALIASES = {"prefix_repetition": "prefix", "prefix-repetition": "prefix"}
+DATASET_ALIASES = {
+    "prefix_repetition": "prefix",
+    "prefix-repetition": "prefix",
+    "multi-turn": "multi_turn",
+}
+
+
+def canonical_name(name: str) -> str:
+    """The dataset name behind an alias."""
+    return DATASET_ALIASES.get(name, name)
 
 
 def get_samples(args: Any, tokenizer: PreTrainedTokenizerBase) -> list[SampleRequest]:
     """Build the dataset named by ``args.dataset_name`` from parsed ``bench`` CLI arguments."""
     from kvserve.bench import synthetic  # local: synthetic imports SampleRequest from here
 
-    name = DATASET_ALIASES.get(args.dataset_name, args.dataset_name)
+    name = canonical_name(args.dataset_name)
     n, seed = args.num_prompts, args.seed
     if name == "sharegpt":
         if not args.dataset_path:
@@ -268,4 +290,7 @@ def get_samples(args: Any, tokenizer: PreTrainedTokenizerBase) -> list[SampleReq
             output_len=args.prefix_output_len,
             seed=seed,
         )
+    if name == "multi_turn":
+        # Its requests depend on the server's answers: see kvserve.bench.multi_turn.
+        raise ValueError("multi_turn replays conversations against a server: use bench serve.")
     raise ValueError(f"unknown dataset {args.dataset_name!r}; choose from {list(DATASET_NAMES)}.")

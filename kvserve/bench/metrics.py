@@ -159,6 +159,14 @@ def calculate_metrics(
     )
 
 
+def total_cached_tokens(records: Iterable[RequestRecord]) -> int | None:
+    """Prompt tokens the server's prefix cache served to the successful requests, from
+    ``usage.prompt_tokens_details.cached_tokens``; None when no request reported it (a server
+    without the field must not read as a 0% hit rate)."""
+    reported = [r.cached_tokens for r in records if r.success and r.cached_tokens is not None]
+    return sum(reported) if reported else None
+
+
 def normalize_slo(slo: dict[str, float]) -> dict[str, float]:
     """Map SLO names to ``ttft``/``tpot``/``e2el`` and check them; values are milliseconds."""
     out: dict[str, float] = {}

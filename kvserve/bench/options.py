@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from kvserve.bench import datasets, synthetic
+from kvserve.bench import datasets, multi_turn, synthetic
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         default="random",
         choices=[*datasets.DATASET_NAMES, *datasets.DATASET_ALIASES],
         help="sharegpt (needs --dataset-path), chatterbot (packaged English chat corpus), "
-        "random (random-token prompts) or prefix (shared-prefix groups).",
+        "random (random-token prompts), prefix (shared-prefix groups) or multi_turn "
+        "(conversations replayed turn by turn on the chat endpoint; bench serve only).",
     )
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file.")
     g.add_argument("--num-prompts", type=int, default=100, help="Requests in the benchmark.")
@@ -40,9 +41,53 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Sets every dataset's output length (--random-output-len, --sharegpt-output-len, "
-        "--chatterbot-output-len, --prefix-output-len).",
+        "--chatterbot-output-len, --prefix-output-len, --multi-turn-output-len).",
     )
     _add_per_dataset_args(parser)
+    _add_multi_turn_args(parser)
+
+
+def _add_multi_turn_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the multi_turn workload (see kvserve.bench.multi_turn)."""
+    g = parser.add_argument_group("multi_turn")
+    g.add_argument(
+        "--multi-turn-source",
+        choices=multi_turn.SOURCES,
+        default="synthetic",
+        help="synthetic (random-token turns) or chatterbot (the corpus's conversations with "
+        "two user turns or more).",
+    )
+    g.add_argument(
+        "--multi-turn-num-conversations",
+        type=int,
+        default=None,
+        help="Conversations (default: --num-prompts); requests = conversations x turns.",
+    )
+    g.add_argument(
+        "--multi-turn-num-turns",
+        type=int,
+        default=None,
+        help=f"User turns per conversation (synthetic default {multi_turn.DEFAULT_NUM_TURNS}; "
+        "chatterbot: the conversation's own, capped by this).",
+    )
+    g.add_argument(
+        "--multi-turn-system-prompt-len",
+        type=int,
+        default=multi_turn.DEFAULT_SYSTEM_PROMPT_LEN,
+        help="Tokens of one random system prompt shared by every conversation (0: none).",
+    )
+    g.add_argument(
+        "--multi-turn-user-len",
+        type=int,
+        default=multi_turn.DEFAULT_USER_LEN,
+        help="Tokens of each synthetic user turn.",
+    )
+    g.add_argument(
+        "--multi-turn-output-len",
+        type=int,
+        default=multi_turn.DEFAULT_OUTPUT_LEN,
+        help="max_tokens of each turn (exact with --ignore-eos, the synthetic default).",
+    )
 
 
 def _add_per_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +148,8 @@ def add_output_mode_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="Fixed output lengths: send ignore_eos and max_tokens = the expected length. "
-        "Default: on for random/prefix, off (generate until EOS) for sharegpt/chatterbot.",
+        "Default: on for random/prefix/synthetic multi_turn, off (generate until EOS) for "
+        "sharegpt/chatterbot/chatterbot multi_turn.",
     )
     g.add_argument(
         "--max-tokens",
@@ -143,13 +189,16 @@ def apply_general_lengths(args: argparse.Namespace) -> None:
         args.sharegpt_output_len = args.output_len
         args.chatterbot_output_len = args.output_len
         args.prefix_output_len = args.output_len
+        args.multi_turn_output_len = args.output_len
 
 
 def resolve_ignore_eos(args: argparse.Namespace) -> bool:
     """--ignore-eos as given, else the dataset's default (synthetic data has no natural end)."""
     if args.ignore_eos is not None:
         return bool(args.ignore_eos)
-    name = datasets.DATASET_ALIASES.get(args.dataset_name, args.dataset_name)
+    name = datasets.canonical_name(args.dataset_name)
+    if name == "multi_turn":
+        return getattr(args, "multi_turn_source", "synthetic") == "synthetic"
     return name in ("random", "prefix")
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvserve.bench.client import RequestInput, RequestRecord
 
 SendFunc = Callable[[RequestInput], Awaitable[RequestRecord]]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -57,16 +60,28 @@ async def run_requests(
             on_done(record)
         return record
 
+    records, duration, max_lag = await launch_at(inputs, one, offsets)
+    return RunResult(records, duration, max_lag)
+
+
+async def launch_at(
+    items: Sequence[T], start_one: Callable[[T], Coroutine[Any, Any, R]], offsets: Sequence[float]
+) -> tuple[list[R], float, float]:
+    """Start ``start_one(items[i])`` at ``offsets[i]`` s; return (results in item order,
+    seconds from the start to the last completion, worst lag of a start behind schedule).
+    Shared by single requests and multi-turn conversations (one task per conversation)."""
+    if len(items) != len(offsets):
+        raise ValueError(f"{len(items)} items but {len(offsets)} arrival offsets.")
     start = time.perf_counter()
     max_lag = 0.0
-    tasks: list[asyncio.Task[RequestRecord]] = []
-    for inp, offset in zip(inputs, offsets, strict=True):
+    tasks: list[asyncio.Task[R]] = []
+    for item, offset in zip(items, offsets, strict=True):
         # Sleep to an absolute target (not a relative gap) so that timer jitter does not
         # accumulate over a long schedule.
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         max_lag = max(max_lag, time.perf_counter() - (start + offset))
-        tasks.append(asyncio.create_task(one(inp)))
-    records = list(await asyncio.gather(*tasks))
-    return RunResult(records, time.perf_counter() - start, max_lag)
+        tasks.append(asyncio.create_task(start_one(item)))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - start, max_lag

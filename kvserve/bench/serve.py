@@ -10,52 +10,52 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
-import os
+import dataclasses
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
-from kvserve.bench import client, options
+from kvserve.bench import client, multi_turn, options
 from kvserve.bench.arrivals import arrival_times
 from kvserve.bench.client import RequestInput, RequestRecord
-from kvserve.bench.datasets import SampleRequest, get_samples
-from kvserve.bench.metrics import calculate_metrics, parse_goodput, parse_percentiles, parse_slo
+from kvserve.bench.datasets import SampleRequest, canonical_name, get_samples
+from kvserve.bench.metrics import parse_percentiles
+from kvserve.bench.multi_turn import Conversation, ConversationRunResult
 from kvserve.bench.report import format_summary
-from kvserve.bench.runner import SendFunc, run_requests
+from kvserve.bench.results import (  # noqa: F401  (DETAILED_KEYS, json_safe: public via serve)
+    DETAILED_KEYS,
+    build_result,
+    json_safe,
+    key_values,
+    result_path,
+    save_result,
+    slo_from_args,
+)
+from kvserve.bench.runner import RunResult, SendFunc, run_requests
 from kvserve.bench.server_metrics import MetricsPoller, scrape, summarize_server_metrics
 from kvserve.bench.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# Per-request lists written only with --save-detailed (vLLM's names, plus our extras).
-DETAILED_KEYS = (
-    "input_lens",
-    "output_lens",
-    "ttfts",
-    "itls",
-    "latencies",
-    "start_times",
-    "queue_times",
-    "generated_texts",
-    "errors",
-    "output_token_sources",
-    "expected_output_lens",
-)
+# What a benchmark sends: single requests, or multi_turn's conversations.
+Workload = list[SampleRequest] | list[Conversation]
+RunFunc = Callable[[Callable[[RequestRecord], None]], Awaitable[RunResult]]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Every option of ``bench serve`` (the sweep reuses them)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--backend", default="openai", choices=sorted(client.BACKENDS))
+    g.add_argument(
+        "--backend",
+        default=None,
+        choices=sorted(client.BACKENDS),
+        help="Default: openai-chat for --dataset-name multi_turn, else openai (completions).",
+    )
     g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -97,16 +97,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     options.add_sampling_args(parser)
 
 
-def _key_values(items: list[str] | None, flag: str) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, found, value = item.partition("=")
-        if not found:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}.")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def urls(args: argparse.Namespace) -> tuple[str, str]:
     """(base URL, API URL) from --base-url or --host/--port, and --endpoint or the backend's."""
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
@@ -114,38 +104,82 @@ def urls(args: argparse.Namespace) -> tuple[str, str]:
     return base, base + endpoint
 
 
-def slo_from_args(args: argparse.Namespace) -> dict[str, float] | None:
-    """--goodput and --slo merged (both in ms); None when neither is given."""
-    slo: dict[str, float] = {}
-    if args.goodput:
-        slo.update(parse_goodput(args.goodput))
-    if args.slo:
-        slo.update(parse_slo(args.slo))
-    return slo or None
+def request_template(args: argparse.Namespace, api_url: str, model: str) -> RequestInput:
+    """What every request of the run shares: URL, model, output-length mode, sampling fields
+    and headers; the dataset fills in the prompt and lengths."""
+    headers = client.build_headers(args.api_key, key_values(args.header, "--header"))
+    return RequestInput(
+        api_url=api_url,
+        model=model,
+        prompt="",
+        prompt_len=0,
+        max_tokens=0,
+        ignore_eos=options.resolve_ignore_eos(args),
+        extra_body=options.sampling_body(args),
+        headers=headers,
+    )
 
 
 def build_inputs(
     samples: list[SampleRequest], args: argparse.Namespace, api_url: str, model: str
 ) -> list[RequestInput]:
     """One RequestInput per sample with the run's output-length mode and sampling fields."""
-    ignore_eos = options.resolve_ignore_eos(args)
-    headers = client.build_headers(args.api_key, _key_values(args.header, "--header"))
-    body = options.sampling_body(args)
+    template = request_template(args, api_url, model)
     return [
-        RequestInput(
-            api_url=api_url,
-            model=model,
+        dataclasses.replace(
+            template,
             prompt=s.prompt,
             prompt_len=s.prompt_len,
             max_tokens=args.max_tokens or s.expected_output_len,
             chat_messages=s.chat_messages,
-            ignore_eos=ignore_eos,
-            extra_body=body,
-            headers=headers,
             expected_output_len=s.expected_output_len,
         )
         for s in samples
     ]
+
+
+def _offsets(args: argparse.Namespace, n: int) -> list[float]:
+    return arrival_times(
+        n,
+        args.request_rate,
+        args.burstiness,
+        seed=args.seed,
+        distribution=args.arrival_distribution,
+        normalize=args.normalize_arrivals,
+    )
+
+
+def plan_run(
+    args: argparse.Namespace,
+    samples: Workload,
+    tokenizer: PreTrainedTokenizerBase | None,
+    send: SendFunc,
+    api_url: str,
+    model: str,
+) -> tuple[RunFunc, list[RequestInput], int]:
+    """(the measured run, the requests warm-ups and the ready check cycle over, how many
+    requests the run sends). Conversations arrive on the schedule and then play their turns;
+    their warm-ups are first turns only (no conversation is played before the run)."""
+    cap = args.max_concurrency
+    if samples and isinstance(samples[0], Conversation):
+        convs = cast(list[Conversation], samples)
+        make = multi_turn.input_factory(
+            request_template(args, api_url, model), tokenizer, args.max_tokens
+        )
+        offsets = _offsets(args, len(convs))
+
+        def run_convs(on_done: Callable[[RequestRecord], None]) -> Awaitable[RunResult]:
+            return multi_turn.run_conversations(convs, send, make, offsets, cap, on_done)
+
+        firsts = [make(c, 0, c.messages_for(0, [])) for c in convs]
+        return run_convs, firsts, sum(len(c.user_turns) for c in convs)
+    inputs = build_inputs(cast(list[SampleRequest], samples), args, api_url, model)
+    offsets = _offsets(args, len(inputs))
+
+    def run_single(on_done: Callable[[RequestRecord], None]) -> Awaitable[RunResult]:
+        return run_requests(inputs, send, offsets, cap, on_done=on_done)
+
+    return run_single, inputs, len(inputs)
 
 
 async def _model_name(
@@ -189,22 +223,11 @@ async def _warm_up(send: SendFunc, inputs: list[RequestInput], n: int, cap: int 
 
 
 async def measure(
-    args: argparse.Namespace,
-    inputs: list[RequestInput],
-    send: SendFunc,
-    base_url: str,
-) -> tuple[list[RequestRecord], float, float, dict[str, Any]]:
-    """The measured run: arrivals, progress bar, /metrics scrapes around and during it."""
+    args: argparse.Namespace, run: RunFunc, num_requests: int, base_url: str
+) -> tuple[RunResult, dict[str, Any]]:
+    """The measured run with a progress bar, and the /metrics scrapes around and during it."""
     from tqdm import tqdm
 
-    offsets = arrival_times(
-        len(inputs),
-        args.request_rate,
-        args.burstiness,
-        seed=args.seed,
-        distribution=args.arrival_distribution,
-        normalize=args.normalize_arrivals,
-    )
     metrics_url = f"{base_url}/metrics"
     on = not args.no_server_metrics
     # Its own session: scrapes must never take a connection from, or wait behind, requests.
@@ -213,19 +236,16 @@ async def measure(
         poller = MetricsPoller(metrics_session, metrics_url, args.metrics_interval)
         if on:
             poller.start()
-        with tqdm(total=len(inputs), disable=args.disable_tqdm, file=sys.stderr) as bar:
-            result = await run_requests(
-                inputs, send, offsets, args.max_concurrency, on_done=lambda _: bar.update(1)
-            )
+        with tqdm(total=num_requests, disable=args.disable_tqdm, file=sys.stderr) as bar:
+            result = await run(lambda _: bar.update(1))
         during = await poller.stop() if on else []
         after = await scrape(metrics_session, metrics_url) if on else None
-    server = summarize_server_metrics(before, after, during).to_dict()
-    return result.records, result.duration, result.max_send_lag, server
+    return result, summarize_server_metrics(before, after, during).to_dict()
 
 
 async def benchmark(
     args: argparse.Namespace,
-    samples: list[SampleRequest],
+    samples: Workload,
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> dict[str, Any]:
     """Run one serving benchmark against the server named by ``args``; return the result."""
@@ -235,14 +255,34 @@ async def benchmark(
         counter = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     async with client.make_session(args.request_timeout) as session:
         model = await _model_name(session, base_url, args)
-        inputs = build_inputs(samples, args, api_url, model)
         send = partial(_send, client.BACKENDS[args.backend], session, counter)
+        run, firsts, num_requests = plan_run(args, samples, tokenizer, send, api_url, model)
         if args.ready_check_timeout_sec > 0:
-            await _ready_check(send, inputs[0], args.ready_check_timeout_sec)
-        await _warm_up(send, inputs, args.num_warmups, args.max_concurrency)
-        records, duration, lag, server = await measure(args, inputs, send, base_url)
-    _warn_about(records, lag)
-    return build_result(args, model, records, duration, lag, server)
+            await _ready_check(send, firsts[0], args.ready_check_timeout_sec)
+        await _warm_up(send, firsts, args.num_warmups, args.max_concurrency)
+        run_result, server = await measure(args, run, num_requests, base_url)
+    _warn_about(run_result.records, run_result.max_send_lag)
+    result = build_result(
+        args, model, run_result.records, run_result.duration, run_result.max_send_lag, server
+    )
+    if isinstance(run_result, ConversationRunResult):
+        result.update(_multi_turn_keys(args, run_result, len(samples)))
+    return result
+
+
+def _multi_turn_keys(
+    args: argparse.Namespace, run: ConversationRunResult, num_conversations: int
+) -> dict[str, Any]:
+    """Conversation count and per-turn statistics; with --save-detailed, where each request
+    came from (conversation id, 0-based turn)."""
+    out: dict[str, Any] = {
+        "num_conversations": num_conversations,
+        "turns": multi_turn.turn_stats(run.records, run.turn_indices),
+    }
+    if args.save_detailed:
+        out["conversation_ids"] = run.conversation_ids
+        out["turn_indices"] = run.turn_indices
+    return out
 
 
 def _warn_about(records: list[RequestRecord], max_send_lag: float) -> None:
@@ -268,101 +308,29 @@ async def _send(
     return await func(session, inp, counter)
 
 
-def build_result(
-    args: argparse.Namespace,
-    model: str,
-    records: list[RequestRecord],
-    duration: float,
-    max_send_lag: float,
-    server: dict[str, Any],
-) -> dict[str, Any]:
-    """The result dict: vLLM's keys for setup and metrics, then server metrics and settings."""
-    percentiles = parse_percentiles(args.percentiles)
-    metrics = calculate_metrics(records, duration, percentiles, slo_from_args(args))
-    result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": args.backend,
-        "endpoint_type": args.backend,
-        "label": args.label,
-        "model_id": model,
-        "tokenizer_id": getattr(args, "tokenizer_id", args.tokenizer),
-        "dataset_name": args.dataset_name,
-        "num_prompts": len(records),
-        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
-        "ignore_eos": options.resolve_ignore_eos(args),
-    }
-    result.update(_key_values(args.metadata, "--metadata"))
-    result.update(metrics.to_dict())
-    result["max_send_lag_s"] = max_send_lag
-    result.update(server)
-    result["settings"] = options.jsonable_args(args)
-    if args.save_detailed:
-        result.update(_detailed(records))
-    return result
+def resolve_backend(args: argparse.Namespace) -> None:
+    """--backend default by dataset: multi_turn sends message lists, so it needs chat."""
+    chat = canonical_name(args.dataset_name) == "multi_turn"
+    if args.backend is None:
+        args.backend = "openai-chat" if chat else "openai"
+    elif chat and args.backend != "openai-chat":
+        raise ValueError("--dataset-name multi_turn needs --backend openai-chat.")
 
 
-def _detailed(records: list[RequestRecord]) -> dict[str, list[Any]]:
-    return {
-        "input_lens": [r.prompt_len for r in records],
-        "output_lens": [r.output_tokens if r.success else 0 for r in records],
-        "ttfts": [r.ttft for r in records],
-        "itls": [r.itl for r in records],
-        "latencies": [r.latency for r in records],
-        "start_times": [r.start_time for r in records],
-        "queue_times": [r.queue_time for r in records],
-        "generated_texts": [r.generated_text for r in records],
-        "errors": [r.error for r in records],
-        "output_token_sources": [r.output_tokens_source for r in records],
-        "expected_output_lens": [r.expected_output_len for r in records],
-    }
-
-
-def result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path:
-    """--result-dir/--result-filename, else vLLM's ``{label}-{rate}qps-{model}-{date}.json``."""
-    name = args.result_filename
-    if not name:
-        label = args.label or args.backend
-        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-        model = str(result["model_id"]).rstrip("/").split("/")[-1]
-        name = f"{label}-{args.request_rate}qps{conc}-{model}-{result['date']}.json"
-    folder = Path(args.result_dir) if args.result_dir else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / name
-
-
-def json_safe(value: Any) -> Any:
-    """``inf``/``nan`` as strings (vLLM writes ``"inf"`` for an unlimited rate): bare
-    ``Infinity`` is not JSON and breaks strict readers."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def save_result(result: dict[str, Any], path: Path) -> None:
-    """Write JSON atomically (a crash mid-write must not leave a truncated result)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(json_safe(result), f, indent=2, allow_nan=False)
-    os.replace(tmp, path)
-
-
-def prepare(args: argparse.Namespace) -> tuple[list[SampleRequest], PreTrainedTokenizerBase]:
-    """Validate options, load the tokenizer and build the dataset."""
+def prepare(args: argparse.Namespace) -> tuple[Workload, PreTrainedTokenizerBase]:
+    """Validate options, load the tokenizer and build the dataset (or the conversations)."""
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be positive.")
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be positive.")
+    resolve_backend(args)
     options.apply_general_lengths(args)
     slo_from_args(args)  # fail on a malformed SLO before the dataset is built
     parse_percentiles(args.percentiles)
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     args.tokenizer_id = getattr(tokenizer, "name_or_path", args.tokenizer)
+    if canonical_name(args.dataset_name) == "multi_turn":
+        return multi_turn.get_conversations(args, tokenizer), tokenizer
     return get_samples(args, tokenizer), tokenizer
 
 

@@ -1,12 +1,17 @@
-"""Server-side counters from the Prometheus ``/metrics`` endpoint: preemptions and queue peaks.
+"""Server-side counters from the Prometheus ``/metrics`` endpoint: preemptions, queue peaks and
+the prefix-cache hit rate.
 
 Client timings cannot show *why* a run was slow; the engine's own metrics can. We scrape
 ``/metrics`` before the run, every ``interval`` seconds during it (gauges such as the number of
 running requests are instantaneous, so their peak needs polling) and after it. The same code
 reads kvserve's names (``kvserve:num_preemptions_total``, ``kvserve:num_requests_running``,
 ``kvserve:num_requests_waiting``) and vLLM's (``vllm:...``); kvserve's high-water mark
-``kvserve:max_num_requests_running`` also catches a peak that fell between two polls. Anything
-missing or unparsable gives ``None`` and never fails the benchmark.
+``kvserve:max_num_requests_running`` also catches a peak that fell between two polls. The
+prefix cache's hit rate over the run is the hits delta over the queries delta of
+``kvserve:prefix_cache_{queries,hits}_total`` (vLLM: ``vllm:prefix_cache_...``), both in
+prompt tokens: a server-wide rate, so it covers exactly the measured requests only when nothing
+else talks to the server. Anything missing or unparsable gives ``None`` and never fails the
+benchmark.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class ServerMetricsSummary:
     num_preemptions: int | None = None  # counter delta over the run
     peak_num_requests_running: int | None = None
     peak_num_requests_waiting: int | None = None
+    prefix_cache_queries: int | None = None  # prompt tokens looked up in the cache (delta)
+    prefix_cache_hits: int | None = None  # of those, tokens found cached (delta)
+    prefix_cache_hit_rate: float | None = None  # hits / queries; None when nothing was queried
     num_scrapes: int = 0  # scrapes that parsed, before + during + after
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,7 +78,20 @@ def _names(prefix: str) -> dict[str, tuple[str, ...]]:
         "waiting": (f"{prefix}:num_requests_waiting",),
         # kvserve's own high-water mark of the running batch since the server started.
         "running_max": (f"{prefix}:max_num_requests_running",),
+        "cache_queries": (f"{prefix}:prefix_cache_queries_total", f"{prefix}:prefix_cache_queries"),
+        "cache_hits": (f"{prefix}:prefix_cache_hits_total", f"{prefix}:prefix_cache_hits"),
     }
+
+
+def _counter_delta(
+    first: dict[str, float] | None, last: dict[str, float] | None, names: Sequence[str]
+) -> int | None:
+    """``last - first`` of a counter; None when either side lacks it or it went down (a server
+    restarted mid-run: no honest delta)."""
+    start, end = _lookup(first, names), _lookup(last, names)
+    if start is None or end is None or end < start:
+        return None
+    return int(end - start)
 
 
 def _peak(scrapes: Sequence[dict[str, float] | None], names: Sequence[str]) -> int | None:
@@ -93,10 +114,8 @@ def summarize_server_metrics(
         if not any(_lookup(s, n) is not None for s in parsed for n in names.values()):
             continue
         summary.source = prefix
-        start, end = _lookup(first, names["preemptions"]), _lookup(last, names["preemptions"])
-        # A counter that went down means the server restarted mid-run: no honest delta.
-        if start is not None and end is not None and end >= start:
-            summary.num_preemptions = int(end - start)
+        summary.num_preemptions = _counter_delta(first, last, names["preemptions"])
+        _add_prefix_cache(summary, first, last, names)
         summary.peak_num_requests_running = _peak(scrapes, names["running"])
         summary.peak_num_requests_waiting = _peak(scrapes, names["waiting"])
         # Polling can miss a short peak; a high-water mark that rose during the run cannot.
@@ -107,6 +126,20 @@ def summarize_server_metrics(
             summary.peak_num_requests_running = max(seen, int(hw_end))
         break
     return summary
+
+
+def _add_prefix_cache(
+    summary: ServerMetricsSummary,
+    first: dict[str, float] | None,
+    last: dict[str, float] | None,
+    names: dict[str, tuple[str, ...]],
+) -> None:
+    queries = _counter_delta(first, last, names["cache_queries"])
+    hits = _counter_delta(first, last, names["cache_hits"])
+    summary.prefix_cache_queries, summary.prefix_cache_hits = queries, hits
+    # 0/0 is no evidence either way (caching off, or no request admitted): not a 0% rate.
+    if queries and hits is not None:
+        summary.prefix_cache_hit_rate = hits / queries
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> str | None:

@@ -92,6 +92,16 @@ def text_of_length(
     return text, len(_encode(tokenizer, text))
 
 
+def random_text(
+    tokenizer: PreTrainedTokenizerBase, length: int, rng: np.random.Generator, allowed: np.ndarray
+) -> str:
+    """Text of about ``length`` random tokens (see :func:`text_of_length`); "" for 0."""
+    if length <= 0:
+        return ""
+    ids = allowed[rng.integers(0, len(allowed), size=length)].tolist()
+    return text_of_length(tokenizer, ids, length, rng, allowed)[0]
+
+
 def length_range(mean_len: int, range_ratio: float) -> tuple[int, int]:
     """[floor(L*(1-r)), ceil(L*(1+r))], vLLM's --random-range-ratio interval (inclusive)."""
     if not 0.0 <= range_ratio < 1.0:
@@ -148,18 +158,11 @@ def sample_shared_prefix(
         raise ValueError(f"--prefix-num-groups must be positive, got {num_groups}.")
     rng = np.random.default_rng(seed)
     allowed = allowed_token_ids(tokenizer)
-
-    def random_text(length: int) -> str:
-        if length <= 0:
-            return ""
-        ids = allowed[rng.integers(0, len(allowed), size=length)].tolist()
-        return text_of_length(tokenizer, ids, length, rng, allowed)[0]
-
-    prefixes = [random_text(prefix_len) for _ in range(num_groups)]
+    prefixes = [random_text(tokenizer, prefix_len, rng, allowed) for _ in range(num_groups)]
     samples = []
     for i in range(num_requests):
         group = i % num_groups
-        suffix = random_text(suffix_len)
+        suffix = random_text(tokenizer, suffix_len, rng, allowed)
         prompt = prefixes[group] + suffix
         samples.append(
             SampleRequest(

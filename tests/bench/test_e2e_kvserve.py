@@ -136,3 +136,34 @@ def test_warmups_reach_the_server_but_are_not_counted(bench_server: Server, tmp_
     assert warmups <= warm_generated <= warmups * MAX_TOKENS
     assert _finished(after) - _finished(before) == n + warmups
     assert result["num_preemptions"] == 0
+
+
+def test_multi_turn_hit_rate_matches_usage_and_counters(
+    bench_server: Server, tmp_path: Path
+) -> None:
+    argv = [
+        "--base-url", bench_server.url, "--dataset-name", "multi_turn", "--seed", "7",
+        "--multi-turn-num-conversations", "3", "--multi-turn-num-turns", "3",
+        "--multi-turn-system-prompt-len", "64", "--multi-turn-user-len", "40",
+        "--multi-turn-output-len", "8", "--max-concurrency", "2", "--temperature", "0",
+        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
+        "--result-filename", "result.json",
+    ]  # fmt: skip
+    result, before, after = _run(bench_server, argv, tmp_path)
+    assert (result["completed"], result["failed"], result["num_conversations"]) == (9, 0, 3)
+    assert result["num_preemptions"] == 0  # so every request was admitted exactly once:
+    # the server's counters over the run are the per-request usage fields, summed.
+    queries = _delta(before, after, "kvserve:prefix_cache_queries_total")
+    hits = _delta(before, after, "kvserve:prefix_cache_hits_total")
+    assert (result["prefix_cache_queries"], result["prefix_cache_hits"]) == (queries, hits)
+    assert queries == result["total_input_tokens"] == _delta(before, after, PROMPT_TOTAL)
+    assert hits == result["total_cached_tokens"] == sum(result["cached_tokens"])
+    assert result["prefix_cache_hit_rate"] == hits / queries
+    # Later turns find the history (and the shared system prompt) in the cache.
+    turns = result["turns"]
+    assert [t["completed"] for t in turns] == [3, 3, 3]
+    assert 0 < turns[0]["mean_cached_tokens"] < turns[1]["mean_cached_tokens"]
+    assert turns[1]["mean_cached_tokens"] < turns[2]["mean_cached_tokens"]
+    for i, turn in enumerate(result["turn_indices"]):
+        if turn > 0:  # whole blocks of the previous turn's prompt, at least
+            assert result["cached_tokens"][i] >= result["input_lens"][i - 1] // 16 * 16 - 16

@@ -129,3 +129,45 @@ def test_add_bench_parser_on_a_top_level_cli() -> None:
     assert (args.sweep_max_num_seqs, args.request_rates) == ("4,8", "1,inf")
     args = parser.parse_args(["bench", "throughput", "--max-num-seqs", "4"])
     assert args.max_num_seqs == 4 and args.bench_command == "throughput"
+
+
+async def test_prefix_cache_hit_rate_and_cached_tokens(fake_server, byte_tokenizer_dir) -> None:
+    # Every request: 110 prompt tokens looked up, 99 found; usage says 99 were cached.
+    fake_server.delays = [0.01, 0.01, 0.01]
+    fake_server.cache_queries_per_request, fake_server.cache_hits_per_request = 110, 99
+    fake_server.cached_tokens = 99
+    args = _args(
+        "--base-url", fake_server.base_url, "--dataset-name", "prefix", "--prefix-len", "100",
+        "--prefix-suffix-len", "10", "--prefix-num-groups", "1", "--prefix-output-len", "3",
+        "--num-prompts", "6", "--num-warmups", "2", "--tokenizer", str(byte_tokenizer_dir),
+        "--disable-tqdm", "--save-detailed",
+    )  # fmt: skip
+    samples, tokenizer = serve.prepare(args)
+    result = await serve.benchmark(args, samples, tokenizer)
+    assert len(fake_server.bodies) == 8 and result["completed"] == 6
+    # The server's counters over the measured run only (warm-ups came before the first scrape).
+    assert (result["prefix_cache_queries"], result["prefix_cache_hits"]) == (660, 594)
+    assert result["prefix_cache_hit_rate"] == 0.9
+    assert result["total_cached_tokens"] == 594 and result["cached_tokens"] == [99] * 6
+    summary = format_summary(result)
+    for label, shown in (
+        ("Prefix cache hit rate (%):", "90.00"),
+        ("Prefix cache hits (tokens):", "594"),
+        ("Prefix cache queries (tokens):", "660"),
+        ("Total cached prompt tokens:", "594"),
+    ):
+        assert f"{label:<40} {shown}" in summary, label
+
+
+async def test_server_without_prefix_cache_metrics_gives_null(fake_server, byte_tokenizer_dir):
+    fake_server.delays = [0.01, 0.01, 0.01]
+    args = _args(
+        "--base-url", fake_server.base_url, "--dataset-name", "random", "--num-prompts", "2",
+        "--random-input-len", "8", "--tokenizer", str(byte_tokenizer_dir), "--disable-tqdm",
+    )  # fmt: skip
+    samples, tokenizer = serve.prepare(args)
+    result = await serve.benchmark(args, samples, tokenizer)
+    assert result["server_metrics_source"] == "kvserve"
+    assert result["prefix_cache_queries"] is None and result["prefix_cache_hit_rate"] is None
+    assert result["total_cached_tokens"] is None
+    assert "Prefix cache" not in format_summary(result)

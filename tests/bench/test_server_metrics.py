@@ -85,3 +85,58 @@ def test_kvserve_high_water_mark_catches_missed_peak() -> None:
     # Unchanged mark: the run did not exceed the old peak, so only the polls count.
     s = summarize_server_metrics(before, before, [_kvserve(0, 2, 0) + hw.format(3)])
     assert s.peak_num_requests_running == 2
+
+
+def _cache(prefix: str, queries: float, hits: float, labels: str = "") -> str:
+    return (
+        f"# TYPE {prefix}:prefix_cache_queries counter\n"
+        f"{prefix}:prefix_cache_queries_total{labels} {queries}\n"
+        f"# TYPE {prefix}:prefix_cache_hits counter\n"
+        f"{prefix}:prefix_cache_hits_total{labels} {hits}\n"
+    )
+
+
+def test_prefix_cache_hit_rate_is_the_run_delta() -> None:
+    # Before the run the server had answered other requests: 100 queried, 20 hit.
+    before = _kvserve(0, 0, 0) + _cache("kvserve", 100, 20)
+    after = _kvserve(0, 0, 0) + _cache("kvserve", 1100, 770)
+    s = summarize_server_metrics(before, after)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (1000, 750)
+    assert s.prefix_cache_hit_rate == 0.75  # not 770 / 1100
+    d = s.to_dict()
+    assert (d["prefix_cache_queries"], d["prefix_cache_hits"]) == (1000, 750)
+    assert d["prefix_cache_hit_rate"] == 0.75
+
+
+def test_prefix_cache_hit_rate_vllm_names_summed_over_engines() -> None:
+    lab0, lab1 = '{engine="0",model_name="m"}', '{engine="1",model_name="m"}'
+    before = _vllm(0, 0, 0) + _cache("vllm", 40, 8, lab0) + _cache("vllm", 60, 2, lab1)
+    after = _vllm(0, 0, 0) + _cache("vllm", 240, 108, lab0) + _cache("vllm", 460, 402, lab1)
+    s = summarize_server_metrics(before, after)
+    assert s.source == "vllm"
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (600, 500)  # 700-100, 510-10
+    assert s.prefix_cache_hit_rate == 500 / 600
+
+
+def test_prefix_cache_without_counters_queries_or_with_a_reset() -> None:
+    plain = summarize_server_metrics(_kvserve(0, 0, 0), _kvserve(0, 0, 0))
+    assert (plain.prefix_cache_queries, plain.prefix_cache_hits) == (None, None)
+    assert plain.prefix_cache_hit_rate is None
+    # Nothing queried during the run: 0 tokens each, but 0/0 is no rate.
+    idle = summarize_server_metrics(_cache("kvserve", 50, 5), _cache("kvserve", 50, 5))
+    assert (idle.source, idle.prefix_cache_queries, idle.prefix_cache_hits) == ("kvserve", 0, 0)
+    assert idle.prefix_cache_hit_rate is None
+    # Caching off: queries counted, never a hit: a real 0% rate.
+    off = summarize_server_metrics(_cache("kvserve", 0, 0), _cache("kvserve", 300, 0))
+    assert off.prefix_cache_hit_rate == 0.0
+    # The server restarted between the scrapes: no honest delta.
+    reset = summarize_server_metrics(_cache("kvserve", 500, 400), _cache("kvserve", 30, 10))
+    assert (reset.prefix_cache_queries, reset.prefix_cache_hit_rate) == (None, None)
+    # Untyped exporters without the _total suffix are read too.
+    bare = "kvserve:prefix_cache_queries {}\nkvserve:prefix_cache_hits {}\n"
+    s = summarize_server_metrics(bare.format(10, 0), bare.format(210, 50))
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_hit_rate) == (
+        200,
+        50,
+        0.25,
+    )
