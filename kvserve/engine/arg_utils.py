@@ -226,7 +226,8 @@ class EngineArgs:
     )  # fmt: skip
     generation_config: str = _opt(
         "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
-        "'auto' is accepted but does not apply generation_config.json (logged)",
+        "'auto' is accepted for models whose generation_config.json sets no sampling "
+        "defaults, and refused for the others (kvserve does not apply them)",
     )  # fmt: skip
     tensor_parallel_size: int = _opt(1, "vLLM's flag: only 1 (one device per model)")
     enforce_eager: bool = _opt(False, "vLLM's flag: no effect, kvserve always runs eagerly")
@@ -420,7 +421,8 @@ class EngineArgs:
         return size
 
     def _log_vllm_noops(self, path: Path) -> None:
-        """Say what the accepted-but-inert vLLM options do here, so none is silently dropped."""
+        """Say what the accepted-but-inert vLLM options do here, so none is silently dropped;
+        refuse ``generation_config auto`` when it would change a model's decoding."""
         if self.enforce_eager:
             logger.info("enforce_eager: kvserve always runs eagerly (no CUDA graphs)")
         if self.disable_log_requests:
@@ -430,11 +432,14 @@ class EngineArgs:
             values = json.loads(gen.read_text(encoding="utf-8"))
             ignored = {k: values[k] for k in _SAMPLING_KEYS if k in values}
             if ignored:
-                logger.info(
-                    "generation_config auto: kvserve does not apply %s from %s; requests "
-                    "use vLLM's default sampling parameters unless they set their own",
-                    ignored, gen,
-                )  # fmt: skip
+                # vLLM would make these the requests' defaults; kvserve does not, and a flag
+                # that changes decoding is honoured or refused, never quietly dropped.
+                raise ValueError(
+                    f"generation_config auto: the model sets sampling defaults {ignored} in "
+                    f"{gen}, which kvserve does not apply; use --generation-config vllm "
+                    f"(requests then use vLLM's default sampling parameters unless they set "
+                    f"their own)"
+                )
 
 
 def field_choices(name: str) -> tuple[str, ...]:

@@ -227,14 +227,15 @@ def test_inert_vllm_options_are_logged(
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos": 2}))
     args = EngineArgs(model=str(tmp_path), enforce_eager=True, disable_log_requests=True,
                       generation_config="auto")  # fmt: skip
-    args.create_engine_config()
+    with pytest.raises(ValueError, match=r"sets sampling defaults \{'temperature': 0.6\}"):
+        args.create_engine_config()
     assert kvserve_logs.messages == [
         "enforce_eager: kvserve always runs eagerly (no CUDA graphs)",
         "disable_log_requests: kvserve never logs request contents",
-        f"generation_config auto: kvserve does not apply {{'temperature': 0.6}} from "
-        f"{tmp_path / 'generation_config.json'}; requests use vLLM's default sampling "
-        f"parameters unless they set their own",
     ]
+    # No sampling defaults in the model: 'auto' changes nothing and is accepted.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos": 2}))
+    args.create_engine_config()
 
 
 def test_serve_takes_the_vllm_names(tmp_path: Path) -> None:
