@@ -86,7 +86,7 @@ INVALID_BODIES: list[tuple[str, dict[str, Any] | str]] = [
     (COMPLETIONS, {"prompt": "Hi", "top_p": 0}),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1_000_000}),
     (COMPLETIONS, {"prompt": "Hi", "n": 100_000}),
-    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1": 5}}),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"99999999": 5}}),  # outside the vocabulary
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}),
     (COMPLETIONS, {"prompt": [10**9]}),
     (COMPLETIONS, '{"prompt": "Hi", "max_tokens": '),

@@ -8,6 +8,7 @@ from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -16,6 +17,7 @@ __all__ = [
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

@@ -118,6 +118,9 @@ class ModelConfig:
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
     warmup: bool = True  # prepacked (CPU bf16): a dummy max-size prefill before serving
     chat_template: str | None = None  # Jinja text for chat prompts; None: the tokenizer's
+    # custom batch-level logits processor classes (vLLM v1's interface; kvserve.sample.
+    # custom_processors.LogitsProcessor subclasses), one instance each per engine
+    logits_processors: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))

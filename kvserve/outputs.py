@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One position's logprobs: token id -> logprob. Holds the sampled token and the top-k.
-TokenLogprobs = dict[int, float]
+
+@dataclass
+class Logprob:
+    """One token's logprob at one position (vLLM's ``Logprob``)."""
+
+    logprob: float  # log-softmax of the model's raw logits (float32)
+    rank: int | None = None  # 1-based rank in that distribution (1 = most likely)
+    decoded_token: str | None = None  # the token's text, when the request detokenizes
+
+
+# One position's logprobs: token id -> Logprob. Holds the chosen token (sampled, or the prompt's
+# own token) first, then the top-k (vLLM's order; a chosen token among the top-k appears once).
+TokenLogprobs = dict[int, Logprob]
+# Per prompt token: None for the first one (nothing predicts it), then its TokenLogprobs.
+PromptLogprobs = list[TokenLogprobs | None]
 
 
 @dataclass
@@ -44,3 +57,5 @@ class RequestOutput:
     # Why the engine failed this request (its completions end with finish reason "error");
     # None for every request that ran normally. Other requests are never affected.
     error: str | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first is None); else None
+    prompt_logprobs: PromptLogprobs | None = None

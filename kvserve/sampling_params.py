@@ -7,15 +7,24 @@ clear ``ValueError`` before a request ever reaches the engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.params import StructuredOutputsParams
 
 # Below this temperature sampling is treated as greedy (argmax); vLLM uses the same cut-off.
 _GREEDY_EPS = 1e-5
+# vLLM clamps logit_bias values to this range, as OpenAI documents it.
+LOGIT_BIAS_LIMIT = 100.0
 # Seeds are int64: torch.Generator.manual_seed takes [-2**63, 2**64), and the n > 1 children
 # use seed + i, which must stay inside that range.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
-_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+# The integer fields where None means "not set"; n, top_k and min_tokens always need a value.
+_OPTIONAL_INT_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -43,7 +52,7 @@ def _check_types(params: SamplingParams) -> None:
     """Every field that reaches a tensor has the type the tensor needs (clear errors, early)."""
     for name in _INT_FIELDS:
         value = getattr(params, name)
-        if value is not None and not is_int(value):
+        if (value is not None or name not in _OPTIONAL_INT_FIELDS) and not is_int(value):
             raise ParamError(name, f"{name} must be an integer, got {value!r}.")
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
@@ -74,6 +83,55 @@ def _check_types(params: SamplingParams) -> None:
         raise ParamError("stop", f"stop must be a string or a list of strings, got {stop!r}.")
 
 
+def _check_seam_fields(params: SamplingParams) -> None:
+    """logit_bias, allowed_token_ids, bad_words, logits_processors and structured_outputs."""
+    bias = params.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+            is_int(k) and k >= 0 and (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+            for k, v in bias.items()
+        ):
+            raise ParamError(
+                "logit_bias", "logit_bias must map non-negative token ids to finite numbers."
+            )
+        limit = LOGIT_BIAS_LIMIT
+        params.logit_bias = {k: max(-limit, min(limit, float(v))) for k, v in bias.items()}
+    allowed = params.allowed_token_ids
+    if allowed is not None and (
+        not isinstance(allowed, (list, tuple))
+        or not allowed
+        or not all(is_int(t) and t >= 0 for t in allowed)
+    ):
+        raise ParamError(
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of non-negative token ids.",
+        )
+    words = params.bad_words
+    if words is not None and (
+        not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words)
+    ):
+        raise ParamError("bad_words", "bad_words must be a list of non-empty strings.")
+    procs = params.logits_processors
+    if procs is not None and (
+        not isinstance(procs, (list, tuple)) or not all(callable(f) for f in procs)
+    ):
+        raise ParamError("logits_processors", "logits_processors must be a list of callables.")
+    so = params.structured_outputs
+    if so is not None:
+        from kvserve.structured_output.params import StructuredOutputsParams
+
+        if not isinstance(so, StructuredOutputsParams):
+            raise ParamError(
+                "structured_outputs", "structured_outputs must be a StructuredOutputsParams."
+            )
+        if params.ignore_eos:
+            raise ParamError(
+                "ignore_eos",
+                "ignore_eos cannot be combined with structured_outputs: the output ends "
+                "where the grammar does.",
+            )
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # number of completions returned for the prompt
@@ -92,9 +150,23 @@ class SamplingParams:
     max_tokens: int | None = 16  # None means "until the context is full"
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens exist
     logprobs: int | None = None  # number of top logprobs per output token (plus the sampled one)
+    # number of top logprobs per prompt token (plus the prompt's own token); vLLM's field
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # drop special tokens when detokenizing
     detokenize: bool = True  # False: token ids only, no text (vLLM's flag; saves CPU time)
+    # token id -> added to its logit before sampling (OpenAI's field; clamped to [-100, 100])
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # words never generated (tokenized by the engine)
+    # Per-request callables ``fn(output_ids, logits) -> logits`` or
+    # ``fn(prompt_ids, output_ids, logits) -> logits`` on the row's float32 ``[V]`` logits
+    # (vLLM's per-request logits processors); they run before penalties and temperature.
+    logits_processors: list[Callable[..., Any]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # grammar the output must match
+    extra_args: dict[str, Any] | None = None  # free-form, for custom logits processors (vLLM)
     stop_list: list[str] = field(init=False, default_factory=list)  # normalised `stop`
+    # bad_words as token id sequences, filled by the engine from its tokenizer (vLLM's field)
+    bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -142,6 +214,11 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ParamError("logprobs", f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ParamError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.",
+            )
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
@@ -155,6 +232,7 @@ class SamplingParams:
                 "stop", "stop strings need detokenize=True (they are matched in text)."
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_seam_fields(self)
 
     @property
     def greedy(self) -> bool:

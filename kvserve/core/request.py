@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.outputs import RequestMetrics
+from kvserve.outputs import PromptLogprobs, RequestMetrics, TokenLogprobs
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.grammar import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, not yet admitted (or preempted with recompute)
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued while its grammar compiles
     RUNNING = "running"  # in the running batch, holding device blocks
     SWAPPED = "swapped"  # preempted with its blocks in CPU swap space
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
@@ -47,6 +52,7 @@ class Request:
         arrival_time: float | None = None,
         device: str | torch.device = "cpu",
         priority: int = 0,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower runs first under SchedulingPolicy.PRIORITY
@@ -59,14 +65,23 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
         self.status = RequestStatus.WAITING
+        # The grammar's matcher when the output is constrained (structured outputs), else None
+        self.structured_output = structured_output
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time or time.monotonic())
         # A seeded generator makes the request reproducible whatever batch it lands in.
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
-        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.logprobs: list[TokenLogprobs] = []  # per output token, when asked for
         self.cumulative_logprob = 0.0
+        # With params.prompt_logprobs: one entry per prompt token computed so far (the first is
+        # None), appended by the engine; the runner computes only the missing ones, so a
+        # recompute after preemption adds nothing twice. None: not asked (or an n > 1 sibling
+        # that leaves them to completion 0).
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +96,13 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """True while prompt logprobs are still missing: cached positions have no logits, so
+        such a request computes its whole prompt (vLLM skips the cache for them too)."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
+
+    @property
     def max_total_tokens(self) -> int:
         """Tokens the request can ever hold: what the reserve policy sets aside."""
         return self.num_prompt_tokens + self.max_tokens
@@ -88,6 +110,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.structured_output is not None:
+            # A refused token sets structured_output.error; the engine fails the request.
+            self.structured_output.accept_tokens([token_id])
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status implied by the last token, or None to keep going."""
@@ -99,6 +124,8 @@ class Request:
             if last in (p.stop_token_ids or ()):
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.structured_output is not None and self.structured_output.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar ended (its stop token was taken)
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
@@ -37,6 +39,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted during this step
+    # Structured outputs: int32 [G, ceil(V / 32)] allowed-token bits for the constrained
+    # requests that sample this step, and request id -> its row (vLLM's grammar_bitmask)
+    grammar_bitmask: torch.Tensor | None = None
+    structured_output_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -80,15 +86,47 @@ class Scheduler:
         # next block is among them waits a step and then finds it cached (n > 1 siblings, or
         # users arriving together with one system prompt, compute it once).
         self._pending: set[BlockHash] = set()
+        # Requests whose grammar is still compiling: they join `waiting` once it is ready, so
+        # they never block the line; those whose grammar failed wait for the engine to fail them.
+        self.waiting_for_grammar: list[Request] = []
+        self.grammar_failed: list[Request] = []
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.add(req)
+        if req.structured_output is not None and not req.structured_output.is_ready():
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(req)
+        else:
+            self._enqueue(req)
         self._refresh_stats()
 
+    def _enqueue(self, req: Request) -> None:
+        if req.structured_output is not None and req.structured_output.check_failed():
+            self.grammar_failed.append(req)
+            return
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
+
+    def _promote_ready_grammars(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue (by policy order)."""
+        still = []
+        for req in self.waiting_for_grammar:
+            if req.structured_output is not None and req.structured_output.is_ready():
+                self._enqueue(req)
+            else:
+                still.append(req)
+        self.waiting_for_grammar = still
+
+    def take_grammar_failures(self) -> list[Request]:
+        """Requests whose grammar failed to compile; the engine finishes them with the reason."""
+        failed, self.grammar_failed = self.grammar_failed, []
+        return failed
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(
+            self.waiting or self.running or self.swapped or self.waiting_for_grammar
+        ) or bool(self.grammar_failed)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests wherever they are (abort, stop string); frees their blocks at once."""
@@ -100,6 +138,9 @@ class Scheduler:
             for queue in (self.waiting, self.running, self.swapped):
                 if req in queue:
                     queue.remove(req)
+            for pending in (self.waiting_for_grammar, self.grammar_failed):
+                if req in pending:
+                    pending.remove(req)
             self.kv.free(rid)
             req.status = status
             done.append(req)
@@ -111,6 +152,8 @@ class Scheduler:
         out = SchedulerOutput([], {}, {})
         self._admitted.clear()
         self._pending.clear()
+        if self.waiting_for_grammar:
+            self._promote_ready_grammars()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
         # older than anything waiting, so they come back first.
@@ -123,11 +166,22 @@ class Scheduler:
             out.block_tables[req.request_id] = self.kv.block_ids(req.request_id)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+        self._grammar_bitmask(out)
         if out.scheduled:
             self.stats.num_steps += 1
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_stats()
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The allowed next tokens of every constrained request that samples this step."""
+        constrained = [r for r in out.scheduled if r.structured_output and out.samples(r)]
+        if not constrained:
+            return
+        from kvserve.structured_output.grammar import grammar_bitmask
+
+        out.grammar_bitmask = grammar_bitmask([r.structured_output for r in constrained])
+        out.structured_output_rows = {r.request_id: g for g, r in enumerate(constrained)}
 
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(req)
@@ -234,8 +288,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             req = self.waiting.peek()  # waiting requests hold no blocks: nothing is computed
-            computed = self.kv.get_computed_blocks(req)  # a prefix-cache hit, whole blocks
-            if self._waits_for_pending(req, computed):
+            skip = req.skips_prefix_cache  # prompt logprobs need the logits of every position
+            computed = [] if skip else self.kv.get_computed_blocks(req)  # a hit, whole blocks
+            if not skip and self._waits_for_pending(req, computed):
                 break  # one step later that block is cached: compute it once
             hit = len(computed) * self.block_size
             n = min(req.num_tokens - hit, budget)
@@ -305,7 +360,7 @@ class Scheduler:
         s = self.stats
         s.num_running, s.num_waiting, s.num_swapped = (
             len(self.running),
-            len(self.waiting),
+            len(self.waiting) + len(self.waiting_for_grammar),
             len(self.swapped),
         )
         s.kv_usage = self.kv.pool.usage()

@@ -31,6 +31,7 @@ from kvserve.config import (
     parse_bytes,
     parse_dtype,
 )
+from kvserve.sample.custom_processors import load_processor_class
 
 logger = logging.getLogger("kvserve")
 
@@ -224,6 +225,11 @@ class EngineArgs:
         None, "vLLM's flag: a chat template file, or the template itself, for the chat "
         "endpoint and LLM.chat (default: the tokenizer's)", type=str,
     )  # fmt: skip
+    logits_processors: list[str] | None = _opt(  # noqa: RUF009 (_opt is a field())
+        None, "vLLM's flag: custom logits processor classes, as package.module:Class "
+        "(subclasses of kvserve.sample.custom_processors.LogitsProcessor); LLM() also takes "
+        "the classes", type=str, nargs="+",
+    )  # fmt: skip
     generation_config: str = _opt(
         "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
         "'auto' is accepted for models whose generation_config.json sets no sampling "
@@ -268,6 +274,8 @@ class EngineArgs:
             self._check_tokenizer(Path(self.model))
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
+        for spec in self.logits_processors or ():
+            load_processor_class(spec)  # an unknown or wrong class fails before loading
 
     def _check_memory_options(self) -> None:
         util = self.gpu_memory_utilization
@@ -381,6 +389,9 @@ class EngineArgs:
                 chat_template=None
                 if self.chat_template is None
                 else load_chat_template(self.chat_template),
+                logits_processors=tuple(
+                    load_processor_class(p) for p in self.logits_processors or ()
+                ),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

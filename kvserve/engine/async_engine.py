@@ -291,6 +291,14 @@ class AsyncLLMEngine:
             self._cond.notify()
         return stream
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Wait until the request's grammar is compiled (on the compile thread, cached by its
+        text), so an invalid schema fails here, before the request is queued; raises
+        ``GrammarError`` (a ``ValueError``) with the compiler's reason."""
+        future = self.engine.compile_grammar(params)
+        if future is not None:
+            await asyncio.wrap_future(future)
+
     def _check_queue_room(self, cmd: _AddCommand) -> None:
         """Raise ``QueueFullError`` unless the request's sequences (n of them) and prompt tokens
         fit under the queue caps. Call with the lock held."""

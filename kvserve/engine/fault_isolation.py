@@ -51,7 +51,12 @@ def execute_isolating(runner: ModelRunner, sched: SchedulerOutput) -> ModelRunne
     for req in sched.scheduled:
         rid = req.request_id
         alone = SchedulerOutput(
-            [req], {rid: sched.num_scheduled_tokens[rid]}, {rid: sched.block_tables[rid]}
+            [req],
+            {rid: sched.num_scheduled_tokens[rid]},
+            {rid: sched.block_tables[rid]},
+            # the grammar's rows are looked up by request id: a retried row stays constrained
+            grammar_bitmask=sched.grammar_bitmask,
+            structured_output_rows=sched.structured_output_rows,
         )
         try:
             out.update(runner.execute(alone, swap=False))

@@ -81,6 +81,10 @@ class LLM:
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         for p, sp, prio in zip(prompts, params_list, priorities, strict=True):
             self.engine.validate(self.engine.tokenize_prompt(p)[1], sp, prio)
+        for sp in params_list:
+            grammar = self.engine.compile_grammar(sp)
+            if grammar is not None:
+                grammar.result()  # raises GrammarError (a ValueError) with the compiler's reason
         return self._run(prompts, params_list, priorities, use_tqdm)
 
     def _run(

@@ -7,6 +7,7 @@ both drive this class.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -22,12 +23,21 @@ from kvserve.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.decoding_setup import validate_decoding_fields
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works, execute_isolating
-from kvserve.engine.output_processor import CompletionState, ParentRequest, update_text
+from kvserve.engine.output_processor import (
+    CompletionState,
+    ParentRequest,
+    TokenDecoder,
+    add_prompt_logprobs,
+    token_logprobs,
+    update_text,
+)
 from kvserve.model.loader import load_hf_config, load_model, model_max_len
 from kvserve.model.packed_linear import packing_supported
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_int
+from kvserve.structured_output.grammar import GrammarCompiler
 from kvserve.worker.malloc_tuning import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -98,6 +108,7 @@ class LLMEngine:
             self.device,
             mc.seed,
             mc.attention_backend,
+            [cls(config, self.device, False) for cls in mc.logits_processors],
         )
         if self.device.type == "cpu":
             # After the weights and KV cache exist, so only step-time buffers are affected.
@@ -136,6 +147,12 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         self._child_state: dict[str, CompletionState] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> text, for Logprob.decoded_token
+        # Structured outputs; cheap to build (xgrammar's tokenizer info is built on its thread
+        # with the first grammar), and built here so no two threads race to build it.
+        self._grammar: GrammarCompiler | None = None
+        if self.tokenizer is not None:
+            self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -177,6 +194,9 @@ class LLMEngine:
                 f"stop_token_ids: token id {bad[0]} is out of the vocabulary (size {vocab})"
             )
         self._check_priority(priority)
+        validate_decoding_fields(params, self.tokenizer, vocab)
+        for cls in self.config.model.logits_processors:
+            cls.validate_params(params)  # a custom processor may refuse the request
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
@@ -228,6 +248,9 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 # Distinct but reproducible streams per completion, as vLLM does.
                 child_params = dataclasses.replace(params, n=1, seed=params.seed + i)
+                child_params.bad_words_token_ids = params.bad_words_token_ids
+            so = params.structured_outputs
+            grammar = None if so is None else self.grammar_compiler.new_request(so)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid,
@@ -238,11 +261,14 @@ class LLMEngine:
                 arrival_time,
                 self.device,
                 priority,
+                grammar,
             )
             stream = None
             if self.tokenizer is not None and params.detokenize:
                 stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             state = CompletionState(i, req, stream)
+            if i > 0:
+                req.prompt_logprobs = None  # the siblings' prompt is one: completion 0 reports it
             parent.children.append(state)
             self._child_parent[cid] = parent
             self._child_state[cid] = state
@@ -263,6 +289,19 @@ class LLMEngine:
                 self._child_state.pop(cid, None)
 
     @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler (xgrammar over this tokenizer and vocabulary)."""
+        if self._grammar is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        return self._grammar
+
+    def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
+        """Start compiling the request's grammar (cached by its text); None when unconstrained.
+        The future's exception is a ``GrammarError`` (a ``ValueError``) with the reason."""
+        so = params.structured_outputs
+        return None if so is None else self.grammar_compiler.compile(so)
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds (a request larger than this can never run)."""
         return self.kv.num_tokens_capacity
@@ -272,8 +311,9 @@ class LLMEngine:
         return int(self.hf_config.vocab_size)
 
     def num_waiting(self) -> int:
-        """Requests queued and not yet running (preempted-with-recompute ones included)."""
-        return len(self.scheduler.waiting)
+        """Requests queued and not yet running (preempted-with-recompute ones and those
+        waiting for their grammar included)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_grammar)
 
     def num_waiting_tokens(self) -> int:
         """Tokens of the queued requests (prompt plus any output of a preempted one)."""
@@ -295,13 +335,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         timings.schedule += time.perf_counter() - t0
+        if not sched.scheduled and self.scheduler.waiting_for_grammar:
+            self._wait_for_grammars()
         out = execute_isolating(self.runner, sched)
         t1 = time.perf_counter()
-        failed_parents = self._fail_requests(out.failed)
+        grammar_failed = {
+            r.request_id: r.structured_output.error or "grammar failed"
+            for r in self.scheduler.take_grammar_failures()
+            if r.structured_output is not None
+        }
+        failed_parents = self._fail_requests(grammar_failed)
+        failed_parents += self._fail_requests(out.failed)
         all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
         if all_failed and not engine_works(self.runner, self.kv):
             raise EngineFaultError(f"every request of the step failed: {out.failed}")
         updated, finished = self.scheduler.update_from_output(sched, out.sampled)
+        for rid, (first, entries) in out.prompt_logprobs.items():
+            if (st := self._child_state.get(rid)) is not None:
+                add_prompt_logprobs(st.request, first, entries, self._decoder(st.request.params))
         now = time.monotonic()
         stopped: list[str] = []
         text_failed: dict[str, str] = {}
@@ -312,8 +363,20 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             if rid in out.sampled_logprob:
                 req.cumulative_logprob += out.sampled_logprob[rid]
-                req.logprobs.append(out.top_logprobs.get(rid, {}))
+                req.logprobs.append(
+                    token_logprobs(
+                        req.output_token_ids[-1],
+                        out.sampled_logprob[rid],
+                        out.sampled_rank.get(rid),
+                        out.top_logprobs.get(rid, {}),
+                        req.params.logprobs or 0,
+                        self._decoder(req.params),
+                    )
+                )
             parent = self._child_parent[rid]
+            if req.structured_output is not None and req.structured_output.error:
+                text_failed[rid] = req.structured_output.error
+                continue
             try:
                 hit = update_text(state, self._backend_tokenizer, parent.params)
             except Exception as exc:  # a token the tokenizer cannot decode, say
@@ -337,6 +400,30 @@ class LLMEngine:
         outputs = self._collect(parent_ids)
         timings.output += time.perf_counter() - t1
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars compiling: wait for one (up to 10 ms) instead of
+        spinning empty steps against the compile thread."""
+        futures = [
+            r.structured_output.grammar
+            for r in self.scheduler.waiting_for_grammar
+            if r.structured_output is not None
+        ]
+        concurrent.futures.wait(futures, timeout=0.01, return_when="FIRST_COMPLETED")
+
+    def _decoder(self, params: SamplingParams) -> TokenDecoder:
+        """How a request's logprobs get their ``decoded_token``: None when it has no text."""
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return self._token_text
+
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded alone (vLLM's ``decoded_token``, the server's logprob token)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            assert self.tokenizer is not None
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _fail_requests(self, reasons: dict[str, str]) -> list[str]:
         """Finish the parents of the failed child requests (all their children: they share

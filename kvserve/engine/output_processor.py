@@ -6,13 +6,17 @@ gathers their progress into one ``RequestOutput``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
 from kvserve.core.request import Request
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvserve.sampling_params import SamplingParams
+
+# A token id -> its text (for Logprob.decoded_token), or None when the request has no text.
+TokenDecoder = Callable[[int], str] | None
 
 
 @dataclass
@@ -70,7 +74,43 @@ class ParentRequest:
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
         )
+
+
+def token_logprobs(
+    token: int,
+    logprob: float,
+    rank: int | None,
+    top: dict[int, float],
+    num_top: int,
+    decode: TokenDecoder,
+) -> TokenLogprobs:
+    """One generated token's ``Logprob`` dict, in vLLM's order: the sampled token first (its
+    rank from the sampler), then the sampler's top ``num_top`` (ranks 1..num_top; ``top`` lists
+    them first, most likely first, and appends the sampled token when it is not among them)."""
+    entry = {token: Logprob(logprob, rank, decode(token) if decode else None)}
+    for r, (tid, lp) in enumerate(top.items()):
+        if r >= num_top:
+            break
+        entry[tid] = Logprob(lp, r + 1, decode(tid) if decode else None)
+    return entry
+
+
+def add_prompt_logprobs(
+    req: Request, first: int, entries: list[TokenLogprobs], decode: TokenDecoder
+) -> None:
+    """Append the prompt logprobs a step computed (``entries`` start at prompt token
+    ``first``); entries the request already holds are not added twice."""
+    lps = req.prompt_logprobs
+    if lps is None or first > len(lps):
+        return
+    new = entries[len(lps) - first :]
+    if decode is not None:
+        for entry in new:
+            for tid, lp in entry.items():
+                lp.decoded_token = decode(tid)
+    lps.extend(new)
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

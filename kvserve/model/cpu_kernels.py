@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "fused_ops.cpp"]
+_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "fused_ops.cpp", _CSRC / "sampling_ops.cpp"]
 
 # Compile the kernels with the vector width torch itself dispatches to on this CPU, so
 # ATen's Vectorized<float> in the sources is AVX-512 (or AVX2) wide, not the generic loop.
@@ -116,6 +116,13 @@ def rope_write_kv(
         q, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
     )
     return q
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, every token of float32 ``logits[rows[g]]`` whose bit is clear in
+    int32 ``bitmask[g]`` (xgrammar's packed layout)."""
+    index = torch.tensor(rows, dtype=torch.long)  # [G]
+    torch.ops.kvserve.apply_token_bitmask(logits, bitmask.contiguous(), index)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

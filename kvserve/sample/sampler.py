@@ -1,19 +1,23 @@
 """Batched token sampler: one call per engine step over the logits of every request in the batch.
 
-The math lives in small pure functions over tensors (``apply_min_tokens``, ``apply_penalties``,
-``apply_top_k_top_p``, ``apply_min_p``, ``random_sample``) so each step can be tested on its own;
-``sample`` strings them together with vLLM's semantics and order:
+The math lives in small pure functions over tensors (``logits_processors.py`` for what changes
+logits; ``apply_top_k_top_p``, ``apply_min_p``, ``random_sample`` here) so each step can be
+tested on its own; ``sample`` strings them together with vLLM's semantics and order:
 
-1. logprobs (when asked) come from the *raw* model logits, like vLLM's default
-   ``logprobs_mode="raw_logprobs"``;
-2. min_tokens mask -> repetition / frequency / presence penalties;
-3. greedy rows (temperature < 1e-5) take the argmax of the penalised logits;
-4. the other rows: divide by temperature -> top-k -> top-p -> min-p -> softmax -> sample with the
+1. the grammar's token bitmask (structured outputs) on its rows;
+2. logprobs (when asked) come from these logits, like vLLM's default
+   ``logprobs_mode="raw_logprobs"`` (vLLM applies the bitmask in the runner, before them);
+3. the seam: allowed_token_ids, bad_words, logit_bias, each request's own logits processors;
+4. min_tokens mask -> repetition / frequency / presence penalties;
+5. greedy rows (temperature < 1e-5) take the argmax of the processed logits;
+6. the other rows: divide by temperature -> top-k -> top-p -> min-p -> softmax -> sample with the
    exponential race ``argmax(probs / Exponential(1))``, which lets a seeded row draw its noise from
    its own ``torch.Generator`` and so stay reproducible whatever else is in the batch.
 
 Every helper tensor is built only for the rows (and only in the steps) that need it, and the common
-benchmark case - an all-greedy batch without penalties, min_tokens or logprobs - is a single argmax.
+benchmark case - an all-greedy batch with nothing of 1-4 - is a single argmax, done by a C++ kernel
+that reads bf16 logits in place: anything that changes logits (a bitmask included) leaves that path
+and works on a float32 copy, so the caller's logits are never modified.
 Other cost choices, each explained where it is made: penalties gather/scatter only the seen ids;
 top-k alone is a partial ``topk``; top-p first tries a partial ``topk`` of 1024 candidates and
 sorts the whole row only when the nucleus does not fit in them; the Exponential(1) noise is drawn
@@ -23,11 +27,24 @@ as ``-log(U)``, which is much faster than ``exponential_`` on CPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.model import cpu_kernels
+from kvserve.sample.custom_processors import LogitsProcessor
+from kvserve.sample.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_custom_processors,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    apply_token_bitmask_rows,
+    has_seam,
+    token_counts,
+)
+from kvserve.sample.top_k_top_p import apply_min_p, apply_top_k_top_p, put_rows, take_rows
 from kvserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -41,10 +58,6 @@ __all__ = [
     "sample",
     "token_counts",
 ]
-
-_NEG_INF = float("-inf")
-# How many of the most likely tokens top-p inspects before falling back to a full sort.
-_TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -64,6 +77,29 @@ class SamplingMetadata:
     min_tokens_stop_ids: list[list[int]]
     # noise source for the unseeded rows (engine-level seed); None -> torch's default RNG
     default_generator: torch.Generator | None = None
+    # Structured outputs: int32 [G, ceil(V / 32)] packed allowed-token bits (xgrammar's layout),
+    # one row per constrained logits row, and the logits row each bitmask row applies to.
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: list[int] = field(default_factory=list)
+    # the engine's custom batch-level processors, already told this call's rows
+    batch_processors: list[LogitsProcessor] = field(default_factory=list)
+
+    def row(self, i: int) -> SamplingMetadata:
+        """Row ``i`` as a one-row ``SamplingMetadata`` (per-row retries)."""
+        mask, rows = None, []
+        if i in self.token_bitmask_rows and self.token_bitmask is not None:
+            j = self.token_bitmask_rows.index(i)
+            mask, rows = self.token_bitmask[j : j + 1], [0]  # [1, W]
+        return SamplingMetadata(
+            params=[self.params[i]],
+            prompt_token_ids=[self.prompt_token_ids[i]],
+            output_token_ids=[self.output_token_ids[i]],
+            generators=[self.generators[i]],
+            min_tokens_stop_ids=[self.min_tokens_stop_ids[i]],
+            default_generator=self.default_generator,
+            token_bitmask=mask,
+            token_bitmask_rows=rows,
+        )
 
 
 @dataclass
@@ -76,230 +112,13 @@ class SamplerOutput:
     # per row: {token_id: raw logprob} of the top `params.logprobs` tokens plus the sampled one,
     # None for rows that did not ask; the whole field is None when no row asked
     top_logprobs: list[dict[int, float] | None] | None
+    # per row: 1-based rank of the sampled token in the raw logprobs (vLLM's: the number of
+    # tokens at least as likely); None when no row asked for logprobs
+    sampled_ranks: list[int] | None = None
 
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _pad_ids(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Right-pad ragged id lists with ``pad`` into a ``[N, L]`` long tensor (L >= 1)."""
-    width = max(1, max((len(r) for r in rows), default=0))
-    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
-    ids = torch.tensor(padded, dtype=torch.long, device=device)  # [N, L]
-    # Ids past the logits' vocab (embedding table larger than lm_head, as HF allows) cannot be
-    # generated, so they go to the padding bin and are dropped like the padding itself.
-    return ids.clamp_(max=pad)
-
-
-def token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Occurrences of each token id per row, as float32 ``[N, V]`` (scatter_add, no vocab loop)."""
-    device = torch.device(device)
-    ids = _pad_ids(token_ids, vocab_size, device)  # [N, L]; padding = vocab_size
-    # One extra column catches the padding so it never lands on a real token.
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]  # [N, V]
-
-
-def _ids_padded_by_repeat(
-    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids in ``[0, V)`` as ``[N, L]``, each short row padded by repeating its first id.
-
-    A repeated id gathers and scatters back the same value as the original, so the padding
-    needs no extra column and no mask. Returns the ids and a bool ``[N]`` marking rows with no
-    valid id at all (padded with 0; callers must make those rows a no-op).
-    """
-    valid = [[t for t in r if 0 <= t < vocab_size] for r in rows]
-    width = max(1, max((len(r) for r in valid), default=0))
-    padded = [r + [r[0] if r else 0] * (width - len(r)) for r in valid]
-    ids = torch.tensor(padded, dtype=torch.long, device=device)  # [N, L]
-    empty = torch.tensor([not r for r in valid], dtype=torch.bool, device=device)  # [N]
-    return ids, empty
-
-
-def apply_min_tokens(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    min_tokens_stop_ids: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """Mask (-inf) each row's stop ids while it has fewer than ``min_tokens`` output tokens.
-
-    ``logits`` is ``[N, V]`` and is modified in place (and returned).
-    """
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, (p, out, stop_ids) in enumerate(
-        zip(params, output_token_ids, min_tokens_stop_ids, strict=True)
-    ):
-        if len(out) < p.min_tokens and stop_ids:
-            rows.extend([i] * len(stop_ids))
-            cols.extend(stop_ids)
-    if rows:
-        index = (
-            torch.tensor(rows, dtype=torch.long, device=logits.device),  # [M]
-            torch.tensor(cols, dtype=torch.long, device=logits.device),  # [M]
-        )
-        logits.index_put_(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
-    return logits
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    repetition_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    presence_penalties: torch.Tensor,
-) -> torch.Tensor:
-    """Apply repetition, then frequency, then presence penalties (vLLM order and semantics).
-
-    ``logits`` is float ``[N, V]`` (may be modified in place); the penalty tensors are ``[N]``.
-    Repetition (HF/CTRL): for tokens seen in prompt or output, positive logits are divided by
-    the penalty and negative ones multiplied. Frequency: subtract ``freq * count`` of the token
-    in the output. Presence: subtract ``presence`` once for every token present in the output.
-    """
-    vocab_size = logits.shape[1]
-    device = logits.device
-    dtype = logits.dtype
-    # Only the seen ids are touched: gather their logits, penalise, scatter back. That costs
-    # [N, L] work instead of several [N, V] passes; duplicate ids write identical values.
-    if bool((repetition_penalties != 1.0).any()):
-        seen_ids, empty = _ids_padded_by_repeat(
-            [list(p) + list(o) for p, o in zip(prompt_token_ids, output_token_ids, strict=True)],
-            vocab_size,
-            device,
-        )  # [N, Ls], [N]
-        rep = repetition_penalties.to(device=device, dtype=dtype)  # [N]
-        rep = torch.where(empty, torch.ones_like(rep), rep).unsqueeze(1)  # [N, 1]
-        seen = logits.gather(1, seen_ids)  # [N, Ls]
-        logits.scatter_(1, seen_ids, torch.where(seen > 0, seen / rep, seen * rep))
-    freq = frequency_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
-    presence = presence_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
-    if bool((freq != 0.0).any() or (presence != 0.0).any()):
-        out_ids, _ = _ids_padded_by_repeat(output_token_ids, vocab_size, device)  # [N, Lo]
-        # Empty rows are padded with id 0, whose count is 0 there: subtracting 0 is a no-op.
-        counts = token_counts(output_token_ids, vocab_size, device).gather(1, out_ids)  # [N, Lo]
-        # Two subtractions in vLLM's order, so the result is bit-identical to the dense form.
-        values = logits.gather(1, out_ids) - freq * counts - presence * (counts > 0)  # [N, Lo]
-        logits.scatter_(1, out_ids, values)
-    return logits
-
-
-def _rows(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    """The rows ``idx`` of ``x``: ``x`` itself when that is all of them, else a copy."""
-    if len(idx) == x.shape[0]:
-        return x
-    return x[torch.tensor(idx, dtype=torch.long, device=x.device)]
-
-
-def _put_rows(x: torch.Tensor, idx: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """Write ``rows`` back into the rows ``idx`` of ``x`` (the inverse of ``_rows``)."""
-    if len(idx) == x.shape[0]:
-        return rows
-    x[torch.tensor(idx, dtype=torch.long, device=x.device)] = rows
-    return x
-
-
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) logits below each row's k-th largest; ``top_k`` is long ``[N]`` in [1, V]."""
-    # Only the k-th largest value per row is needed: a partial topk is much cheaper than a sort.
-    largest = logits.topk(int(top_k.max()), dim=-1).values  # [N, k_max], descending
-    kth = largest.gather(1, (top_k - 1).unsqueeze(1))  # [N, 1]
-    return logits.masked_fill_(logits < kth, _NEG_INF)
-
-
-def _apply_top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """vLLM's top-p over a full ascending sort; ``logits`` ``[N, V]``, ``top_p`` ``[N]``."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1)  # [N, V], [N, V]
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [N, V]
-    # Ascending order: drop the low tail whose total mass stays within 1 - p.
-    drop = cum_probs <= (1.0 - top_p).unsqueeze(1)  # [N, V]
-    drop[:, -1] = False  # the most likely token always survives
-    sorted_logits.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, sorted_idx, sorted_logits)
-
-
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches p; ``logits`` ``[N, V]``.
-
-    A token is kept iff the mass of the tokens ranked above it is below p (the same rule as
-    vLLM's ascending-cumsum form). The nucleus of a real LM distribution is almost always among
-    its few hundred most likely tokens, so a partial topk over ``_TOP_P_CANDIDATES`` candidates
-    usually decides it exactly; rows whose candidates hold less than p of the mass fall back to
-    the full sort. On [64, 49152] float32 (2 cores) the topk costs ~30 ms against ~200 ms.
-    """
-    vocab_size = logits.shape[1]
-    top_p = top_p.to(device=logits.device, dtype=logits.dtype)
-    num_candidates = min(vocab_size, _TOP_P_CANDIDATES)
-    cand_logits, cand_idx = logits.topk(num_candidates, dim=-1)  # [N, C], descending
-    # softmax (a row-local kernel) rather than logsumexp, whose reduction order can depend on
-    # the batch size: a seeded row must see bit-identical probabilities in any batch.
-    cand_probs = logits.softmax(dim=-1).gather(1, cand_idx)  # [N, C]
-    cum_probs = cand_probs.cumsum(dim=-1)  # [N, C]
-    mass_above = torch.cat(
-        [torch.zeros_like(cum_probs[:, :1]), cum_probs[:, :-1]], dim=1
-    )  # [N, C]: mass of the candidates ranked strictly above each one
-    keep = mass_above < top_p.unsqueeze(1)  # [N, C]
-    keep[:, 0] = True  # the most likely token always survives
-    # The first token outside the candidates (and so every later one) is dropped iff the
-    # candidates already hold p of the mass; with all of the vocabulary as candidates it always is.
-    covered = (
-        torch.ones_like(top_p, dtype=torch.bool)
-        if num_candidates == vocab_size
-        else cum_probs[:, -1] >= top_p
-    )  # [N]
-    out = torch.full_like(logits, _NEG_INF)  # [N, V]
-    out.scatter_(1, cand_idx, cand_logits.masked_fill_(~keep, _NEG_INF))
-    if not bool(covered.all()):
-        rows = (~covered).nonzero().squeeze(1)  # [U]
-        out[rows] = _apply_top_p_sorted(logits[rows], top_p[rows])
-    return out
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask (-inf) tokens outside the top-k, then outside the top-p nucleus (vLLM semantics).
-
-    ``logits`` is float ``[N, V]`` (may be modified in place; use the returned tensor);
-    ``top_k`` is long ``[N]`` with 0 (or >= V) meaning disabled; ``top_p`` is float ``[N]``
-    with 1.0 meaning disabled. Ties with the k-th largest logit are kept. Top-p then keeps the
-    smallest set of most likely tokens whose mass (renormalised after top-k) reaches p, and
-    always at least the most likely token.
-    """
-    vocab_size = logits.shape[1]
-    if top_k is not None:
-        top_k = top_k.to(device=logits.device, dtype=torch.long)
-        top_k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))  # [N]
-        # Only rows that really filter, so one large k does not slow down the others.
-        rows = (top_k < vocab_size).nonzero().squeeze(1).tolist()
-        if rows:
-            filtered = _apply_top_k(_rows(logits, rows), top_k[rows])  # [K, V]
-            logits = _put_rows(logits, rows, filtered)
-    if top_p is not None:
-        # A row with p = 1 keeps everything; running it through top-p would only cost a sort.
-        rows = (top_p < 1.0).nonzero().squeeze(1).tolist()
-        if rows:
-            filtered = _apply_top_p(_rows(logits, rows), top_p[rows])  # [P, V]
-            logits = _put_rows(logits, rows, filtered)
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) tokens whose probability is below ``min_p * p(most likely token)``.
-
-    ``logits`` is float ``[N, V]`` (modified in place and returned); ``min_p`` is ``[N]``.
-    """
-    probs = logits.softmax(dim=-1)  # [N, V]
-    threshold = min_p.to(device=logits.device, dtype=probs.dtype).unsqueeze(1) * probs.amax(
-        dim=-1, keepdim=True
-    )  # [N, 1]
-    return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
 def random_sample(
@@ -372,16 +191,16 @@ def _sample_random_rows(
             if need_p
             else None
         )  # [F]
-        filtered = apply_top_k_top_p(_rows(logits, filter_rows), top_k, top_p)  # [F, V]
-        logits = _put_rows(logits, filter_rows, filtered)
+        filtered = apply_top_k_top_p(take_rows(logits, filter_rows), top_k, top_p)  # [F, V]
+        logits = put_rows(logits, filter_rows, filtered)
 
     min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if min_p_rows:
         min_p = torch.tensor(
             [params[j].min_p for j in min_p_rows], dtype=logits.dtype, device=device
         )  # [M]
-        filtered = apply_min_p(_rows(logits, min_p_rows), min_p)  # [M, V]
-        logits = _put_rows(logits, min_p_rows, filtered)
+        filtered = apply_min_p(take_rows(logits, min_p_rows), min_p)  # [M, V]
+        logits = put_rows(logits, min_p_rows, filtered)
 
     probs = logits.softmax(dim=-1)  # [R, V]
     return random_sample(probs, generators, default_generator)  # [R]
@@ -402,10 +221,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().max(dim=-1).indices
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """Pick one token per row of ``logits`` (``[B, V]``, any float dtype; never modified)."""
-    params = md.params
-    batch_size, vocab_size = logits.shape
+def _check_rows(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    batch_size = logits.shape[0]
     for name in (
         "params",
         "prompt_token_ids",
@@ -416,38 +233,48 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if len(getattr(md, name)) != batch_size:
             rows = len(getattr(md, name))
             raise ValueError(f"SamplingMetadata.{name} has {rows} rows, logits have {batch_size}.")
+    if md.token_bitmask is not None and md.token_bitmask.shape[0] != len(md.token_bitmask_rows):
+        raise ValueError("SamplingMetadata.token_bitmask and token_bitmask_rows differ in rows.")
 
-    penalty_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
-    min_tokens_active = any(
-        stop_ids and len(out) < p.min_tokens
-        for p, out, stop_ids in zip(
-            params, md.output_token_ids, md.min_tokens_stop_ids, strict=True
-        )
-    )
-    want_logprobs = any(p.logprobs is not None for p in params)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
 
-    if (
-        len(greedy_rows) == batch_size
-        and not penalty_rows
-        and not min_tokens_active
-        and not want_logprobs
-    ):
-        # Hot path (greedy benchmarks): the first maximum of each row, as argmax.
-        return SamplerOutput(greedy_ids(logits).tolist(), None, None)
+def _apply_seam(x: torch.Tensor, md: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    """allowed_token_ids, bad_words, logit_bias and custom processors on ``rows`` of ``x``."""
+    params = md.params
+    sub = take_rows(x, rows)  # [S, V]
+    allowed = [j for j, i in enumerate(rows) if params[i].allowed_token_ids]
+    if allowed:
+        ids = [params[rows[j]].allowed_token_ids or [] for j in allowed]
+        sub = put_rows(sub, allowed, apply_allowed_token_ids(take_rows(sub, allowed), ids))
+    words = [j for j, i in enumerate(rows) if params[i].bad_words_token_ids]
+    if words:
+        ids = [params[rows[j]].bad_words_token_ids for j in words]
+        outs = [md.output_token_ids[rows[j]] for j in words]
+        sub = put_rows(sub, words, apply_bad_words(take_rows(sub, words), ids, outs))
+    biased = [j for j, i in enumerate(rows) if params[i].logit_bias]
+    if biased:
+        biases = [params[rows[j]].logit_bias or {} for j in biased]
+        sub = put_rows(sub, biased, apply_logit_bias(take_rows(sub, biased), biases))
+    custom = [j for j, i in enumerate(rows) if params[i].logits_processors]
+    if custom:
+        fns = [params[rows[j]].logits_processors or [] for j in custom]
+        prompts = [md.prompt_token_ids[rows[j]] for j in custom]
+        outs = [md.output_token_ids[rows[j]] for j in custom]
+        processed = apply_custom_processors(take_rows(sub, custom), fns, prompts, outs)
+        sub = put_rows(sub, custom, processed)
+    return put_rows(x, rows, sub)
 
-    raw_logprobs = (
-        torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
-    )  # [B, V] float32
-    # min_tokens and the penalties work in place, so they get a private copy; otherwise x may
-    # alias the caller's float32 logits, which is safe because the rest never writes to x
-    # (greedy rows only read it, sampled rows start with an out-of-place temperature division).
-    in_place = min_tokens_active or bool(penalty_rows)
-    x = logits.to(torch.float32, copy=in_place)  # [B, V]
 
-    if min_tokens_active:
+def _process_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Steps 3-4 of the module docstring on the float32 logits ``x`` ``[B, V]`` (in place)."""
+    params = md.params
+    seam_rows = [i for i, p in enumerate(params) if has_seam(p)]
+    if seam_rows:
+        x = _apply_seam(x, md, seam_rows)
+    for proc in _active_processors(md):
+        x = proc.apply(x)  # [B, V]
+    if _min_tokens_active(md):
         apply_min_tokens(x, params, md.output_token_ids, md.min_tokens_stop_ids)
-
+    penalty_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
     if penalty_rows:
 
         def per_row(attr: str) -> torch.Tensor:
@@ -455,39 +282,125 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
             return torch.tensor(values, dtype=torch.float32, device=x.device)  # [P]
 
         penalised = apply_penalties(
-            _rows(x, penalty_rows),
+            take_rows(x, penalty_rows),
             [md.prompt_token_ids[i] for i in penalty_rows],
             [md.output_token_ids[i] for i in penalty_rows],
             per_row("repetition_penalty"),
             per_row("frequency_penalty"),
             per_row("presence_penalty"),
         )  # [P, V]
-        x = _put_rows(x, penalty_rows, penalised)
+        x = put_rows(x, penalty_rows, penalised)
+    return x
 
+
+def _active_processors(md: SamplingMetadata) -> list[LogitsProcessor]:
+    """Custom processors that can change this call's tokens (argmax-invariant ones are skipped
+    when every row is greedy, as vLLM allows)."""
+    if all(p.greedy for p in md.params):
+        return [p for p in md.batch_processors if not p.is_argmax_invariant()]
+    return md.batch_processors
+
+
+def _min_tokens_active(md: SamplingMetadata) -> bool:
+    return any(
+        stop_ids and len(out) < p.min_tokens
+        for p, out, stop_ids in zip(
+            md.params, md.output_token_ids, md.min_tokens_stop_ids, strict=True
+        )
+    )
+
+
+def _pick_tokens(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Argmax for greedy rows, temperature/top-k/top-p/min-p sampling for the others; ``x`` is
+    float32 ``[B, V]`` and is not modified. Returns long ``[B]``."""
+    params = md.params
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        sampled = x.max(dim=-1).indices  # [B]
-    else:
-        sampled = torch.empty(batch_size, dtype=torch.long, device=x.device)  # [B]
-        if greedy_rows:
-            greedy_idx = torch.tensor(greedy_rows, dtype=torch.long, device=x.device)
-            sampled[greedy_idx] = x[greedy_idx].max(dim=-1).indices
-        random_tokens = _sample_random_rows(
-            _rows(x, random_rows),
-            [params[i] for i in random_rows],
-            [md.generators[i] for i in random_rows],
-            md.default_generator,
-        )  # [R]
-        if len(random_rows) == batch_size:
-            sampled = random_tokens
-        else:
-            sampled[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = random_tokens
-    token_ids: list[int] = sampled.tolist()
+        return x.max(dim=-1).indices  # [B]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    sampled = torch.empty(x.shape[0], dtype=torch.long, device=x.device)  # [B]
+    if greedy_rows:
+        greedy_idx = torch.tensor(greedy_rows, dtype=torch.long, device=x.device)
+        sampled[greedy_idx] = x[greedy_idx].max(dim=-1).indices
+    random_tokens = _sample_random_rows(
+        take_rows(x, random_rows),
+        [params[i] for i in random_rows],
+        [md.generators[i] for i in random_rows],
+        md.default_generator,
+    )  # [R]
+    if len(random_rows) == x.shape[0]:
+        return random_tokens
+    sampled[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = random_tokens
+    return sampled
 
+
+class NoTokenAllowedError(ValueError):
+    """A row's own constraints exclude every token (the runner fails that request alone)."""
+
+
+# The start of NoTokenAllowedError's message: the server answers such a failure with a 400.
+NO_TOKEN_ALLOWED = "no token is allowed"
+
+
+def _check_some_token_allowed(x: torch.Tensor) -> None:
+    """Raise when a row of the processed logits ``[B, V]`` is -inf everywhere: its grammar,
+    allowed_token_ids, bad_words and min_tokens contradict each other (for example min_tokens
+    beyond the point where the grammar can only end); sampling would pick token 0."""
+    dead = torch.isneginf(x.amax(dim=-1))  # [B]
+    if bool(dead.any()):
+        rows = dead.nonzero().squeeze(1).tolist()
+        raise NoTokenAllowedError(
+            f"{NO_TOKEN_ALLOWED} at this position (rows {rows}): the request's structured "
+            "output grammar, allowed_token_ids, bad_words and min_tokens together exclude "
+            "every token"
+        )
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Pick one token per row of ``logits`` (``[B, V]``, any float dtype; never modified)."""
+    _check_rows(logits, md)
+    params = md.params
+    want_logprobs = any(p.logprobs is not None for p in params)
+    changes_logits = (
+        md.token_bitmask is not None
+        or any(has_seam(p) or _has_penalty(p) for p in params)
+        or _min_tokens_active(md)
+        or bool(_active_processors(md))
+    )
+    if all(p.greedy for p in params) and not changes_logits and not want_logprobs:
+        # Hot path (greedy benchmarks): the first maximum of each row, as argmax.
+        return SamplerOutput(greedy_ids(logits).tolist(), None, None)
+
+    # Whatever changes logits works in place, so it gets a private float32 copy; otherwise x
+    # may alias the caller's float32 logits, which is safe because the rest never writes to x
+    # (greedy rows only read it, sampled rows start with an out-of-place temperature division).
+    x = logits.to(torch.float32, copy=changes_logits)  # [B, V]
+    if md.token_bitmask is not None and md.token_bitmask_rows:
+        apply_token_bitmask_rows(x, md.token_bitmask, md.token_bitmask_rows)
+    raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [B, V] float32
+    x = _process_logits(x, md)
+    if changes_logits:
+        _check_some_token_allowed(x)
+    sampled = _pick_tokens(x, md)  # [B]
+    token_ids: list[int] = sampled.tolist()
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None)
+    return _logprobs_output(raw_logprobs, sampled, token_ids, params)
 
-    sampled_logprobs: list[float] = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+
+def _logprobs_output(
+    raw_logprobs: torch.Tensor,
+    sampled: torch.Tensor,
+    token_ids: list[int],
+    params: Sequence[SamplingParams],
+) -> SamplerOutput:
+    """Sampled-token logprobs and ranks, and each asking row's top-n; ``raw_logprobs`` float32
+    ``[B, V]``, ``sampled`` long ``[B]``."""
+    batch_size, vocab_size = raw_logprobs.shape
+    chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    sampled_logprobs: list[float] = chosen.squeeze(1).tolist()
+    # vLLM's rank: how many tokens are at least as likely as the sampled one.
+    ranks: list[int] = (raw_logprobs >= chosen).sum(dim=-1).tolist()
     top_logprobs: list[dict[int, float] | None] = [None] * batch_size
     ask_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     k_max = min(vocab_size, max(params[i].logprobs or 0 for i in ask_rows))
@@ -495,11 +408,11 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     top_ids: list[list[int]] = [[] for _ in ask_rows]
     if k_max > 0:
         # One topk for all asking rows; each row then keeps its own first n.
-        values, ids = _rows(raw_logprobs, ask_rows).topk(k_max, dim=-1)  # [A, k_max] x 2
+        values, ids = take_rows(raw_logprobs, ask_rows).topk(k_max, dim=-1)  # [A, k_max] x 2
         top_values, top_ids = values.tolist(), ids.tolist()
     for j, i in enumerate(ask_rows):
         n = min(vocab_size, params[i].logprobs or 0)
         entry = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         entry.setdefault(token_ids[i], sampled_logprobs[i])
         top_logprobs[i] = entry
-    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
+    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, ranks)

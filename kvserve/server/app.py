@@ -36,6 +36,7 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.serving import Limits, tokenize
+from kvserve.server.tools import ChatOptions, template_args
 
 logger = logging.getLogger("kvserve.server")
 
@@ -52,6 +53,7 @@ class ServerState:
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     limits: Limits = field(default_factory=Limits)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)  # tool calling, templates
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engines: dict[str, AsyncLLMEngine] = field(default_factory=dict)  # served name -> engine
     model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
@@ -202,7 +204,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         engine = state.engine_for(req.model)
-        return await create_chat_completion(req, raw, engine, state.limits)
+        return await create_chat_completion(req, raw, engine, state.limits, state.chat_options)
 
     @app.get("/v1/models", responses=error_responses(500, 503))
     async def list_models() -> ModelList:
@@ -251,7 +253,15 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
         if req.messages is not None:
-            ids = (await chat_prompt(engine, req.messages, req.add_generation_prompt)).token_ids
+            template = template_args(
+                state.chat_options,
+                tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt, template)
+            ids = prompt.token_ids
         else:
             ids = await tokenize(engine, req.prompt or "", req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)

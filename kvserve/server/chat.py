@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
-from kvserve.outputs import CompletionOutput
+from kvserve.outputs import CompletionOutput, TokenLogprobs
 from kvserve.server.errors import bad_request, error_event
 from kvserve.server.protocol import (
     ChatChoiceLogprobs,
@@ -19,7 +19,6 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
 )
@@ -29,10 +28,13 @@ from kvserve.server.serving import (
     Limits,
     PromptInfo,
     check_fan_out,
+    check_grammar,
     final_outputs,
+    logprob_text,
     make_params,
     merge_streams,
     new_id,
+    prompt_logprobs_json,
     resolve_max_tokens,
     run_watching_disconnect,
     sse,
@@ -41,30 +43,47 @@ from kvserve.server.serving import (
     token_text,
     usage_info,
 )
+from kvserve.server.tools import (
+    ChatOptions,
+    ChatTemplateArgs,
+    ToolPlan,
+    chat_template_args,
+    plan_tools,
+    template_conversation,
+)
 
 _MISSING_LOGPROB = -9999.0  # never expected: the engine always reports the sampled token
 
 
 async def chat_prompt(
-    engine: AsyncLLMEngine, messages: Sequence[ChatMessage], add_generation_prompt: bool
+    engine: AsyncLLMEngine,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    template: ChatTemplateArgs | None = None,
 ) -> PromptInfo:
-    """Render the conversation with the model's chat template and tokenize it."""
+    """Render the conversation with the model's chat template and tokenize it.
+
+    ``template``: the tools, documents, ``continue_final_message``, the request's template
+    and extra variables (``kvserve/server/tools.py``, already checked).
+    """
     tok = engine.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer, so it has no chat template", "messages")
     # "developer" is OpenAI's newer name for the system role; templates know only "system".
-    conv = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    conv = template_conversation(messages)
+    args = template or ChatTemplateArgs()
 
     def render() -> PromptInfo:
         text = tok.apply_chat_template(
             conv,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            # --chat-template; None keeps the tokenizer's own template
-            chat_template=engine.engine.config.model.chat_template,
+            continue_final_message=args.continue_final_message,
+            tools=args.tools,
+            documents=args.documents,
+            # the request's (trusted), else --chat-template, else the tokenizer's own
+            chat_template=args.chat_template or engine.engine.config.model.chat_template,
+            **args.kwargs,
         )
         # The template already holds the special tokens: do not add BOS again.
         return PromptInfo(text, tok.encode(text, add_special_tokens=False))
@@ -76,30 +95,29 @@ async def chat_prompt(
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("logprobs must be true when top_logprobs is set", "top_logprobs")
 
 
 def _logprobs(
-    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, float]], k: int
+    tok: Any, ids: Sequence[int], lps: Sequence[TokenLogprobs], k: int
 ) -> ChatChoiceLogprobs:
     content = []
     for tid, top in zip(ids, lps, strict=False):
-        text = token_text(tok, tid)
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+        own = top.get(tid)
+        text = token_text(tok, tid) if own is None else logprob_text(tok, tid, own)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:k]
         content.append(
             ChatTokenLogprob(
                 token=text,
-                logprob=top.get(tid, _MISSING_LOGPROB),
+                logprob=_MISSING_LOGPROB if own is None else own.logprob,
                 bytes=list(text.encode()),
                 top_logprobs=[
-                    TopLogprob(token=(s := token_text(tok, t)), logprob=v, bytes=list(s.encode()))
+                    TopLogprob(
+                        token=(s := logprob_text(tok, t, v)),
+                        logprob=v.logprob,
+                        bytes=list(s.encode()),
+                    )
                     for t, v in ranked
                 ],
             )
@@ -108,28 +126,38 @@ def _logprobs(
 
 
 async def create_chat_completion(
-    req: ChatCompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
+    req: ChatCompletionRequest,
+    raw: Request,
+    engine: AsyncLLMEngine,
+    limits: Limits,
+    options: ChatOptions | None = None,
 ) -> Response:
     _check_unsupported(req)
+    options = options or ChatOptions()
+    tools = plan_tools(req, options)  # tool_choice, the grammar, parsing the output
     check_fan_out(limits, req.n, 1)
-    prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt)
+    template = chat_template_args(req, tools, options)
+    prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt, template)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(engine, len(prompt.token_ids), requested, limits)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req.sampling_params, max_tokens, top_k)
+    tools.apply_grammar(params)  # tool_choice required / named
+    await check_grammar(engine, params)
     request_id = new_id("chatcmpl")
     streams = start_streams(engine, [prompt], params, request_id, req.priority)
     if req.stream:
         return StreamingResponse(
-            _stream(req, engine, streams, request_id, top_k), media_type="text/event-stream"
+            _stream(req, engine, streams, request_id, top_k, tools, len(prompt.token_ids)),
+            media_type="text/event-stream",
         )
     (out,) = await run_watching_disconnect(raw, final_outputs(streams))
     choices = [
         ChatCompletionChoice(
             index=c.index,
-            message=ChatResponseMessage(content=c.text),
+            message=(m := tools.message(c.text, c.finish_reason))[0],
             logprobs=_choice_logprobs(engine, c, 0, top_k),
-            finish_reason=c.finish_reason,
+            finish_reason=m[1],
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if req.return_token_ids else None,
         )
@@ -141,6 +169,7 @@ async def create_chat_completion(
         choices=choices,
         usage=usage_info([out]),
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -159,6 +188,8 @@ async def _stream(
     streams: Sequence[RequestStream],
     request_id: str,
     top_k: int | None,
+    tools: ToolPlan | None = None,
+    num_prompt_tokens: int = 0,
 ) -> AsyncIterator[str]:
     """SSE: a role chunk per choice, content deltas, finish chunks, usage (if asked), [DONE].
 
@@ -172,6 +203,12 @@ async def _stream(
     sent_chars = [0] * req.n
     sent_tokens = [0] * req.n
     done = [False] * req.n
+    # With tools, each choice's text goes through its tool stream (tool_calls deltas).
+    tool_streams = None
+    if tools is not None and tools.streams_tools:
+        tool_streams = [tools.streamer() for _ in range(req.n)]
+    # continuous_usage_stats: every chunk carries (prompt, this choice's tokens so far), vLLM's
+    continuous = req.continuous_usage
     merged = merge_streams(streams)
     try:
         for i in range(req.n):
@@ -182,7 +219,8 @@ async def _stream(
                     "logprobs": None,
                     "finish_reason": None,
                     "stop_reason": None,
-                }
+                },
+                (num_prompt_tokens, 0) if continuous else None,
             )
         usage = None
         async for _, out in merged:
@@ -191,17 +229,24 @@ async def _stream(
                 text = c.text[sent_chars[i] :]
                 if done[i] or (not text and c.finish_reason is None):
                     continue  # tokens without text yet wait for the next chunk
+                delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
+                if tool_streams is not None:
+                    delta, finish_reason = tool_streams[i].step(c.text, c.finish_reason)
+                    if not delta and finish_reason is None:
+                        continue  # held back (a call's name is not complete yet, say)
                 logprobs = _choice_logprobs(engine, c, sent_tokens[i], top_k)
                 choice: dict[str, Any] = {
                     "index": i,
-                    "delta": {"content": text} if text else {},
+                    "delta": delta,
                     "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 if return_ids:
                     choice["token_ids"] = c.token_ids[sent_tokens[i] :]
-                yield enc.choice(choice)
+                yield enc.choice(
+                    choice, (num_prompt_tokens, len(c.token_ids)) if continuous else None
+                )
                 sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 done[i] = c.finish_reason is not None
             if out.finished:

@@ -20,6 +20,8 @@ from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
 from kvserve.server.serving import Limits
+from kvserve.server.tool_parsers import TOOL_PARSERS
+from kvserve.server.tools import ChatOptions
 
 logger = logging.getLogger("kvserve.server")
 
@@ -81,6 +83,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the HTTP server's (uvicorn's) log level; --uvicorn-log-level is vLLM's name",
     )  # fmt: skip
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    tools = p.add_argument_group("tool calling and chat templates (vLLM's flags)")
+    tools.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="let the model call tools by itself (tool_choice 'auto'); needs --tool-call-parser",
+    )  # fmt: skip
+    tools.add_argument(
+        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+        help="how to find tool calls in the model's text for tool_choice 'auto': hermes "
+             "(<tool_call>{json}</tool_call>), llama3_json ({\"name\", \"parameters\"}), "
+             "pythonic ([f(a=1)])",
+    )  # fmt: skip
+    tools.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="accept a chat template in the request (chat_template, "
+             "chat_template_kwargs.chat_template); refused with 400 otherwise",
+    )  # fmt: skip
+    tools.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help="do not show the tools to the chat template when tool_choice is 'none'",
+    )  # fmt: skip
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     return p
 
@@ -160,6 +182,12 @@ def run_serve(args: argparse.Namespace) -> int:
             max_tokens_limit=args.max_tokens_limit,
             max_n=args.max_n,
             max_prompts_per_request=args.max_prompts_per_request,
+        ),
+        chat_options=ChatOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         ),
     )
     config = uvicorn.Config(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -9,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvserve.server.errors import bad_request, error_event
 from kvserve.server.protocol import (
     CompletionChoice,
@@ -18,15 +19,19 @@ from kvserve.server.protocol import (
     CompletionResponse,
 )
 from kvserve.server.serving import (
+    MIN_LOGPROB,
     SSE_DONE,
     ChunkEncoder,
     Limits,
     PromptInfo,
     check_fan_out,
+    check_grammar,
     final_outputs,
+    logprob_text,
     make_params,
     merge_streams,
     new_id,
+    prompt_logprobs_json,
     resolve_max_tokens,
     run_watching_disconnect,
     sse,
@@ -41,13 +46,30 @@ from kvserve.server.serving import (
 def _check_unsupported(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must be unset or equal to n", "best_of")
-    if req.echo and req.logprobs is not None:
-        # OpenAI would return the prompt's logprobs, which the engine does not compute.
-        raise bad_request("echo together with logprobs is not supported", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        # Only echo makes a 0-token completion useful (scoring the prompt), as in vLLM.
+        raise bad_request("max_tokens must be at least 1, got 0.", "max_tokens")
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``max_tokens: 0`` with echo: the engine computes one token (``SamplingParams`` needs
+    at least one; its prompt logprobs come from the same pass) and it is not returned: no
+    text, no token, no logprob, 0 completion tokens, finish reason ``length`` (OpenAI's)."""
+    outputs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+            logprobs=None if c.logprobs is None else [],
+            finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _prompt_items(prompt: Any) -> list[Any]:
@@ -75,18 +97,28 @@ async def _prompts(engine: AsyncLLMEngine, items: list[Any]) -> list[PromptInfo]
 
 
 def _logprobs(
-    tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], offset: int
+    tokenizer: Any,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs | None],
+    offset: int,
 ) -> CompletionLogProbs:
-    """OpenAI's legacy format; ``offset`` is the text offset of the first token."""
+    """OpenAI's legacy format; ``offset`` is the text offset of the first token. A None
+    entry (the first prompt token, with echo) has null logprobs, as in vLLM."""
     lp = CompletionLogProbs()
     for tid, top in zip(token_ids, logprobs, strict=False):
-        text = token_text(tokenizer, tid)
+        own = None if top is None else top.get(tid)
+        text = token_text(tokenizer, tid) if own is None else logprob_text(tokenizer, tid, own)
         lp.tokens.append(text)
-        lp.token_logprobs.append(top.get(tid))
+        lp.token_logprobs.append(None if own is None else max(own.logprob, MIN_LOGPROB))
         lp.text_offset.append(offset)
         offset += len(text)
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])
-        lp.top_logprobs.append({token_text(tokenizer, t): v for t, v in ranked})
+        if top is None:
+            lp.top_logprobs.append(None)
+            continue
+        ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)
+        lp.top_logprobs.append(
+            {logprob_text(tokenizer, t, v): max(v.logprob, MIN_LOGPROB) for t, v in ranked}
+        )
     return lp
 
 
@@ -104,11 +136,11 @@ async def create_completion(
     check_fan_out(limits, req.n, len(items))
     prompts = await _prompts(engine, items)
     # One SamplingParams for all prompts: the smallest resolved max_tokens fits every prompt.
-    resolved = [
-        resolve_max_tokens(engine, len(p.token_ids), req.max_tokens, limits) for p in prompts
-    ]
+    requested = 1 if req.max_tokens == 0 else req.max_tokens  # 0: see _prompt_only
+    resolved = [resolve_max_tokens(engine, len(p.token_ids), requested, limits) for p in prompts]
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
     params = make_params(req.sampling_params, max_tokens, req.logprobs)
+    await check_grammar(engine, params)
     request_id = new_id("cmpl")
     streams = start_streams(engine, prompts, params, request_id, req.priority)
     if req.stream:
@@ -116,6 +148,8 @@ async def create_completion(
             _stream(req, engine, prompts, streams, request_id), media_type="text/event-stream"
         )
     outputs = await run_watching_disconnect(raw, final_outputs(streams))
+    if req.max_tokens == 0:
+        outputs = [_prompt_only(o) for o in outputs]
     choices = []
     for i, out in enumerate(outputs):
         echo = _prompt_text(engine, prompts[i]) if req.echo else ""
@@ -137,7 +171,12 @@ def _choice(
 ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
-        logprobs = _logprobs(engine.tokenizer, c.token_ids, c.logprobs, len(echo))
+        if req.echo and out.prompt_logprobs is not None:
+            # vLLM: logprobs over prompt + completion, text offsets from 0 (lm-eval's scoring)
+            ids = [*out.prompt_token_ids, *c.token_ids]
+            logprobs = _logprobs(engine.tokenizer, ids, [*out.prompt_logprobs, *c.logprobs], 0)
+        else:
+            logprobs = _logprobs(engine.tokenizer, c.token_ids, c.logprobs, len(echo))
     return CompletionChoice(
         index=index,
         text=echo + c.text,
@@ -146,14 +185,16 @@ def _choice(
         stop_reason=c.stop_reason,
         token_ids=list(c.token_ids) if req.return_token_ids else None,
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
 
 
 class _ChoiceCursor:
     """What has been sent of one streamed choice."""
 
-    def __init__(self, echo: str) -> None:
+    def __init__(self, echo: str, echoing: bool = False) -> None:
         self.echo = echo  # prompt text still to send (echo), sent with the first chunk
+        self.prompt_pending = echoing  # echo: the prompt's logprobs go with the first chunk
         self.num_chars = 0
         self.num_tokens = 0
         self.offset = len(echo)  # text offset of the next token, for logprobs
@@ -173,7 +214,7 @@ async def _stream(
     every request.
     """
     cursors = {
-        i * req.n + k: _ChoiceCursor(_prompt_text(engine, p) if req.echo else "")
+        i * req.n + k: _ChoiceCursor(_prompt_text(engine, p) if req.echo else "", req.echo)
         for i, p in enumerate(prompts)
         for k in range(req.n)
     }
@@ -182,10 +223,15 @@ async def _stream(
     merged = merge_streams(streams)
     try:
         async for i, out in merged:
+            if req.max_tokens == 0:
+                out = _prompt_only(out)  # the same output, its generation dropped
             for c in out.outputs:
-                choice = _delta_choice(req, engine, cursors[i * req.n + c.index], i, c)
+                cur = cursors[i * req.n + c.index]
+                choice = _delta_choice(req, engine, cur, i, c, out)
                 if choice is not None:
-                    yield enc.choice(choice)
+                    # continuous_usage_stats: this prompt's tokens and this choice's so far (vLLM)
+                    usage = (len(out.prompt_token_ids), cur.num_tokens)
+                    yield enc.choice(choice, usage if req.continuous_usage else None)
             if out.finished:
                 finished.append(out)
         if req.include_usage:
@@ -210,9 +256,11 @@ def _delta_choice(
     cur: _ChoiceCursor,
     prompt_index: int,
     c: CompletionOutput,
+    out: RequestOutput,
 ) -> dict[str, Any] | None:
     """What is new in ``c`` since the last chunk, as a ``CompletionChoice``'s JSON fields (in
-    its field order, ``None`` token ids left out), or None if nothing is new."""
+    its field order, ``None`` token ids left out), or None if nothing is new. With echo and
+    logprobs the first chunk carries the prompt's logprobs too, as vLLM's does."""
     if cur.done:
         return None
     text = c.text[cur.num_chars :]
@@ -223,9 +271,12 @@ def _delta_choice(
     num_tokens = cur.num_tokens
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
-        lp = _logprobs(
-            engine.tokenizer, c.token_ids[num_tokens:], c.logprobs[num_tokens:], cur.offset
-        )
+        ids: list[int] = c.token_ids[num_tokens:]
+        lps: list[TokenLogprobs | None] = list(c.logprobs[num_tokens:])
+        if cur.prompt_pending and out.prompt_logprobs is not None:
+            ids, lps = [*out.prompt_token_ids, *ids], [*out.prompt_logprobs, *lps]
+            cur.offset = 0  # offsets count from the prompt's first token, as non-streamed
+        lp = _logprobs(engine.tokenizer, ids, lps, cur.offset)
         cur.offset += sum(len(t) for t in lp.tokens)
         logprobs = lp.model_dump(mode="json")
     choice: dict[str, Any] = {
@@ -238,6 +289,7 @@ def _delta_choice(
     if req.return_token_ids:
         choice["token_ids"] = c.token_ids[num_tokens:]
     cur.echo = ""
+    cur.prompt_pending = False
     cur.num_chars = len(c.text)
     cur.num_tokens = len(c.token_ids)
     cur.done = c.finish_reason is not None

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (with vLLM's extra fields).
 
 Requests ignore unknown fields, as vLLM does, so newer clients keep working; fields whose
-meaning kvserve cannot honour (``logit_bias``, ``tools``, ``suffix``...) are declared so that
+meaning kvserve cannot honour (``suffix``...) are declared so that
 a non-trivial value is rejected with a 400 instead of being silently dropped.
 
 Requests validate strictly: JSON ``true`` is not the integer 1 (nor a token id), ``"2"`` is not
@@ -11,11 +11,18 @@ a number, and ``NaN`` / ``Infinity`` (which Python's JSON parser accepts) are no
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.structured import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    logit_bias_ids,
+    structured_outputs_params,
+)
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default cap)
 # Seeds, priorities and top_k reach torch / the scheduler as 64-bit integers (vLLM bounds them
@@ -35,7 +42,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted for vLLM clients; usage comes at the end
+    # with include_usage: every chunk carries the usage so far (vLLM's option)
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Request):
@@ -51,7 +59,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # unsupported: rejected when non-empty
+    # token id (as a string) -> bias added to its logit, clamped to [-100, 100]
+    logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     # vLLM extras
     top_k: int | None = Field(None, le=INT64_MAX)  # the sampler holds it in an int64 tensor
@@ -65,16 +74,44 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    # vLLM's extra field: top logprobs per prompt token (plus the prompt's own token)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = None  # only these ids may be generated
+    # vLLM's per-request arguments for custom logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, str | int | float | bool | list[str | int | float]] | None = None
+    bad_words: list[str] | None = None  # words never generated
+    # structured outputs (server/structured.py): OpenAI's and vLLM's spellings, one at a time
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # "auto" / "xgrammar"; others are refused
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar has no such option
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule (0 is accepted)
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: ``continuous_usage_stats`` counts with include_usage only."""
+        opts = self.stream_options
+        return bool(opts and opts.include_usage and opts.continuous_usage_stats)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` for this request."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError (-> 400) on out-of-range values."""
@@ -97,7 +134,13 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=logit_bias_ids(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            extra_args=self.vllm_xargs,
+            structured_outputs=structured_outputs_params(self),
         )
 
 
@@ -116,11 +159,19 @@ class CompletionRequest(_SamplingFields):
     )
 
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo (OpenAI's "score the prompt"): one token is computed, none returned
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None  # accepted only when equal to n
     suffix: str | None = None  # unsupported: rejected when set
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs returns the prompt's logprobs too (vLLM's rule)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class TextPart(_Request):
@@ -128,10 +179,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None  # accepted; required/named calls are always grammar-bound
+
+
+class ChatCompletionTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class MessageFunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any]  # a JSON string (OpenAI); an object is accepted too
+
+
+class MessageToolCall(_Request):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -153,8 +240,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None  # only {"type": "text"} is supported
-    tools: list[dict[str, Any]] | None = None  # unsupported: rejected when non-empty
+    # Tool calling (kvserve/server/tools.py): vLLM's defaults, "auto" when tools are given
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call
+    # The chat template (vLLM's extra fields)
+    continue_final_message: bool = False  # the last message is left open for the model
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    documents: list[dict[str, str]] | None = None  # passed to the template (RAG templates)
+
+    @model_validator(mode="after")
+    def _one_prompt_ending(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        return self
 
 
 class TokenizeRequest(_Request):
@@ -165,6 +267,11 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # with messages, the chat template's other inputs (as /v1/chat/completions)
+    tools: list[ChatCompletionTool] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -206,6 +313,18 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` as JSON."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: null for the first, then {token id: PromptLogprob} (its token, then top-k)
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -214,6 +333,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_logprobs: PromptLogprobsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):
@@ -239,9 +359,26 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments as a JSON object's text
+
+
+def make_tool_call_id() -> str:
+    """vLLM's tool call ids: ``chatcmpl-tool-<32 hex digits>``."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=make_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -261,11 +398,28 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_logprobs: PromptLogprobsJSON | None = Field(default=None, exclude_if=_omit_none)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_omit_none)  # in a call's first chunk
+    arguments: str | None = Field(default=None, exclude_if=_omit_none)  # the next fragment
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: ``id``, ``type`` and the name come first, then
+    argument fragments that concatenate to the call's arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: DeltaFunctionCall | None = Field(default=None, exclude_if=_omit_none)
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatStreamChoice(BaseModel):

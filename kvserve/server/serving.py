@@ -22,10 +22,16 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import Logprob, PromptLogprobs, RequestOutput
+from kvserve.sample.sampler import NO_TOKEN_ALLOWED
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.protocol import PromptTokensDetails, UsageInfo
+from kvserve.server.protocol import (
+    PromptLogprob,
+    PromptLogprobsJSON,
+    PromptTokensDetails,
+    UsageInfo,
+)
 
 T = TypeVar("T")
 
@@ -118,9 +124,19 @@ class ChunkEncoder:
         self._head = f'data: {to_json(head)[:-1]},"choices":['
         self._tail = '],"usage":null}\n\n' if include_usage else "]}\n\n"
 
-    def choice(self, choice: dict[str, Any]) -> str:
-        """The event carrying one choice."""
-        return self._head + to_json(choice) + self._tail
+    def choice(self, choice: dict[str, Any], usage: tuple[int, int] | None = None) -> str:
+        """The event carrying one choice; ``usage`` = (prompt, completion tokens so far) puts
+        that usage on it instead of null (``continuous_usage_stats``, as ``UsageInfo``)."""
+        if usage is None:
+            return self._head + to_json(choice) + self._tail
+        prompt, completion = usage
+        data = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None,
+        }
+        return f'{self._head}{to_json(choice)}],"usage":{to_json(data)}}}\n\n'
 
 
 async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -177,6 +193,15 @@ def make_params(build: Any, *args: Any) -> SamplingParams:
         raise bad_request(str(e), getattr(e, "param", None)) from e
 
 
+async def check_grammar(engine: AsyncLLMEngine, params: SamplingParams) -> None:
+    """Compile the request's structured-output grammar now: an invalid one is a 400 with the
+    compiler's reason, and the engine never sees the request."""
+    try:
+        await engine.compile_grammar(params)
+    except ValueError as e:
+        raise bad_request(str(e), getattr(e, "param", None)) from e
+
+
 def start_streams(
     engine: AsyncLLMEngine,
     prompts: Sequence[PromptInfo],
@@ -211,9 +236,11 @@ def engine_error(e: BaseException) -> BaseException:
     if isinstance(e, EngineStepError):
         return APIError(500, str(e))
     if isinstance(e, RequestFailedError):
+        if NO_TOKEN_ALLOWED in str(e):  # the request's own constraints contradict each other
+            return bad_request(str(e).removeprefix("sampling failed: "))
         return APIError(500, f"the engine failed on this request (no other was affected): {e}")
     if isinstance(e, ValueError):
-        return bad_request(str(e))
+        return bad_request(str(e), getattr(e, "param", None))  # a ParamError names its field
     return e
 
 
@@ -313,6 +340,33 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id])
+
+
+def logprob_text(tokenizer: Any, token_id: int, lp: Logprob) -> str:
+    """``token_text``, taken from the engine's ``decoded_token`` when it filled one (the same
+    decode of the token alone)."""
+    return lp.decoded_token if lp.decoded_token is not None else token_text(tokenizer, token_id)
+
+
+# vLLM's floor for a logprob in JSON, which has no -inf.
+MIN_LOGPROB = -9999.0
+
+
+def prompt_logprobs_json(lps: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """``RequestOutput.prompt_logprobs`` as vLLM's JSON (``clamp_prompt_logprobs``)."""
+    if lps is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            t: PromptLogprob(
+                logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for t, lp in entry.items()
+        }
+        for entry in lps
+    ]
 
 
 def stream_error(e: BaseException) -> APIError:

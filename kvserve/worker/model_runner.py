@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,9 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.sample.sampler import SamplerOutput, SamplingMetadata, sample
+from kvserve.outputs import Logprob, TokenLogprobs
+from kvserve.sample.custom_processors import BatchProcessors, LogitsProcessor
+from kvserve.sample.sampler import NoTokenAllowedError, SamplerOutput, SamplingMetadata, sample
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -50,6 +53,10 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token id
     sampled_logprob: dict[str, float] = field(default_factory=dict)  # id -> its logprob
     top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # id -> top-n + sampled
+    sampled_rank: dict[str, int] = field(default_factory=dict)  # id -> 1-based rank of its token
+    # request id -> (index of the first prompt token covered, one TokenLogprobs per prompt token
+    # from there): the prompt logprobs computed this step (prompt_logprobs requests only)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # request id -> why sampling its row failed (the others' rows were sampled without it)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -58,6 +65,8 @@ class ModelRunnerOutput:
         self.sampled.update(other.sampled)
         self.sampled_logprob.update(other.sampled_logprob)
         self.top_logprobs.update(other.top_logprobs)
+        self.sampled_rank.update(other.sampled_rank)
+        self.prompt_logprobs.update(other.prompt_logprobs)
         self.failed.update(other.failed)
 
 
@@ -99,8 +108,11 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         attention_backend: AttentionBackend = AttentionBackend.AUTO,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> None:
         self.model = model
+        # custom batch-level logits processors (vLLM v1's interface), built by the engine
+        self.batch_processors = BatchProcessors(logits_processors)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
@@ -236,9 +248,14 @@ class ModelRunner:
         reqs = [r for r in sched.scheduled if sched.samples(r)]
         logits = self.model.compute_logits(hidden[logits_idx]) if reqs else None  # [N, V]
         t2 = time.perf_counter()
+        # Before sampling: if this raises, the step is retried per request and no seeded
+        # generator has advanced yet.
+        rows = _prompt_logprob_rows(sched)
+        prompt_lps = self._prompt_logprobs(rows, hidden) if rows else {}
         out = ModelRunnerOutput({})
         if logits is not None:
-            out = self._sample(reqs, logits)
+            out = self._sample(reqs, logits, sched)
+        out.prompt_logprobs.update(prompt_lps)
         t3 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
@@ -246,9 +263,45 @@ class ModelRunner:
         self.timings.steps += 1
         return out
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> ModelRunnerOutput:
+    def _prompt_logprobs(
+        self, rows: list[tuple[Request, int, int, int]], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Prompt logprobs from the hidden states of this step's prompt positions (vLLM's
+        semantics: log_softmax of the raw logits in float32; each entry holds the prompt's
+        own token first, with its rank, then the top ``prompt_logprobs`` with ranks 1..k)."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for req, row, pos, count in rows:
+            targets = req.all_token_ids[pos + 1 : pos + 1 + count]
+            entries: list[TokenLogprobs] = []
+            for s in range(0, count, _PROMPT_LOGPROB_ROWS):
+                e = min(count, s + _PROMPT_LOGPROB_ROWS)
+                logits = self.model.compute_logits(hidden[row + s : row + e])  # [R, V]
+                lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V] float32
+                k = min(req.params.prompt_logprobs or 0, lp.shape[1])
+                tgt = torch.tensor(targets[s:e], dtype=torch.long, device=lp.device)  # [R]
+                chosen = lp.gather(1, tgt.unsqueeze(1))  # [R, 1]
+                ranks = (lp >= chosen).sum(dim=-1).tolist()  # vLLM's rank, as the sampler's
+                top_v: list[list[float]] = [[] for _ in range(e - s)]
+                top_i: list[list[int]] = [[] for _ in range(e - s)]
+                if k:
+                    values, ids = lp.topk(k, dim=-1)  # [R, k] x 2, descending
+                    top_v, top_i = values.tolist(), ids.tolist()
+                chosen_lps = chosen.squeeze(1).tolist()
+                for j, t in enumerate(targets[s:e]):
+                    # The prompt's token first; among the top-k it takes its top-k rank.
+                    entry = {t: Logprob(chosen_lps[j], ranks[j])}
+                    for r, (v, i) in enumerate(zip(top_v[j], top_i[j], strict=True)):
+                        entry[i] = Logprob(v, r + 1)
+                    entries.append(entry)
+            out[req.request_id] = (pos + 1, entries)
+        return out
+
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
+    ) -> ModelRunnerOutput:
         """Sample one token per row; a failure is narrowed to the rows that cause it."""
-        md = self._sampling_metadata(reqs)
+        md = self._sampling_metadata(reqs, sched)
+        md.batch_processors = self._tell_processors(reqs)
         # Seeded rows: keep their generator states, so that a retry draws the same noise.
         states = [None if g is None else g.get_state() for g in md.generators]
         try:
@@ -261,14 +314,29 @@ class ModelRunner:
             if gen is not None and state is not None:
                 gen.set_state(state)
             try:
-                res = sample(logits[i : i + 1], _metadata_row(md, i))  # [1, V]
+                row = md.row(i)
+                row.batch_processors = self._tell_processors([r])
+                res = sample(logits[i : i + 1], row)  # [1, V]
             except Exception as exc:
-                out.failed[r.request_id] = f"sampling failed: {exc!r}"
+                why = str(exc) if isinstance(exc, NoTokenAllowedError) else repr(exc)
+                out.failed[r.request_id] = f"sampling failed: {why}"
                 continue
             out.update(_runner_output([r], res))
         return out
 
-    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
+    def _tell_processors(self, reqs: list[Request]) -> list[LogitsProcessor]:
+        """Report the rows to the custom batch processors; returns them (none: [])."""
+        added = [(r.params, r.prompt_token_ids, r.output_token_ids) for r in reqs]
+        return self.batch_processors.update([r.request_id for r in reqs], added)
+
+    def _sampling_metadata(self, reqs: list[Request], sched: SchedulerOutput) -> SamplingMetadata:
+        # Structured outputs: the bitmask rows of the constrained requests, in logits-row order.
+        grammar = sched.structured_output_rows
+        mask_rows = [i for i, r in enumerate(reqs) if r.request_id in grammar]
+        bitmask = None
+        if mask_rows and sched.grammar_bitmask is not None:
+            picks = [grammar[reqs[i].request_id] for i in mask_rows]
+            bitmask = sched.grammar_bitmask[picks]  # [G, W]
         return SamplingMetadata(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
@@ -284,19 +352,9 @@ class ModelRunner:
                 for r in reqs
             ],
             default_generator=self.generator,
+            token_bitmask=bitmask,
+            token_bitmask_rows=mask_rows if bitmask is not None else [],
         )
-
-
-def _metadata_row(md: SamplingMetadata, i: int) -> SamplingMetadata:
-    """Row ``i`` of ``md`` as a one-row ``SamplingMetadata``."""
-    return SamplingMetadata(
-        params=[md.params[i]],
-        prompt_token_ids=[md.prompt_token_ids[i]],
-        output_token_ids=[md.output_token_ids[i]],
-        generators=[md.generators[i]],
-        min_tokens_stop_ids=[md.min_tokens_stop_ids[i]],
-        default_generator=md.default_generator,
-    )
 
 
 def _runner_output(reqs: list[Request], res: SamplerOutput) -> ModelRunnerOutput:
@@ -309,4 +367,31 @@ def _runner_output(reqs: list[Request], res: SamplerOutput) -> ModelRunnerOutput
                 out.sampled_logprob[r.request_id] = res.sampled_logprobs[i]
                 top = res.top_logprobs[i] if res.top_logprobs else None
                 out.top_logprobs[r.request_id] = top or {}
+                if res.sampled_ranks is not None:
+                    out.sampled_rank[r.request_id] = res.sampled_ranks[i]
     return out
+
+
+# Prompt logprobs are computed this many positions at a time: a [rows, V] float32 block
+# (512 x 49152 x 4 bytes = 96 MiB) instead of one as large as a whole prefill chunk.
+_PROMPT_LOGPROB_ROWS = 512
+
+
+def _prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+    """(request, its first row in the flat batch, first position, number of positions) of the
+    positions whose logits give prompt logprobs this step. Position p predicts prompt token
+    p + 1, so the last prompt position (it predicts the first output token) is not one; the
+    positions whose token already has its entry (a recompute after preemption) are skipped."""
+    rows = []
+    offset = 0
+    for req in sched.scheduled:
+        n = sched.num_scheduled_tokens[req.request_id]
+        lps = req.prompt_logprobs
+        if lps is not None:
+            start = req.num_computed_tokens
+            first = max(start, len(lps) - 1)
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if end > first:
+                rows.append((req, offset + first - start, first, end - first))
+        offset += n
+    return rows

@@ -104,11 +104,15 @@ def test_n_completions_and_logprobs(llm: LLM) -> None:
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     for c in out.outputs:
         assert c.logprobs is not None and len(c.logprobs) == 6
+        tok = llm.get_tokenizer()
         for tok_id, lp in zip(c.token_ids, c.logprobs, strict=True):
-            assert tok_id in lp and 2 <= len(lp) <= 3
-            assert all(v <= 0 for v in lp.values())
+            assert next(iter(lp)) == tok_id and 2 <= len(lp) <= 3  # sampled first (vLLM)
+            assert all(v.logprob <= 0 for v in lp.values())
+            # the top-2 carry ranks 1 and 2; every token its text decoded alone
+            assert sorted(v.rank or 0 for v in lp.values())[:2] == [1, 2]
+            assert all(v.decoded_token == tok.decode([t]) for t, v in lp.items())
         assert c.cumulative_logprob == pytest.approx(
-            sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+            sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True))
         )
     again = llm.generate("Hello", params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-import kvserve.sample.sampler as sampler_module
+import kvserve.sample.top_k_top_p as top_k_top_p_module
 from kvserve.sample.sampler import (
     SamplerOutput,
     SamplingMetadata,
@@ -242,13 +242,13 @@ def test_top_k_top_p_matches_vllm_reference(monkeypatch: pytest.MonkeyPatch) -> 
     top_p = torch.tensor([0.9, 0.9, 0.5, 0.99, 1.0, 0.3, 0.95, 1.0] * 2 + [1.0] * 8)  # [N]
 
     sorted_p: list[float] = []
-    original = sampler_module._apply_top_p_sorted
+    original = top_k_top_p_module._apply_top_p_sorted
 
     def counting(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         sorted_p.extend(p.tolist())
         return original(x, p)
 
-    monkeypatch.setattr(sampler_module, "_apply_top_p_sorted", counting)
+    monkeypatch.setattr(top_k_top_p_module, "_apply_top_p_sorted", counting)
     ours = apply_top_k_top_p(logits.clone(), top_k, top_p)
     assert torch.equal(ours, reference_top_k_top_p(logits, top_k, top_p))
     # Exactly the flat rows without top-k (1, 3, 9, 11: p = 0.9, 0.99, 0.9, 0.99), whose top

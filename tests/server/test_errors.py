@@ -62,7 +62,8 @@ def test_api_key_is_required_on_the_api_only(server: Server) -> None:
         ({"max_tokens": 5000}, "max_tokens"),  # above --max-tokens-limit 4096
         ({"extra_body": {"top_k": -5}}, None),
         ({"extra_body": {"repetition_penalty": 0}}, None),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),  # keys are token ids
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),  # outside the vocabulary
     ],
 )
 def test_bad_parameters_are_400(server: Server, kwargs: dict[str, object], param: str) -> None:
