@@ -23,6 +23,7 @@ import torch
 from peers.run_peers import make_model  # the 160M random Llama of the peer table
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import auto_dtype
 from kvserve.model.loader import load_hf_config
 
 
@@ -37,10 +38,10 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def measure_matmul(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a square bf16 matmul, best of ``repeats``."""
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+def measure_matmul(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of a square matmul in ``dtype``, best of ``repeats``."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -67,9 +68,11 @@ def step_floor(
     return mem, comp, weight_bytes
 
 
-def measured_step(model: str | None, batch: int, context: int, steps: int = 24) -> float:
+def measured_step(
+    model: str | None, batch: int, context: int, dtype: str, steps: int = 24
+) -> float:
     """Mean seconds per decode step with ``batch`` requests at about ``context`` tokens."""
-    llm = LLM(model, dtype="bfloat16", max_num_seqs=batch, kv_cache_memory="2GiB")
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory="2GiB")
     prompt = {"prompt_token_ids": [(7 * i) % 1000 + 10 for i in range(context)]}
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     eng = llm.engine
@@ -92,9 +95,16 @@ def main() -> None:
     ap.add_argument("--model", default="random-160m", help="random-160m, builtin, or a folder")
     ap.add_argument("--batch-sizes", default="1,8,64,128")
     ap.add_argument("--context", type=int, default=160, help="tokens per request at decode")
+    ap.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
+        help="weights and matmuls; auto: what kvserve picks here (float32 on AVX2-only CPUs, "
+        "where bf16 is emulated and a 2048^2 bf16 matmul takes seconds)",
+    )  # fmt: skip
     args = ap.parse_args()
-    bw, mm = measure_bandwidth(), measure_matmul()
-    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; bf16 matmul {mm / 1e12:.2f} TFLOP/s")
+    dtype = auto_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
+    name = str(dtype).removeprefix("torch.")
+    bw, mm = measure_bandwidth(), measure_matmul(dtype=dtype)
+    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; {name} matmul {mm / 1e12:.2f} TFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         model: str | None = None if args.model == "builtin" else args.model
         if args.model == "random-160m":
@@ -109,9 +119,10 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         for b in [int(x) for x in args.batch_sizes.split(",")]:
-            mem, comp, _ = step_floor(cfg, b, args.context, bw, mm)
+            elem = torch.empty((), dtype=dtype).element_size()
+            mem, comp, _ = step_floor(cfg, b, args.context, bw, mm, elem)
             floor = max(mem, comp)
-            step = measured_step(model, b, args.context)
+            step = measured_step(model, b, args.context, name)
             print(
                 f"| {b} | {mem * 1e3:.1f} | {comp * 1e3:.1f} | {floor * 1e3:.1f} | "
                 f"{step * 1e3:.1f} | {floor / step:.0%} |"
