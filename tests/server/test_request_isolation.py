@@ -113,14 +113,25 @@ async def first_token_time(client: httpx.AsyncClient, priority: int, max_tokens:
 
 
 def test_high_priority_goes_first_in_a_saturated_server(priority_server: Server) -> None:
+    async def until(metric: str, n: int) -> None:
+        """Poll /metrics until ``metric`` is n (no sleep-based timing: on a fast machine the
+        long request ended before a fixed delay sent the others)."""
+        for _ in range(1000):
+            m = await asyncio.to_thread(priority_server.metrics, TINY)
+            if m.get(f"kvserve:{metric}") == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"never saw {metric} == {n}")
+
     async def scenario() -> tuple[float, list[float], float]:
         async with httpx.AsyncClient(
             base_url=priority_server.url, headers=priority_server.headers(), timeout=120
         ) as c:
-            running = asyncio.create_task(first_token_time(c, 10, 400))  # fills the batch
-            await asyncio.sleep(0.5)
+            # fills the batch (max_num_seqs 1) for 1000 steps
+            running = asyncio.create_task(first_token_time(c, 10, 1000))
+            await until("num_requests_running", 1)
             queued = [asyncio.create_task(first_token_time(c, 10, 20)) for _ in range(3)]
-            await asyncio.sleep(0.5)
+            await until("num_requests_waiting", 3)
             high = await first_token_time(c, 0, 4)
             return high, list(await asyncio.gather(*queued)), await running
 
