@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.packed_linear import pack_linears, packing_supported
+from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -63,7 +63,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
     if prepack and packing_supported(torch.device(device), dtype):
-        pack_linears(model)
+        pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)
     if fused_ops:
         model.enable_fused_ops()
     model.eval()
