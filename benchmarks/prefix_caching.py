@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: make `benchmarks.peers` importable
 
+from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.peers import prefix_report  # noqa: E402
 from kvserve.bench import serve  # noqa: E402
 from kvserve.bench.sweep import ServerProcess, free_port  # noqa: E402
@@ -220,31 +220,6 @@ def measure_all(
                     flush=True,
                 )
     return runs
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, Python, kvserve's git commit (and whether its tree is dirty)."""
-    info: dict[str, Any] = {"cpu": platform.processor() or None, "cores": os.cpu_count()}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    git = ["git", "-C", str(REPO)]
-    try:
-        info["commit"] = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "kvserve"], capture_output=True, text=True
-        ).stdout.splitlines()
-        info["kvserve_uncommitted_files"] = [line[3:] for line in dirty]
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
-    info["python"] = platform.python_version()
-    return info
 
 
 def find_vllm(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:

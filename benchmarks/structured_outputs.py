@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import machine_info as shared_machine_info  # noqa: E402
 from kvserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
@@ -214,38 +212,14 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model (lscpu), cores, Python, torch, kvserve's git commit and uncommitted files."""
-    import torch
+    """The shared record (``machine.py``) plus xgrammar's version."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    info: dict[str, Any] = {"cpu": platform.processor() or None, "cores": os.cpu_count()}
+    info = shared_machine_info()
     try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    git = ["git", "-C", str(REPO)]
-    try:
-        info["commit"] = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "kvserve"], capture_output=True, text=True
-        ).stdout.splitlines()
-        info["kvserve_uncommitted_files"] = [line[3:] for line in dirty]
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
-    info["python"] = platform.python_version()
-    info["torch"] = torch.__version__
-    info["torch_threads"] = torch.get_num_threads()
-    try:
-        import xgrammar
-
-        info["xgrammar"] = xgrammar.__version__
-    except (ImportError, AttributeError):
+        info["xgrammar"] = version("xgrammar")
+    except PackageNotFoundError:
         info["xgrammar"] = None
-    info["load_average"] = os.getloadavg()  # a busy machine makes the figures noisy
     return info
 
 

@@ -18,6 +18,7 @@ import torch
 
 from kvserve.core.request import RequestStatus
 from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.grammar import StructuredOutputRequest
@@ -84,17 +85,21 @@ def llm(builtin_model_dir: Path) -> LLM:
     return LLM(str(builtin_model_dir), dtype="float32", num_kv_blocks=400, seed=0)
 
 
-def run_checked(llm: LLM, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
-    """Drive the engine step by step, checking KV integrity after each step."""
-    engine = llm.engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+def drain_checked(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step the engine until every request finished, checking KV integrity after each step."""
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
         engine.kv.check_integrity()
+    return done
+
+
+def run_checked(llm: LLM, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, params)
+    done = drain_checked(llm.engine)
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -209,12 +214,7 @@ def test_failed_grammar_and_refused_token_fail_only_their_request(llm: LLM) -> N
     forced.logits_processors = [force_z]
     engine.add_request("forced", "x", forced)
     engine.add_request("fine", "x", SamplingParams(temperature=0, max_tokens=5))
-    results: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                results[o.request_id] = o
-        engine.kv.check_integrity()
+    results = drain_checked(engine)
     assert results["bad"].error is not None and "test" in results["bad"].error
     assert results["bad"].outputs[0].finish_reason == "error"
     assert results["forced"].error is not None and "does not match" in results["forced"].error
@@ -249,12 +249,7 @@ def test_constraints_that_exclude_every_token_fail_that_request(llm: LLM) -> Non
     stuck = SamplingParams(temperature=0, min_tokens=5, structured_outputs=S(choice=["yes"]))
     engine.add_request("stuck", "Say yes:", stuck)
     engine.add_request("fine", "Say yes:", SamplingParams(temperature=0, max_tokens=4))
-    results: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                results[o.request_id] = o
-        engine.kv.check_integrity()
+    results = drain_checked(engine)
     assert results["stuck"].error is not None
     assert "no token is allowed" in results["stuck"].error
     assert results["fine"].error is None and len(results["fine"].outputs[0].token_ids) == 4
