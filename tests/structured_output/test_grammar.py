@@ -129,3 +129,27 @@ def test_a_failed_compile_is_reported_once_ready(compiler: GrammarCompiler) -> N
     assert so.is_ready()
     reason = so.check_failed()
     assert reason is not None and "regex" in reason
+
+
+def test_structural_tag(compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase) -> None:
+    """xgrammar's structural tag: a fixed begin/end around JSON that matches a schema."""
+    import json
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<answer>",
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</answer>",
+        },
+    }
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    so = compiler.new_request(params)
+    so.grammar.result(timeout=30)
+    assert all(walk(so, tokenizer.encode('<answer>{"x": 5}</answer>', add_special_tokens=False)))
+    assert walk(so, [EOS]) == [True] and so.is_terminated()
+    wrong = compiler.new_request(params)
+    wrong.grammar.result(timeout=30)
+    assert not wrong.accept_tokens(tokenizer.encode('<answer>{"y"', add_special_tokens=False))
