@@ -6,14 +6,23 @@ import os
 
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "KVPolicy",
+    "PoolingParams",
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",

@@ -106,6 +106,13 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
+class PoolingType(enum.Enum):
+    """How an embedding request's hidden states become one vector (vLLM's pooling_type)."""
+
+    LAST = "last"  # the last prompt position's hidden state (a decoder's summary token)
+    MEAN = "mean"  # the average over every prompt position
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str  # a Hugging Face model directory (config.json + safetensors + tokenizer)
@@ -121,9 +128,11 @@ class ModelConfig:
     # custom batch-level logits processor classes (vLLM v1's interface; kvserve.sample.
     # custom_processors.LogitsProcessor subclasses), one instance each per engine
     logits_processors: tuple[type, ...] = ()
+    pooling: PoolingType = PoolingType.LAST  # embedding requests (LLM.embed, /v1/embeddings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
+        object.__setattr__(self, "pooling", PoolingType(self.pooling))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
 
@@ -179,9 +188,57 @@ class SchedulerConfig:
             )
 
 
+class SpecMethod(enum.Enum):
+    """Where speculative tokens come from (vLLM's ``speculative_config["method"]``)."""
+
+    NGRAM = "ngram"  # prompt lookup: copy what followed the last n tokens' earlier occurrence
+    DRAFT_MODEL = "draft_model"  # a smaller model with the same tokenizer, k greedy steps
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: k proposed tokens verified in one target forward."""
+
+    method: SpecMethod = SpecMethod.NGRAM
+    num_speculative_tokens: int = 4  # k: tokens proposed per request per step
+    model: str | None = None  # the draft model's folder (draft_model only)
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match (vLLM's default)
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match, tried first
+    # Speculation is skipped in steps with more running requests than this (a big batch
+    # already uses the compute a decode step leaves idle); None: never skipped.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", SpecMethod(self.method))
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}."
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
+            )
+        if self.method is SpecMethod.DRAFT_MODEL and not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model': the draft's folder.")
+        if self.method is SpecMethod.NGRAM and self.model:
+            raise ValueError("speculative method 'ngram' takes no 'model'.")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be positive, got {self.disable_by_batch_size}."
+            )
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past the verified tokens that proposing writes: a draft model writes the
+        K/V of its first k - 1 proposals there; n-gram lookup writes nothing."""
+        return self.num_speculative_tokens if self.method is SpecMethod.DRAFT_MODEL else 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"  # torch device string; everything is placed there
+    speculative: SpeculativeConfig | None = None  # None: one token per request per step

@@ -40,6 +40,9 @@ class RequestMetrics:
     arrival_time: float  # time.monotonic() when the request was added
     first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None  # when the first output token was sampled
+    # When the latest output token was sampled (vLLM's last_token_ts): the end of the decode
+    # and inference intervals (/metrics, traces), which finished_time is not for a failed one
+    last_token_time: float | None = None
     finished_time: float | None = None  # when the request finished
     num_preemptions: int = 0  # how many times the request was preempted
 
@@ -59,3 +62,34 @@ class RequestOutput:
     error: str | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token (the first is None); else None
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's pooled (and, by default, L2-normalised) final
+    hidden state."""
+
+    embedding: list[float]  # float32 values; empty when the engine failed on the request
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput`` (``LLM.embed``, /v1/embeddings): an embedding request
+    has one output, when its prefill is done, and ``finished`` is then True."""
+
+    request_id: str  # the caller's id
+    prompt_token_ids: list[int]  # the tokenized prompt (after truncate_prompt_tokens)
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None  # the prompt text, when the request came as text
+    metrics: RequestMetrics | None = None  # timing, for the server's histograms
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (last pooling only)
+    error: str | None = None  # why the engine failed this request, as RequestOutput.error
+
+
+# What an engine step returns per request: a generation's or an embedding's output.
+EngineOutput = RequestOutput | EmbeddingRequestOutput

@@ -20,10 +20,11 @@ the server's prefix cache served, OpenAI's field) is kept when the server sends 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
@@ -301,11 +302,22 @@ async def request_chat(
     return await _stream_request(session, inp, chat_payload(inp), count_tokens)
 
 
-# Backend names of `vllm bench serve --backend` that this client speaks.
+async def request_grpc(
+    conn: Any, inp: RequestInput, count_tokens: TokenCounter | None = None
+) -> RequestRecord:
+    """Send one streaming gRPC ``GenerateStream`` call (kvserve's ``--grpc-port``) and time it;
+    ``conn`` is what ``open_transport`` gives for the ``grpc`` backend."""
+    from kvserve.bench import grpc_client  # imports this module: loaded on first use
+
+    return await grpc_client.request_grpc(conn, inp, count_tokens)
+
+
+# Backend names of `vllm bench serve --backend` that this client speaks, and kvserve's gRPC.
 BACKENDS: dict[str, Callable[..., Awaitable[RequestRecord]]] = {
     "openai": request_completions,
     "vllm": request_completions,
     "openai-chat": request_chat,
+    "grpc": request_grpc,
 }
 DEFAULT_ENDPOINTS = {
     "openai": "/v1/completions",
@@ -349,6 +361,21 @@ async def choose_model_name(
         if candidate in ids:
             return candidate
     return model
+
+
+@contextlib.asynccontextmanager
+async def open_transport(
+    backend: str, session: aiohttp.ClientSession, api_url: str, timeout_s: float
+) -> AsyncIterator[Any]:
+    """What ``BACKENDS[backend]`` takes first: the HTTP session, or for ``grpc`` a channel to
+    ``api_url`` (``host:port``), open for the whole run."""
+    if backend != "grpc":
+        yield session
+        return
+    from kvserve.bench import grpc_client
+
+    async with grpc_client.open_connection(api_url, timeout_s) as conn:
+        yield conn
 
 
 def make_session(timeout_s: float) -> aiohttp.ClientSession:

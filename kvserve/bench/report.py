@@ -57,6 +57,22 @@ def _prefix_cache_rows(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def _spec_decode_rows(result: dict[str, Any]) -> list[str]:
+    """Acceptance of speculative decoding; nothing when the run verified no proposal."""
+    if not result.get("spec_decode_num_drafts"):
+        return []
+    rate = result.get("spec_decode_acceptance_rate")
+    return [
+        _row("Spec decode acceptance rate (%):", None if rate is None else 100.0 * rate),
+        _row(
+            "Spec decode mean acceptance length:", result.get("spec_decode_mean_acceptance_length")
+        ),
+        _row("Spec decode drafts:", result.get("spec_decode_num_drafts")),
+        _row("Spec decode draft tokens:", result.get("spec_decode_num_draft_tokens")),
+        _row("Spec decode accepted tokens:", result.get("spec_decode_num_accepted_tokens")),
+    ]
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -108,5 +124,6 @@ def format_summary(result: dict[str, Any], metrics: Sequence[str] = tuple(_HEADE
         lines.append(_row("Peak running requests:", result.get("peak_num_requests_running")))
         lines.append(_row("Peak waiting requests:", result.get("peak_num_requests_waiting")))
         lines.extend(_prefix_cache_rows(result))
+        lines.extend(_spec_decode_rows(result))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)

@@ -60,6 +60,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--endpoint", default=None, help="Default: the backend's endpoint.")
+    g.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="--backend grpc: the server's gRPC port (kvserve serve --grpc-port), on the host "
+        "of --base-url / --host; HTTP still serves /v1/models and /metrics.",
+    )
     g.add_argument("--model", default=None, help="Model name; default: the server's first.")
     g.add_argument("--served-model-name", default=None, help="Name sent in requests.")
     g.add_argument("--api-key", default=None, help="Bearer token (else $OPENAI_API_KEY).")
@@ -100,6 +107,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def urls(args: argparse.Namespace) -> tuple[str, str]:
     """(base URL, API URL) from --base-url or --host/--port, and --endpoint or the backend's."""
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.backend == "grpc":
+        from kvserve.bench.grpc_client import grpc_target
+
+        return base, grpc_target(base, args.grpc_port)
     endpoint = args.endpoint or client.DEFAULT_ENDPOINTS[args.backend]
     return base, base + endpoint
 
@@ -253,9 +264,12 @@ async def benchmark(
     counter: client.TokenCounter | None = None
     if tokenizer is not None:
         counter = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    async with client.make_session(args.request_timeout) as session:
+    async with (
+        client.make_session(args.request_timeout) as session,
+        client.open_transport(args.backend, session, api_url, args.request_timeout) as transport,
+    ):
         model = await _model_name(session, base_url, args)
-        send = partial(_send, client.BACKENDS[args.backend], session, counter)
+        send = partial(_send, client.BACKENDS[args.backend], transport, counter)
         run, firsts, num_requests = plan_run(args, samples, tokenizer, send, api_url, model)
         if args.ready_check_timeout_sec > 0:
             await _ready_check(send, firsts[0], args.ready_check_timeout_sec)
@@ -301,7 +315,7 @@ def _warn_about(records: list[RequestRecord], max_send_lag: float) -> None:
 
 async def _send(
     func: Callable[..., Awaitable[RequestRecord]],
-    session: aiohttp.ClientSession,
+    session: Any,  # the backend's transport (client.open_transport)
     counter: client.TokenCounter | None,
     inp: RequestInput,
 ) -> RequestRecord:
@@ -315,6 +329,8 @@ def resolve_backend(args: argparse.Namespace) -> None:
         args.backend = "openai-chat" if chat else "openai"
     elif chat and args.backend != "openai-chat":
         raise ValueError("--dataset-name multi_turn needs --backend openai-chat.")
+    if args.backend == "grpc" and getattr(args, "grpc_port", None) is None:
+        raise ValueError("--backend grpc needs --grpc-port (kvserve serve --grpc-port P).")
 
 
 def prepare(args: argparse.Namespace) -> tuple[Workload, PreTrainedTokenizerBase]:

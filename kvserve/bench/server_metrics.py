@@ -37,6 +37,15 @@ class ServerMetricsSummary:
     prefix_cache_queries: int | None = None  # prompt tokens looked up in the cache (delta)
     prefix_cache_hits: int | None = None  # of those, tokens found cached (delta)
     prefix_cache_hit_rate: float | None = None  # hits / queries; None when nothing was queried
+    # Speculative decoding (vLLM's spec_decode_* counters, deltas over the run): proposals
+    # verified, their tokens, and how many were accepted
+    spec_decode_num_drafts: int | None = None
+    spec_decode_num_draft_tokens: int | None = None
+    spec_decode_num_accepted_tokens: int | None = None
+    spec_decode_acceptance_rate: float | None = None  # accepted / proposed tokens
+    # tokens a verified request gets per step: 1 + accepted / drafts (vLLM's mean acceptance
+    # length, which counts the target's own token)
+    spec_decode_mean_acceptance_length: float | None = None
     num_scrapes: int = 0  # scrapes that parsed, before + during + after
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +89,14 @@ def _names(prefix: str) -> dict[str, tuple[str, ...]]:
         "running_max": (f"{prefix}:max_num_requests_running",),
         "cache_queries": (f"{prefix}:prefix_cache_queries_total", f"{prefix}:prefix_cache_queries"),
         "cache_hits": (f"{prefix}:prefix_cache_hits_total", f"{prefix}:prefix_cache_hits"),
+        **{
+            key: (f"{prefix}:{key}_total", f"{prefix}:{key}")
+            for key in (
+                "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens",
+            )
+        },
     }
 
 
@@ -116,6 +133,7 @@ def summarize_server_metrics(
         summary.source = prefix
         summary.num_preemptions = _counter_delta(first, last, names["preemptions"])
         _add_prefix_cache(summary, first, last, names)
+        _add_spec_decode(summary, first, last, names)
         summary.peak_num_requests_running = _peak(scrapes, names["running"])
         summary.peak_num_requests_waiting = _peak(scrapes, names["waiting"])
         # Polling can miss a short peak; a high-water mark that rose during the run cannot.
@@ -140,6 +158,24 @@ def _add_prefix_cache(
     # 0/0 is no evidence either way (caching off, or no request admitted): not a 0% rate.
     if queries and hits is not None:
         summary.prefix_cache_hit_rate = hits / queries
+
+
+def _add_spec_decode(
+    summary: ServerMetricsSummary,
+    first: dict[str, float] | None,
+    last: dict[str, float] | None,
+    names: dict[str, tuple[str, ...]],
+) -> None:
+    drafts = _counter_delta(first, last, names["spec_decode_num_drafts"])
+    tokens = _counter_delta(first, last, names["spec_decode_num_draft_tokens"])
+    accepted = _counter_delta(first, last, names["spec_decode_num_accepted_tokens"])
+    summary.spec_decode_num_drafts = drafts
+    summary.spec_decode_num_draft_tokens = tokens
+    summary.spec_decode_num_accepted_tokens = accepted
+    if tokens and accepted is not None:
+        summary.spec_decode_acceptance_rate = accepted / tokens
+    if drafts and accepted is not None:
+        summary.spec_decode_mean_acceptance_length = 1 + accepted / drafts
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> str | None:

@@ -51,21 +51,42 @@ def count_tokens(outputs: Sequence[Any]) -> tuple[int, int]:
     return prompt, generated
 
 
-def _preemptions(llm: Any) -> int | None:
+_COUNTERS = (
+    "num_preemptions",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
+
+
+def _counters(llm: Any) -> dict[str, int | None]:
+    """The engine's totals the run reports as deltas (None: an engine without them)."""
     stats = llm.stats() if hasattr(llm, "stats") else None
-    value = stats.get("num_preemptions") if isinstance(stats, dict) else None
-    return int(value) if value is not None else None
+    stats = stats if isinstance(stats, dict) else {}
+    return {k: None if stats.get(k) is None else int(stats[k]) for k in _COUNTERS}
+
+
+def _deltas(before: dict[str, int | None], after: dict[str, int | None]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in _COUNTERS:
+        b, a = before[key], after[key]
+        out[key] = a - b if a is not None and b is not None else None
+    drafts, tokens = out["spec_decode_num_drafts"], out["spec_decode_num_draft_tokens"]
+    accepted = out["spec_decode_num_accepted_tokens"]
+    out["spec_decode_acceptance_rate"] = accepted / tokens if tokens else None
+    out["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    return out
 
 
 def measure_generate(
     llm: Any, prompts: list[str], params: list[Any], use_tqdm: bool
 ) -> dict[str, Any]:
     """Time one ``generate`` call over all prompts; return vLLM's throughput keys and more."""
-    before = _preemptions(llm)
+    before = _counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
-    after = _preemptions(llm)
+    after = _counters(llm)
     prompt_tokens, output_tokens = count_tokens(outputs)
     total = prompt_tokens + output_tokens
     return {
@@ -77,7 +98,7 @@ def measure_generate(
         "requests_per_second": len(outputs) / elapsed,
         "tokens_per_second": total / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
-        "num_preemptions": after - before if before is not None and after is not None else None,
+        **_deltas(before, after),
     }
 
 
@@ -129,6 +150,12 @@ def run_throughput(
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
     print(f"Preemptions:              {result['num_preemptions']}")
+    if result["spec_decode_num_drafts"]:
+        print(
+            f"Spec decode acceptance:   {100 * result['spec_decode_acceptance_rate']:.1f}% of "
+            f"{result['spec_decode_num_draft_tokens']} proposed tokens, mean acceptance length "
+            f"{result['spec_decode_mean_acceptance_length']:.2f}"
+        )
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output_json, "w", encoding="utf-8") as f:

@@ -115,6 +115,16 @@ class KVCacheManager:
         self._blocks[req_id] = held + new
         return new
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Free the request's trailing blocks beyond its first ``num_tokens`` tokens (slots
+        that held only rejected speculative tokens). Such blocks were never full and
+        computed, so none of them is in the prefix cache."""
+        blocks = self._blocks.get(req_id)
+        keep = blocks_for(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            self._blocks[req_id] = blocks[:keep]  # a new list: a step's block tables keep theirs
+
     def can_allocate(self, num_blocks: int, computed: Sequence[int] = ()) -> bool:
         """Room for ``num_blocks`` new blocks after reviving the free ones among ``computed``."""
         revived = sum(1 for b in computed if self.pool.is_free(b))

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.config import PoolingType
 from kvserve.outputs import PromptLogprobs, RequestMetrics, TokenLogprobs
+from kvserve.pooling_params import PoolingSpec
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class Request:
         device: str | torch.device = "cpu",
         priority: int = 0,
         structured_output: StructuredOutputRequest | None = None,
+        pooling: PoolingSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower runs first under SchedulingPolicy.PRIORITY
@@ -64,6 +67,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
+        # Speculative decoding: tokens proposed after the last one, verified by the next step
+        # that schedules them (vLLM's spec_token_ids); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
+        self.num_new_tokens = 0  # output tokens the last scheduler update appended (0..k+1)
         self.status = RequestStatus.WAITING
         # The grammar's matcher when the output is constrained (structured outputs), else None
         self.structured_output = structured_output
@@ -82,6 +89,9 @@ class Request:
         self.prompt_logprobs: PromptLogprobs | None = (
             [None] if params.prompt_logprobs is not None else None
         )
+        # An embedding request (max_tokens 0): it finishes when its prompt is computed, its
+        # final hidden states pooled by the runner; it never samples. None: generation.
+        self.pooling = pooling
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,13 +102,22 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens including the proposed ones: what a step may compute up to."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def skips_prefix_cache(self) -> bool:
         """True while prompt logprobs are still missing: cached positions have no logits, so
-        such a request computes its whole prompt (vLLM skips the cache for them too)."""
+        such a request computes its whole prompt (vLLM skips the cache for them too). Mean
+        pooling likewise needs the hidden state of every prompt position; last pooling only
+        needs the last one, which a cache hit never covers."""
+        if self.pooling is not None and self.pooling.type is PoolingType.MEAN:
+            return True
         lps = self.prompt_logprobs
         return lps is not None and len(lps) < self.num_prompt_tokens
 
@@ -114,8 +133,22 @@ class Request:
             # A refused token sets structured_output.error; the engine fails the request.
             self.structured_output.accept_tokens([token_id])
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first ``num_output_tokens`` (a stop string ended
+        the text inside a speculative run; the request is finishing)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop :]
+        for entry in self.logprobs[num_output_tokens:]:
+            self.cumulative_logprob -= next(iter(entry.values())).logprob  # the token's own
+        del self.logprobs[num_output_tokens:]
+        self.num_new_tokens -= drop
+
     def check_stop(self) -> RequestStatus | None:
-        """The finished status implied by the last token, or None to keep going."""
+        """The finished status implied by the last token, or None to keep going (called after
+        each appended token, so a stop inside an accepted speculative run ends it there)."""
         last = self.output_token_ids[-1]
         p = self.params
         if self.num_output_tokens >= p.min_tokens:

@@ -10,6 +10,12 @@ The KV policy decides admission and what happens when blocks run out:
 - ``KVPolicy.RESERVE``: admit only when prompt + max_tokens fit, and hold those blocks;
   running requests then always have room, so nothing is ever preempted.
 
+Speculative decoding: a running request's proposed tokens (``spec_token_ids``) count in its
+token total (``num_tokens_with_spec``), so a decode row computes its last token plus the k
+proposals in one step; the runner returns the accepted run (1..k+1 tokens) and
+``update_from_output`` appends them one by one, checking stops after each, and rolls
+``num_computed_tokens`` back past the rejected positions.
+
 The scheduling policy (``request_queue.py``) orders the waiting and swapped queues and picks
 preemption victims: FCFS, or priority (lower value first). Under priority + preempt, a waiting
 request whose priority beats a running one's by the threshold may preempt it.
@@ -18,61 +24,36 @@ request whose priority beats a running one's by the threshold may preempt it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from kvserve.config import CacheConfig, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from kvserve.config import (
+    CacheConfig,
+    KVPolicy,
+    PreemptionMode,
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+)
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue, pick_victim
+from kvserve.core.scheduler_output import SchedulerOutput, SchedulerStats
 
-
-@dataclass
-class SchedulerOutput:
-    """What the runner executes this step."""
-
-    scheduled: list[Request]  # requests computed this step, in batch order
-    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
-    block_tables: dict[str, list[int]]  # request id -> its device block ids, in order
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    preempted_req_ids: list[str] = field(default_factory=list)  # preempted during this step
-    # Structured outputs: int32 [G, ceil(V / 32)] allowed-token bits for the constrained
-    # requests that sample this step, and request id -> its row (vLLM's grammar_bitmask)
-    grammar_bitmask: torch.Tensor | None = None
-    structured_output_rows: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    def samples(self, req: Request) -> bool:
-        """True when this step reaches the end of the request's tokens, so it gets a new one."""
-        return req.num_computed_tokens + self.num_scheduled_tokens[req.request_id] == req.num_tokens
-
-
-@dataclass
-class SchedulerStats:
-    """Plain counters; the server turns them into Prometheus metrics."""
-
-    num_running: int = 0  # requests in the running batch after the last schedule()
-    num_waiting: int = 0  # requests queued (including those preempted with recompute)
-    num_swapped: int = 0  # requests whose KV sits in CPU swap space
-    kv_usage: float = 0.0  # fraction of device KV blocks in use
-    num_preemptions: int = 0  # total preemptions since start
-    num_prompt_tokens: int = 0  # prompt tokens of admitted requests, total
-    num_generation_tokens: int = 0  # tokens sampled, total
-    num_steps: int = 0  # engine steps that computed anything
-    max_num_running: int = 0  # the most requests that ran in one step
-    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        kv: KVCacheManager,
+        spec: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = sched
+        self.spec = spec
+        # KV slots held past a request's scheduled tokens for the draft model's proposals
+        self.lookahead = 0 if spec is None else spec.num_lookahead_slots
         self.block_size = cache.block_size
         self.kv = kv
         self.policy = sched.scheduling_policy
@@ -90,6 +71,7 @@ class Scheduler:
         # they never block the line; those whose grammar failed wait for the engine to fail them.
         self.waiting_for_grammar: list[Request] = []
         self.grammar_failed: list[Request] = []
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -142,6 +124,7 @@ class Scheduler:
                 if req in pending:
                     pending.remove(req)
             self.kv.free(rid)
+            self._finished_ids.add(rid)
             req.status = status
             done.append(req)
         self._refresh_stats()
@@ -150,10 +133,15 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], {}, {})
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         self._admitted.clear()
         self._pending.clear()
         if self.waiting_for_grammar:
             self._promote_ready_grammars()
+        if self.spec is not None and not self.speculating():
+            # A big batch (counted before this step's admissions): verify nothing this step.
+            for req in self.running:
+                req.spec_token_ids = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
         # older than anything waiting, so they come back first.
@@ -167,11 +155,19 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         self._grammar_bitmask(out)
+        out.propose = self.speculating()  # the batch after admissions: worth proposing for?
         if out.scheduled:
             self.stats.num_steps += 1
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_stats()
         return out
+
+    def speculating(self) -> bool:
+        """Whether this step's batch is small enough to speculate (disable_by_batch_size)."""
+        if self.spec is None:
+            return False
+        limit = self.spec.disable_by_batch_size
+        return limit is None or len(self.running) <= limit
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
         """The allowed next tokens of every constrained request that samples this step."""
@@ -186,8 +182,13 @@ class Scheduler:
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(req)
         out.num_scheduled_tokens[req.request_id] = n
+        num_spec = req.num_computed_tokens + n - req.num_tokens
+        if num_spec > 0:
+            out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
         if self.kv.enable_caching:
-            first, end = req.num_computed_tokens // self.block_size, req.num_computed_tokens + n
+            # Proposed tokens may be rejected: only the request's own tokens complete blocks.
+            first = req.num_computed_tokens // self.block_size
+            end = min(req.num_computed_tokens + n, req.num_tokens)
             if end // self.block_size > first:  # completes blocks (rare for a decode)
                 self._pending.update(self.kv.block_hashes(req, end)[first:])
 
@@ -202,6 +203,7 @@ class Scheduler:
         """Take a request that is about to be preempted out of this step; its tokens go back
         to the budget (returned)."""
         n = out.num_scheduled_tokens.pop(req.request_id, 0)
+        out.scheduled_spec_decode_tokens.pop(req.request_id, None)
         if n:
             out.scheduled.remove(req)
         return n
@@ -210,7 +212,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if self.lookahead:  # best effort: the draft proposes only into slots it holds
+                self.kv.allocate_slots(req.request_id, self._slots(req, n))
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 if self.config.kv_policy is KVPolicy.RESERVE:
                     raise RuntimeError("reserve policy ran out of reserved blocks")  # a bug
@@ -223,7 +227,7 @@ class Scheduler:
                     break
                 if victim_idx < idx:
                     idx -= 1
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if req.status is not RequestStatus.RUNNING:
                 continue  # it preempted itself; running[idx] is now the next request
             self._take(out, req, n)
@@ -231,7 +235,16 @@ class Scheduler:
             idx += 1
         return budget
 
+    def _slots(self, req: Request, n: int) -> int:
+        """Token slots the request must hold to compute ``n`` more tokens: with a draft model,
+        also the lookahead its proposals write (never past what the request can ever hold)."""
+        end = req.num_computed_tokens + n
+        if self.lookahead and end >= req.num_tokens:
+            end = min(end + self.lookahead, req.max_total_tokens)
+        return end
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        req.spec_token_ids = []  # proposed for KV that is going away
         self.stats.num_preemptions += 1
         req.metrics.num_preemptions += 1
         out.preempted_req_ids.append(req.request_id)
@@ -279,7 +292,8 @@ class Scheduler:
             pairs = self.kv.swap_in(req.request_id)
             assert pairs is not None  # room was checked above
             out.blocks_to_swap_in.extend(pairs)
-            self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+            if self.kv.allocate_slots(req.request_id, self._slots(req, n)) is None:
+                self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)  # no lookahead
             self.swapped.pop()
             self._admit(out, req, n)
             budget -= n
@@ -322,7 +336,12 @@ class Scheduler:
                 return False
             self.kv.allocate_slots(rid, req.max_total_tokens, computed)
             return True
-        return self.kv.allocate_slots(rid, num_tokens, computed) is not None
+        slots = num_tokens
+        if self.lookahead and num_tokens >= req.num_tokens:
+            slots = min(num_tokens + self.lookahead, req.max_total_tokens)
+        if self.kv.allocate_slots(rid, slots, computed) is not None:
+            return True
+        return slots > num_tokens and self.kv.allocate_slots(rid, num_tokens, computed) is not None
 
     def _admit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         req.status = RequestStatus.RUNNING
@@ -331,30 +350,88 @@ class Scheduler:
         self._take(out, req, n)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> tuple[list[Request], list[Request]]:
-        """Advance computed counts, append sampled tokens; returns (updated, finished)."""
+        """Advance computed counts and append each request's new tokens (1 to k + 1 with
+        speculation), checking stops after each one (tokens after a stop are dropped);
+        ``spec_token_ids`` are the next step's proposals. Returns (updated, finished)."""
         updated, finished = [], []
         for req in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished by an abort between schedule and update
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            self.kv.cache_computed_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            rid = req.request_id
+            req.num_computed_tokens += out.num_scheduled_tokens[rid]
+            req.num_new_tokens = 0
+            tokens = sampled.get(rid)
+            if not tokens:
+                self.kv.cache_computed_blocks(req)
+                if req.pooling is not None and req.num_computed_tokens >= req.num_tokens:
+                    # An embedding request ends with its prefill (the runner pooled it).
+                    updated.append(req)
+                    self._finish(req, RequestStatus.FINISHED_STOPPED, finished)
                 continue  # a prefill chunk that did not reach the end
-            req.append_output_token(token)
-            self.stats.num_generation_tokens += 1
+            num_spec = out.num_spec_tokens(req)
+            if num_spec:
+                self._count_accepted(num_spec, len(tokens) - 1)
+            # Rejected proposals' positions hold K/V of the wrong tokens: compute them again.
+            req.num_computed_tokens -= num_spec - (len(tokens) - 1)
+            status = self._append(req, tokens)
+            self.kv.cache_computed_blocks(req)  # after the append: hashes read the tokens
             updated.append(req)
-            status = req.check_stop()
             if status is not None:
-                self.running.remove(req)
-                self.requests.pop(req.request_id, None)
-                self.kv.free(req.request_id)
-                req.status = status
-                finished.append(req)
+                self._finish(req, status, finished)
+                continue
+            req.spec_token_ids = self._cap_proposal(req, (spec_token_ids or {}).get(rid, []))
+            if num_spec and self.config.kv_policy is KVPolicy.PREEMPT:
+                self.kv.trim(rid, req.num_tokens)  # release blocks that held only rejections
         self._refresh_stats()
         return updated, finished
+
+    def _finish(self, req: Request, status: RequestStatus, finished: list[Request]) -> None:
+        """A running request is done: free its blocks, tell the runner (next step)."""
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req.request_id)
+        self._finished_ids.add(req.request_id)
+        req.status = status
+        finished.append(req)
+
+    def truncate_output(self, req: Request, num_output_tokens: int) -> None:
+        """Keep the first ``num_output_tokens`` output tokens of a request a stop string
+        ends inside a speculative run (the engine then finishes it)."""
+        before = req.num_output_tokens
+        req.truncate_output(num_output_tokens)
+        self.stats.num_generation_tokens -= before - req.num_output_tokens
+
+    def _append(self, req: Request, tokens: list[int]) -> RequestStatus | None:
+        """Append tokens until one stops the request; returns its finished status or None."""
+        for token in tokens:
+            req.append_output_token(token)
+            req.num_new_tokens += 1
+            self.stats.num_generation_tokens += 1
+            status = req.check_stop()
+            if status is not None:
+                return status
+        return None
+
+    def _cap_proposal(self, req: Request, proposal: list[int]) -> list[int]:
+        """Proposals never reach past max_tokens: the step's k + 1 tokens must all fit."""
+        room = req.max_tokens - req.num_output_tokens - 1
+        return proposal[: max(0, room)] if self.speculating() else []
+
+    def _count_accepted(self, num_spec: int, num_accepted: int) -> None:
+        s = self.stats
+        s.spec_decode_num_drafts += 1
+        s.spec_decode_num_draft_tokens += num_spec
+        s.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = s.spec_decode_accepted_per_pos
+        k = max(num_spec, self.spec.num_speculative_tokens if self.spec else 0)
+        per_pos.extend([0] * (k - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _refresh_stats(self) -> None:
         s = self.stats

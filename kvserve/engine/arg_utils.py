@@ -27,6 +27,7 @@ from kvserve.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     auto_dtype,
     parse_bytes,
     parse_dtype,
@@ -50,9 +51,11 @@ VLLM_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "kv_cache_dtype": ("auto", "the KV cache always has the model's dtype"),
     "trust_remote_code": (False, "kvserve never runs a model's own Python code"),
     "enable_lora": (False, "kvserve has no LoRA adapters"),
-    "speculative_config": (None, "kvserve has no speculative decoding"),
     "cpu_offload_gb": (0, "kvserve does not offload weights"),
 }
+# Options of `kvserve serve` alone (the HTTP server's tracing and metrics): refused by LLM()
+# (and so by `generate`), so an offline run never silently drops them.
+SERVER_ONLY = frozenset({"otlp_traces_endpoint", "metrics_prefix"})
 
 
 def _opt(
@@ -230,6 +233,17 @@ class EngineArgs:
         "(subclasses of kvserve.sample.custom_processors.LogitsProcessor); LLM() also takes "
         "the classes", type=str, nargs="+",
     )  # fmt: skip
+    speculative_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (_opt is a field())
+        None, "vLLM's flag: speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or '{\"method\": "
+        "\"draft_model\", \"model\": \"path\", \"num_speculative_tokens\": 4}'; also "
+        "prompt_lookup_min and disable_by_batch_size", type=str,
+    )  # fmt: skip
+    pooling: str = _opt(
+        "last", "embeddings (LLM.embed, /v1/embeddings): the last prompt token's final hidden "
+        "state, or the mean over the prompt's (vLLM's pooling_type LAST / MEAN)",
+        choices=("last", "mean"),
+    )  # fmt: skip
     generation_config: str = _opt(
         "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
         "'auto' is accepted for models whose generation_config.json sets no sampling "
@@ -240,6 +254,17 @@ class EngineArgs:
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
+    # -- serve only (SERVER_ONLY): observability of the HTTP server -----------------------
+    otlp_traces_endpoint: str | None = _opt(
+        None, "vLLM's flag: send an OpenTelemetry span per request (vLLM's llm_request with "
+        "its gen_ai.* attributes, joined to the caller's W3C traceparent) to this OTLP "
+        "endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL choose "
+        "grpc (default) or http/protobuf; needs pip install 'kvserve[tracing]'", type=str,
+    )  # fmt: skip
+    metrics_prefix: str = _opt(
+        "kvserve", "the prefix of every /metrics name (kvserve:num_requests_running); 'vllm' "
+        "gives vLLM's names, so vLLM dashboards and alerts work unchanged",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         """Check everything that needs no model, so bad options fail before any loading."""
@@ -276,6 +301,45 @@ class EngineArgs:
             load_chat_template(self.chat_template)
         for spec in self.logits_processors or ():
             load_processor_class(spec)  # an unknown or wrong class fails before loading
+        self.speculative()  # a bad speculative_config fails before loading
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(
+                f"metrics_prefix (--metrics-prefix) must be letters, digits and '_', not "
+                f"starting with a digit, got {self.metrics_prefix!r}"
+            )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` (a dict or its JSON) as a validated ``SpeculativeConfig``."""
+        raw = self.speculative_config
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"speculative_config (--speculative-config) is not JSON: {e}"
+                ) from e
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object (a dict)")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown keys {unknown}; kvserve takes {sorted(known)}"
+            )
+        if raw.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            raw = {k: v for k, v in raw.items() if k != "model"} | {"method": "ngram"}
+        if "method" not in raw:  # vLLM infers it: a draft model when one is named
+            raw = {**raw, "method": "draft_model" if raw.get("model") else "ngram"}
+        if self.logits_processors:
+            from kvserve.spec.build import SPEC_WITH_PROCESSORS
+
+            raise ValueError(SPEC_WITH_PROCESSORS)
+        try:
+            return SpeculativeConfig(**raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"speculative_config: {e}") from e
 
     def _check_memory_options(self) -> None:
         util = self.gpu_memory_utilization
@@ -316,6 +380,13 @@ class EngineArgs:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(f"unknown engine argument {key!r}{hint}")
         check_vllm_options(vllm)
+        server_only = sorted(SERVER_ONLY & set(kwargs))
+        if server_only:
+            key = server_only[0]
+            raise ValueError(
+                f"{key} ({flag_name(key)}) is an option of `kvserve serve` (the HTTP server's "
+                f"observability); LLM does not take it"
+            )
         return cls(model=model, **kwargs)
 
     @classmethod
@@ -392,6 +463,7 @@ class EngineArgs:
                 logits_processors=tuple(
                     load_processor_class(p) for p in self.logits_processors or ()
                 ),
+                pooling=self.pooling,  # type: ignore[arg-type]
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -411,6 +483,7 @@ class EngineArgs:
                 ),
             ),
             device=self.device,
+            speculative=self.speculative(),
         )
 
     def _resolve_model(self) -> tuple[Path, str]:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EngineOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -45,7 +46,9 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 # Smoothing of the finished-request latency that the Retry-After estimate is based on.
 _LATENCY_EMA_ALPHA = 0.2
 
-FinishedCallback = Callable[[RequestOutput], None]
+FinishedCallback = Callable[[EngineOutput], None]
+# (the step's outputs, the request ids aborted just before it): per-step metrics
+StepCallback = Callable[[list[EngineOutput], list[str]], None]
 
 
 class QueueFullError(RuntimeError):
@@ -72,10 +75,15 @@ class RequestFailedError(RuntimeError):
 class _AddCommand:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     arrival_time: float
     priority: int = 0  # lower runs first (vLLM's convention); used by the priority policy
     num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
+
+    @property
+    def n(self) -> int:
+        """Sequences the request adds to the queue (an embedding request is one)."""
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
 
 @dataclass
@@ -107,15 +115,18 @@ class RequestStream:
         self.request_id = request_id
         self._engine = engine
         self.loop = loop
-        self._pending: RequestOutput | BaseException | None = None  # not yet taken
+        self._pending: EngineOutput | BaseException | None = None  # not yet taken
         self._waiter: asyncio.Future[None] | None = None  # a consumer waiting in __anext__
         self.finished = False  # the last output (or an error) has been handed to the consumer
         self.num_coalesced = 0  # outputs replaced by a newer one before the consumer took them
+        # Called (in the loop) with the finished output when it arrives, taken or not: the
+        # server's trace span. None unless tracing is on, so it costs nothing otherwise.
+        self.on_finished: Callable[[RequestOutput], None] | None = None
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncIterator[EngineOutput]:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None:
@@ -136,15 +147,20 @@ class RequestStream:
             self.finished = True
         return item
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: EngineOutput | BaseException) -> None:
         """Called in the stream's loop (via ``call_soon_threadsafe``)."""
         pending = self._pending
         if pending is not None:
             if isinstance(pending, BaseException):
                 return  # the stream ends with that error; nothing after it matters
-            if isinstance(item, RequestOutput):
+            if not isinstance(item, BaseException):
                 self.num_coalesced += 1  # cumulative: the new output supersedes the pending one
         self._pending = item
+        if self.on_finished is not None and isinstance(item, RequestOutput) and item.finished:
+            try:
+                self.on_finished(item)
+            except Exception:  # observability must never cost the request its output
+                logger.exception("the finished-request hook of %s failed", self.request_id)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -200,6 +216,7 @@ class AsyncLLMEngine:
         self._dead_reason: str | None = None
         self._latency_ema: float | None = None  # seconds, of finished requests
         self._finished_callbacks: list[FinishedCallback] = []
+        self._step_callbacks: list[StepCallback] = []
         self._publish_stats()
         self._thread = threading.Thread(
             target=self._run, name=f"kvserve-engine-{engine.model_name}", daemon=True
@@ -247,6 +264,14 @@ class AsyncLLMEngine:
         """
         self._finished_callbacks.append(callback)
 
+    def add_step_callback(self, callback: StepCallback) -> None:
+        """Call ``callback(outputs, aborted_ids)`` after every engine step with the step's
+        outputs (before they reach their streams) and the ids of the requests aborted just
+        before it, which will have no more outputs. Per-step facts such as inter-token
+        latency are only visible here: a stream coalesces outputs its consumer has not taken.
+        Runs in the engine thread, like ``add_finished_callback``; exceptions are logged."""
+        self._step_callbacks.append(callback)
+
     def stats(self) -> dict[str, Any]:
         """The snapshot published after the last step: ``LLMEngine.stats()`` plus queue info."""
         with self._cond:
@@ -268,25 +293,47 @@ class AsyncLLMEngine:
         a running event loop, which is where the outputs are delivered. ``priority`` orders
         admission under the ``priority`` scheduling policy (lower first, as in vLLM).
         """
-        params = params or SamplingParams()
+        return self._submit(prompt, params or SamplingParams(), request_id, priority)
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Submit an embedding request (vLLM's ``encode``): its stream yields one
+        ``EmbeddingRequestOutput``, when its prefill is done. Validation, queue caps and
+        aborts are ``generate``'s."""
+        return self._submit(prompt, pooling_params or PoolingParams(), request_id, priority)
+
+    def _submit(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str | None,
+        priority: int,
+    ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
-        text, ids = self.engine.tokenize_prompt(prompt)
+        if isinstance(params, PoolingParams):
+            text, ids = self.engine.tokenize_for_pooling(prompt, params)
+        else:
+            text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate(ids, params, priority)
         # Hand over the tokenized form so the engine thread does not tokenize again.
         resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        cmd = _AddCommand(
-            request_id, resolved, params, time.monotonic(), priority, len(ids) * params.n
-        )
+        cmd = _AddCommand(request_id, resolved, params, time.monotonic(), priority)
+        cmd.num_tokens = len(ids) * cmd.n
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._check_queue_room(cmd)
             self._streams[request_id] = weakref.ref(stream)
             self._commands.append(cmd)
-            self._pending_seqs += params.n
+            self._pending_seqs += cmd.n
             self._pending_tokens += cmd.num_tokens
             self._cond.notify()
         return stream
@@ -302,7 +349,7 @@ class AsyncLLMEngine:
     def _check_queue_room(self, cmd: _AddCommand) -> None:
         """Raise ``QueueFullError`` unless the request's sequences (n of them) and prompt tokens
         fit under the queue caps. Call with the lock held."""
-        n = cmd.params.n
+        n = cmd.n
         queued = self._pending_seqs + self._waiting_seqs
         cap = self.max_queued_requests
         if cap is not None and queued + n > cap:
@@ -376,7 +423,7 @@ class AsyncLLMEngine:
         for i, cmd in enumerate(self._commands):
             if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
                 del self._commands[i]
-                self._pending_seqs -= cmd.params.n
+                self._pending_seqs -= cmd.n
                 self._pending_tokens -= cmd.num_tokens
                 return True
         return False
@@ -418,7 +465,7 @@ class AsyncLLMEngine:
             failures = 0
             # Stats first: a consumer that sees an output also sees the step's stats.
             self._publish_stats()
-            self._deliver(outputs)
+            self._deliver(outputs, [c for c in commands if isinstance(c, str)])
         try:
             self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
         except Exception:  # the engine is going away anyway; just do not die silently
@@ -448,12 +495,12 @@ class AsyncLLMEngine:
                     self._send([(stream, exc)])
             finally:
                 with self._cond:
-                    self._pending_seqs -= cmd.params.n
+                    self._pending_seqs -= cmd.n
                     self._pending_tokens -= cmd.num_tokens
         self._publish_stats()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+    def _deliver(self, outputs: list[EngineOutput], aborted: list[str] | None = None) -> None:
+        items: list[tuple[RequestStream, EngineOutput | BaseException]] = []
         with self._cond:
             for out in outputs:
                 ref = self._streams.get(out.request_id)
@@ -466,9 +513,14 @@ class AsyncLLMEngine:
         for out in outputs:
             if out.finished:
                 self._request_finished(out)
+        for step_callback in self._step_callbacks:
+            try:
+                step_callback(outputs, aborted or [])
+            except Exception:
+                logger.exception("step callback failed")
         self._send(items)
 
-    def _request_finished(self, out: RequestOutput) -> None:
+    def _request_finished(self, out: EngineOutput) -> None:
         m = out.metrics
         if m is not None and m.finished_time is not None:
             latency = m.finished_time - m.arrival_time
@@ -482,7 +534,7 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("finished-request callback failed")
 
-    def _send(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    def _send(self, items: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
         """Hand items to their streams' loops: one thread-safe call per loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for stream, item in items:
@@ -553,6 +605,6 @@ def _run_call(cmd: _CallCommand, engine: LLMEngine) -> None:
         cmd.future.set_exception(exc)
 
 
-def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def _put_all(batch: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
     for stream, item in batch:
         stream.put(item)

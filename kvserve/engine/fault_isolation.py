@@ -24,7 +24,8 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -57,6 +58,10 @@ def execute_isolating(runner: ModelRunner, sched: SchedulerOutput) -> ModelRunne
             # the grammar's rows are looked up by request id: a retried row stays constrained
             grammar_bitmask=sched.grammar_bitmask,
             structured_output_rows=sched.structured_output_rows,
+            scheduled_spec_decode_tokens={
+                k: v for k, v in sched.scheduled_spec_decode_tokens.items() if k == rid
+            },
+            propose=sched.propose,
         )
         try:
             out.update(runner.execute(alone, swap=False))

@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -62,11 +63,7 @@ class LLM:
         input is validated first) comes back with finish reason ``error`` and
         ``RequestOutput.error`` set; the other requests are not affected.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -85,17 +82,46 @@ class LLM:
             grammar = self.engine.compile_grammar(sp)
             if grammar is not None:
                 grammar.result()  # raises GrammarError (a ValueError) with the compiler's reason
-        return self._run(prompts, params_list, priorities, use_tqdm)
+        return self._run(prompts, params_list, priorities, use_tqdm)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order given (vLLM's ``LLM.embed``): the final
+        hidden states pooled as the engine's ``pooling`` says (last token or mean) and
+        L2-normalised unless ``pooling_params.normalize`` is False. The prompts go through
+        the same scheduler as generation, batched, and finish after their prefill.
+        ``truncate_prompt_tokens``: keep each prompt's last k tokens (-1: the context)."""
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = PoolingParams(params.normalize, params.dimensions, truncate_prompt_tokens)
+        prompts = _prompt_list(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        resolved: list[PromptType] = []
+        for p, prio in zip(prompts, priorities, strict=True):  # all checked before any runs
+            text, ids = self.engine.tokenize_for_pooling(p, params)
+            self.engine.validate(ids, params, prio)
+            resolved.append({"prompt": text, "prompt_token_ids": ids})
+        outs = self._run(resolved, [params] * len(prompts), priorities, use_tqdm)
+        return outs  # type: ignore[return-value]
 
     def _run(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priorities: list[int],
         use_tqdm: bool,
-    ) -> list[RequestOutput]:
+    ) -> list[EngineOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        done: dict[str, RequestOutput] = {}
+        done: dict[str, EngineOutput] = {}
         try:
             for rid, p, sp, prio in zip(ids, prompts, params, priorities, strict=True):
                 self.engine.add_request(rid, p, sp, priority=prio)
@@ -138,3 +164,12 @@ class LLM:
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

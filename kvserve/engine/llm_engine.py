@@ -19,7 +19,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from kvserve.config import EngineConfig, PreemptionMode, SchedulingPolicy, SpecMethod
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
@@ -35,15 +35,21 @@ from kvserve.engine.output_processor import (
 )
 from kvserve.model.loader import load_hf_config, load_model, model_max_len
 from kvserve.model.packed_linear import packing_supported
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_int
+from kvserve.outputs import EngineOutput
+from kvserve.pooling_params import PoolingParams, PoolingSpec, truncate_prompt
+from kvserve.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingParams, is_int
+from kvserve.spec.build import SPEC_WITH_PROCESSORS as _SPEC_WITH_PROCESSORS
+from kvserve.spec.build import build_proposer
 from kvserve.structured_output.grammar import GrammarCompiler
 from kvserve.worker.malloc_tuning import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_block
+from kvserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("kvserve")
 
 DEFAULT_KV_CACHE_MEMORY = 1024**3  # 1 GiB when neither a size nor a block count is given
+# An embedding request's SamplingParams: never read, since it never samples.
+_NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 # A prompt: text, token ids, or vLLM's dict forms.
 PromptType = str | list[int] | dict[str, Any]
@@ -90,7 +96,10 @@ class LLMEngine:
         model = load_model(
             path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops
         )
+        draft = self._load_draft(model)
         per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
+        if draft is not None:  # the draft's K/V lives in the same blocks
+            per_block += kv_bytes_per_block(draft, cc.block_size, mc.dtype)
         num_blocks = cc.num_kv_blocks or max(
             1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
         )
@@ -110,6 +119,7 @@ class LLMEngine:
             mc.attention_backend,
             [cls(config, self.device, False) for cls in mc.logits_processors],
         )
+        self.runner.proposer = build_proposer(config, draft, num_blocks, self.runner)
         if self.device.type == "cpu":
             # After the weights and KV cache exist, so only step-time buffers are affected.
             keep_freed_memory()
@@ -124,7 +134,7 @@ class LLMEngine:
                 self.warmup_tokens,
                 time.perf_counter() - t1,
             )
-        self.scheduler = Scheduler(config.scheduler, cc, self.kv)
+        self.scheduler = Scheduler(config.scheduler, cc, self.kv, config.speculative)
         self.kv_info = {
             "num_blocks": num_blocks,
             "block_size": cc.block_size,
@@ -154,6 +164,27 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
+    def _load_draft(self, target: Any) -> Any:
+        """The draft model of ``speculative_config`` method draft_model, else None."""
+        spec = self.config.speculative
+        if spec is None or spec.method is not SpecMethod.DRAFT_MODEL:
+            return None
+        if self.config.model.logits_processors:
+            raise ValueError(_SPEC_WITH_PROCESSORS)
+        assert spec.model is not None  # checked by SpeculativeConfig
+        mc = self.config.model
+        draft_path = Path(spec.model)
+        draft_config = load_hf_config(draft_path)
+        if int(draft_config.vocab_size) != int(self.hf_config.vocab_size):
+            raise ValueError(
+                f"the draft model {spec.model} has a vocabulary of {draft_config.vocab_size} "
+                f"tokens, the target {self.hf_config.vocab_size}: a draft must share the "
+                "target's tokenizer"
+            )
+        return load_model(
+            draft_path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops
+        )
+
     # -- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for any accepted prompt form; raises ValueError if bad."""
@@ -178,9 +209,21 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
+    def tokenize_for_pooling(
+        self, prompt: PromptType, params: PoolingParams
+    ) -> tuple[str | None, list[int]]:
+        """An embedding request's (text, token ids): ``tokenize_prompt``, then only the last
+        ``truncate_prompt_tokens`` tokens (the text is dropped when the prompt is cut)."""
+        text, ids = self.tokenize_prompt(prompt)
+        cut = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        return (text if len(cut) == len(ids) else None), cut
+
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int = 0
+    ) -> int:
         """Check a request can ever run, with the model's real limits (every token id inside
-        the vocabulary); returns its resolved max_tokens. Raises ValueError."""
+        the vocabulary); returns its resolved max_tokens (0 for an embedding request, which
+        ``PoolingParams`` make). Raises ValueError."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
@@ -188,6 +231,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is out of the vocabulary (size {vocab})")
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(n, params, priority)
+            return 0
         bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
         if bad:
             raise ValueError(
@@ -216,6 +262,31 @@ class LLMEngine:
             )
         return max_tokens
 
+    def _validate_pooling(self, n: int, params: PoolingParams, priority: int) -> None:
+        """An embedding request's own limits: its prompt fills at most the whole context
+        (nothing is generated after it) and the KV cache."""
+        self._check_priority(priority)
+        size = self.hidden_size
+        if params.dimensions is not None and params.dimensions != size:
+            # vLLM shortens only Matryoshka-trained models; a decoder's hidden state is not one.
+            raise ParamError(
+                "dimensions",
+                f"dimensions is {params.dimensions} but this model's embeddings have {size} "
+                f"dimensions (its hidden size) and cannot be shortened; leave dimensions unset "
+                f"or send {size}",
+            )
+        if n > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than the model's context of "
+                f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens"
+            )
+        if blocks_for(n, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"the prompt has {n} tokens but the KV cache holds only "
+                f"{self.kv.num_tokens_capacity} tokens ({self.kv.pool.num_blocks} blocks); it "
+                f"can never fit: raise kv_cache_memory / num_kv_blocks"
+            )
+
     def _check_priority(self, priority: int) -> None:
         if not is_int(priority) or not SEED_MIN <= priority <= SEED_MAX:
             raise ValueError(f"priority must be an int64 integer, got {priority!r}")
@@ -231,15 +302,21 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request (``n`` child sequences). ``priority``: lower runs first under the
-        ``priority`` scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
+        """Queue a request (``n`` child sequences), or with ``PoolingParams`` an embedding
+        request (vLLM's signature). ``priority``: lower runs first under the ``priority``
+        scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            text, ids = self.tokenize_for_pooling(prompt, params)
+            self.validate(ids, params, priority)
+            self._add_pooling_request(request_id, text, ids, params, arrival_time, priority)
+            return
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.validate(ids, params, priority)
         parent = ParentRequest(request_id, text, ids, params)
@@ -276,6 +353,30 @@ class LLMEngine:
         for state in parent.children:
             self.scheduler.add_request(state.request)
 
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> None:
+        """One prompt-only child that finishes after its prefill (max_tokens 0: it never
+        samples; its SamplingParams are inert placeholders)."""
+        spec = PoolingSpec(self.config.model.pooling, params.normalize)
+        req = Request(
+            request_id, ids, _NO_SAMPLING, 0, self.eos_token_ids, arrival_time, self.device,
+            priority, pooling=spec,
+        )  # fmt: skip
+        parent = ParentRequest(request_id, text, ids, _NO_SAMPLING, pooling=params)
+        state = CompletionState(0, req, None)
+        parent.children.append(state)
+        self._child_parent[request_id] = parent
+        self._child_state[request_id] = state
+        self._parents[request_id] = parent
+        self.scheduler.add_request(req)
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -310,6 +411,11 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    @property
+    def hidden_size(self) -> int:
+        """The size of the final hidden states, so of every embedding."""
+        return int(self.hf_config.hidden_size)
+
     def num_waiting(self) -> int:
         """Requests queued and not yet running (preempted-with-recompute ones and those
         waiting for their grammar included)."""
@@ -326,7 +432,7 @@ class LLMEngine:
         return len(self._parents)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One engine step. A fault caused by one request's data fails that request alone
         (finish reason ``error``, ``RequestOutput.error`` says why); the others continue with
         the outputs they would have had. Raises ``EngineFaultError`` only when the engine
@@ -349,36 +455,29 @@ class LLMEngine:
         all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
         if all_failed and not engine_works(self.runner, self.kv):
             raise EngineFaultError(f"every request of the step failed: {out.failed}")
-        updated, finished = self.scheduler.update_from_output(sched, out.sampled)
+        updated, finished = self.scheduler.update_from_output(
+            sched, out.sampled, out.spec_token_ids
+        )
         for rid, (first, entries) in out.prompt_logprobs.items():
             if (st := self._child_state.get(rid)) is not None:
                 add_prompt_logprobs(st.request, first, entries, self._decoder(st.request.params))
+        for rid, vector in out.pooled.items():
+            if (parent := self._child_parent.get(rid)) is not None:
+                parent.embedding = vector
         now = time.monotonic()
         stopped: list[str] = []
         text_failed: dict[str, str] = {}
         for req in updated:
             rid = req.request_id
-            state = self._child_state[rid]
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if rid in out.sampled_logprob:
-                req.cumulative_logprob += out.sampled_logprob[rid]
-                req.logprobs.append(
-                    token_logprobs(
-                        req.output_token_ids[-1],
-                        out.sampled_logprob[rid],
-                        out.sampled_rank.get(rid),
-                        out.top_logprobs.get(rid, {}),
-                        req.params.logprobs or 0,
-                        self._decoder(req.params),
-                    )
-                )
-            parent = self._child_parent[rid]
+            req.metrics.last_token_time = now
+            self._add_logprobs(req, out)
             if req.structured_output is not None and req.structured_output.error:
                 text_failed[rid] = req.structured_output.error
                 continue
             try:
-                hit = update_text(state, self._backend_tokenizer, parent.params)
+                hit = self._update_text(req)
             except Exception as exc:  # a token the tokenizer cannot decode, say
                 text_failed[rid] = f"detokenizing failed: {exc!r}"
                 continue
@@ -394,12 +493,47 @@ class LLMEngine:
             if state.stop_reason is None:
                 state.stop_reason = req.stop_reason
             req.metrics.finished_time = now
+            if req.pooling is not None and self._child_parent[req.request_id].embedding is None:
+                text_failed[req.request_id] = "the engine computed no embedding"  # a bug
         failed_parents += self._fail_requests(text_failed)
         parent_ids = dict.fromkeys(failed_parents)
         parent_ids.update((self._child_parent[r.request_id].request_id, None) for r in updated)
         outputs = self._collect(parent_ids)
         timings.output += time.perf_counter() - t1
         return outputs
+
+    def _add_logprobs(self, req: Request, out: ModelRunnerOutput) -> None:
+        """Logprobs of the request's new tokens (one entry each), when it asked for them."""
+        rid = req.request_id
+        lps = out.sampled_logprob.get(rid)
+        if lps is None:
+            return
+        tops, ranks = out.top_logprobs.get(rid, []), out.sampled_rank.get(rid, [])
+        new = req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens :]
+        for j, token in enumerate(new):
+            req.cumulative_logprob += lps[j]
+            req.logprobs.append(
+                token_logprobs(
+                    token,
+                    lps[j],
+                    ranks[j] if j < len(ranks) else None,
+                    tops[j] if j < len(tops) else {},
+                    req.params.logprobs or 0,
+                    self._decoder(req.params),
+                )
+            )
+
+    def _update_text(self, req: Request) -> bool:
+        """Detokenize the request's new tokens one by one; True when a stop string matched,
+        in which case the tokens after the one that completed it are dropped."""
+        state = self._child_state[req.request_id]
+        params = self._child_parent[req.request_id].params
+        first = req.num_output_tokens - req.num_new_tokens
+        for j in range(first, req.num_output_tokens):
+            if update_text(state, self._backend_tokenizer, params, req.output_token_ids[j]):
+                self.scheduler.truncate_output(req, j + 1)
+                return True
+        return False
 
     def _wait_for_grammars(self) -> None:
         """Nothing to run but grammars compiling: wait for one (up to 10 ms) instead of
@@ -445,11 +579,12 @@ class LLMEngine:
             parents.append(parent.request_id)
         return parents
 
-    def _collect(self, parent_ids: dict[str, None]) -> list[RequestOutput]:
-        outputs = []
+    def _collect(self, parent_ids: dict[str, None]) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
         for pid in parent_ids:
             parent = self._parents[pid]
-            outputs.append(parent.output())
+            pooling = parent.pooling is not None
+            outputs.append(parent.embedding_output() if pooling else parent.output())
             if parent.finished:
                 del self._parents[pid]
                 for c in parent.children:

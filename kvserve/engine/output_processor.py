@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from tokenizers.decoders import DecodeStream
 
 from kvserve.core.request import Request
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    TokenLogprobs,
+)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 # A token id -> its text (for Logprob.decoded_token), or None when the request has no text.
@@ -57,10 +65,27 @@ class ParentRequest:
     params: SamplingParams  # the caller's parameters (n children share them, seeds offset)
     children: list[CompletionState] = field(default_factory=list)  # one per completion
     error: str | None = None  # why the engine failed this request (finish reason "error")
+    # An embedding request (one child, never samples): its parameters, and its vector once
+    # the runner has pooled it
+    pooling: PoolingParams | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
+
+    def embedding_output(self) -> EmbeddingRequestOutput:
+        req = self.children[0].request
+        return EmbeddingRequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=EmbeddingOutput(list(self.embedding or [])),
+            finished=self.finished,
+            prompt=self.prompt,
+            metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+            error=self.error,
+        )
 
     def output(self) -> RequestOutput:
         hold = max((len(s) for s in self.params.stop_list), default=0) - 1
@@ -124,11 +149,13 @@ def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[int, st
     return best
 
 
-def update_text(state: CompletionState, tokenizer: object | None, params: SamplingParams) -> bool:
-    """Detokenize the request's newest token; returns True when a stop string matched."""
+def update_text(
+    state: CompletionState, tokenizer: object | None, params: SamplingParams, token: int
+) -> bool:
+    """Detokenize the request's next new ``token``; returns True when a stop string matched."""
     if state.stream is None or tokenizer is None:
         return False
-    chunk = state.stream.step(tokenizer, state.request.output_token_ids[-1])
+    chunk = state.stream.step(tokenizer, token)
     if not chunk:
         return False
     state.text += chunk

@@ -16,6 +16,11 @@ Two implementations share one signature:
   (``prefill_attention``): fresh prompts of one length share one SDPA call (bit-identical to
   the loop), and the other prefill rows (chunks after cached context, prefix-cache hits, lone
   prompts) go in size buckets through one padded SDPA call each over their gathered contexts.
+  Speculative verification rows (the last token plus k proposals, ``spec_rows``) join the
+  decode batch as one entry per query: query j of a row whose context ends at L sees exactly
+  the first L - Lq + 1 + j keys, which is a decode row of that length over the same block
+  table, so the decode kernel serves them unchanged and each query gets the very numbers a
+  one-token step at that position would.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ class AttentionMetadata:
     prefill_rows: list[int] | None = None  # multi-token rows left to the loop (None: unsplit)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)  # batched fresh prompts
     context_groups: list[ContextGroup] = field(default_factory=list)  # batched other prefills
+    # multi-token rows to attend as decode rows, one entry per query (speculative verification)
+    spec_rows: frozenset[int] = frozenset()
 
     @property
     def num_rows(self) -> int:
@@ -114,8 +121,9 @@ class AttentionMetadata:
         """
         device = self.block_tables.device
         qsl = self.query_start_loc
-        dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1]
+        dec = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] == 1 or i in self.spec_rows]
         multi = [i for i in range(self.num_rows) if qsl[i + 1] - qsl[i] > 1]
+        multi = [i for i in multi if i not in self.spec_rows]
         self.prefill_groups, self.prefill_rows = group_fresh_prompts(self, multi)
         self.context_groups = []
         if batch_context and self.prefill_rows:
@@ -124,17 +132,25 @@ class AttentionMetadata:
         if not dec:
             self.decode = None
             return
-        lens = torch.tensor([self.seq_lens[i] for i in dec], dtype=torch.long, device=device)
-        nb = -(-max(self.seq_lens[i] for i in dec) // self.block_size)
-        all_decode = len(dec) == self.num_rows
-        rows = torch.tensor(dec, dtype=torch.long, device=device)
+        # One entry per query: (its row, its token in the flat batch, its context length).
+        entries = [
+            (i, t, self.seq_lens[i] - (qsl[i + 1] - 1 - t))
+            for i in dec
+            for t in range(qsl[i], qsl[i + 1])
+        ]
+        lens = torch.tensor([e[2] for e in entries], dtype=torch.long, device=device)  # [Bd]
+        nb = -(-max(e[2] for e in entries) // self.block_size)
+        all_decode = len(dec) == len(entries) == self.num_rows  # every row, one query each
+        rows = torch.tensor([e[0] for e in entries], dtype=torch.long, device=device)
         tables = self.block_tables[:, :nb] if all_decode else self.block_tables[rows, :nb]
         mask = None
         if not use_kernel:
             pos = torch.arange(nb * self.block_size, device=device)
-            mask = (pos[None, :] < lens[:, None]).view(len(dec), 1, 1, -1)
+            mask = (pos[None, :] < lens[:, None]).view(len(entries), 1, 1, -1)
         self.decode = DecodeBatch(
-            token_idx=None if all_decode else torch.tensor([qsl[i] for i in dec], device=device),
+            token_idx=None
+            if all_decode
+            else torch.tensor([e[1] for e in entries], dtype=torch.long, device=device),
             block_tables=tables,
             seq_lens=lens,
             mask=mask,

@@ -163,6 +163,15 @@ def _sample_random_rows(
 
     ``logits`` is float32 ``[R, V]`` and is not modified. Returns the sampled ids, long ``[R]``.
     """
+    probs = target_probs(logits, params)  # [R, V]
+    return random_sample(probs, generators, default_generator)  # [R]
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution non-greedy rows sample from: temperature, top-k, top-p, min-p, softmax.
+
+    ``logits`` is float32 ``[R, V]`` and is not modified. Returns float32 ``[R, V]``.
+    """
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     # Out of place on purpose: ``logits`` may be the caller's tensor; everything after this
@@ -201,9 +210,7 @@ def _sample_random_rows(
         )  # [M]
         filtered = apply_min_p(take_rows(logits, min_p_rows), min_p)  # [M, V]
         logits = put_rows(logits, min_p_rows, filtered)
-
-    probs = logits.softmax(dim=-1)  # [R, V]
-    return random_sample(probs, generators, default_generator)  # [R]
+    return logits.softmax(dim=-1)  # [R, V]
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

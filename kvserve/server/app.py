@@ -10,16 +10,19 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.body_check import invalid_unicode_error
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
+from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openapi import error_responses, generation_responses, install_openapi
@@ -37,6 +40,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import Limits, tokenize
 from kvserve.server.tools import ChatOptions, template_args
+from kvserve.server.tracing import RequestTracer
 
 logger = logging.getLogger("kvserve.server")
 
@@ -55,12 +59,14 @@ class ServerState:
     limits: Limits = field(default_factory=Limits)
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # tool calling, templates
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request
     engines: dict[str, AsyncLLMEngine] = field(default_factory=dict)  # served name -> engine
     model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
     ready: bool = False  # every model has loaded
     load_error: str | None = None
     # Set on SIGTERM/SIGINT (kvserve.server.drain): API requests get 503, /health 503 "draining"
     draining: bool = False
+    grpc_in_flight: int = 0  # gRPC calls being answered; the drain waits for them too
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_engine(self, engine: AsyncLLMEngine, path: str | None = None) -> None:
@@ -69,7 +75,7 @@ class ServerState:
             name = engine.model_name
             if name in self.engines:
                 raise ValueError(f"two models are served as {name!r}; use --served-model-name")
-            engine.add_finished_callback(self.metrics.add_engine(name, engine.stats))
+            self.metrics.attach(name, engine)
             self.engines = {**self.engines, name: engine}  # copy-on-write: readers never lock
             self.model_paths[name] = path or name
 
@@ -90,9 +96,25 @@ class ServerState:
             )
         return engine
 
+    def observe_streams(
+        self,
+        engine: AsyncLLMEngine,
+        params: SamplingParams,
+        streams: Sequence[RequestStream],
+        headers: Mapping[str, str],
+    ) -> None:
+        """Observability of an admitted API request's engine requests: vLLM's
+        request_params_* histograms and, with tracing on, each one's span when it finishes
+        (a child of the ``traceparent`` in ``headers``, HTTP headers or gRPC metadata)."""
+        self.metrics.observe_params(engine.model_name, params, len(streams))
+        if self.tracer is not None:
+            self.tracer.watch(streams, engine.model_name, params, headers)
+
     def shutdown(self) -> None:
         for engine in self.engines.values():
             engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # export the spans still queued
 
 
 class GuardMiddleware:
@@ -175,11 +197,16 @@ class GuardMiddleware:
 def _authorized(scope: Scope, key: str) -> bool:
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            # Constant-time comparison: no timing side channel on the key. On bytes, because
-            # compare_digest refuses non-ASCII str and a header may carry any byte.
-            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+            return bearer_matches(value, key)
     return False
+
+
+def bearer_matches(value: bytes, key: str) -> bool:
+    """An ``Authorization`` value (HTTP header or gRPC metadata) is ``Bearer <key>``."""
+    scheme, _, token = value.partition(b" ")
+    # Constant-time comparison: no timing side channel on the key. On bytes, because
+    # compare_digest refuses non-ASCII str and a header may carry any byte.
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -205,6 +232,13 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         engine = state.engine_for(req.model)
         return await create_chat_completion(req, raw, engine, state.limits, state.chat_options)
+
+    errors = error_responses(400, 404, 413, 429, 500, 503)  # a generation route's, no SSE
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **errors})
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        engine = state.engine_for(req.model)
+        return await create_embedding(req, raw, engine, state.limits)
 
     @app.get("/v1/models", responses=error_responses(500, 503))
     async def list_models() -> ModelList:

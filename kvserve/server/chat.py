@@ -146,6 +146,7 @@ async def create_chat_completion(
     await check_grammar(engine, params)
     request_id = new_id("chatcmpl")
     streams = start_streams(engine, [prompt], params, request_id, req.priority)
+    raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)
     if req.stream:
         return StreamingResponse(
             _stream(req, engine, streams, request_id, top_k, tools, len(prompt.token_ids)),

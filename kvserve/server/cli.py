@@ -19,9 +19,11 @@ from typing import Any
 from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
+from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import Limits
 from kvserve.server.tool_parsers import TOOL_PARSERS
 from kvserve.server.tools import ChatOptions
+from kvserve.server.tracing import RequestTracer, otlp_protocol
 
 logger = logging.getLogger("kvserve.server")
 
@@ -43,6 +45,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--grpc-port", type=int, default=None,
+        help="also serve the gRPC API (kvserve.v1.Generation, grpc.health.v1, reflection) on "
+             "this port of --host, beside HTTP, with the same models, API key and queue caps "
+             "(0: a free port; default: no gRPC)",
+    )  # fmt: skip
     p.add_argument(
         "--api-key", default=None,
         help=f"require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize "
@@ -137,6 +145,10 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
         raise ValueError("--max-num-queued-tokens must be >= 0")
     if args.max_n < 1 or args.max_prompts_per_request < 1:
         raise ValueError("--max-n and --max-prompts-per-request must be >= 1")
+    if args.grpc_port is not None and not (
+        0 <= args.grpc_port <= 65535 and args.grpc_port != args.port
+    ):
+        raise ValueError("--grpc-port must be in 0-65535 and differ from --port")
     if not args.shutdown_timeout >= 0:  # also rejects nan
         raise ValueError("--shutdown-timeout must be >= 0")
     return list(zip(models, names, strict=True))
@@ -161,6 +173,15 @@ def load_models(
         state.add_engine(queue, config.model.path)
         logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
     state.ready = True
+
+
+def _tracer(endpoint: str | None) -> RequestTracer | None:
+    """--otlp-traces-endpoint's tracer (ValueError without OpenTelemetry: exit code 2)."""
+    if not endpoint:
+        return None
+    tracer = RequestTracer(endpoint)
+    logger.info("tracing: a span per request to %s (OTLP %s)", endpoint, otlp_protocol())
+    return tracer
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -189,6 +210,8 @@ def run_serve(args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         ),
+        metrics=ServerMetrics(engine_args.metrics_prefix),
+        tracer=_tracer(engine_args.otlp_traces_endpoint),
     )
     config = uvicorn.Config(
         build_app(state),
@@ -201,6 +224,14 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
     )
     server = DrainingServer(config, state, args.shutdown_timeout)
+    if args.grpc_port is not None:
+        from kvserve.server.grpc.server import add_grpc_server
+
+        def grpc_failed(message: str) -> None:
+            state.load_error = message  # exit code 1, as a model that fails to load
+            server.should_exit = True
+
+        add_grpc_server(config.app, state, args.host, args.grpc_port, grpc_failed)
 
     def loader() -> None:
         try:

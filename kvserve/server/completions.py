@@ -11,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request, error_event
 from kvserve.server.protocol import (
     CompletionChoice,
@@ -128,9 +129,12 @@ def _prompt_text(engine: AsyncLLMEngine, p: PromptInfo) -> str:
     return engine.tokenizer.decode(p.token_ids) if engine.tokenizer is not None else ""
 
 
-async def create_completion(
-    req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
-) -> Response:
+async def prepare_completion(
+    req: CompletionRequest, engine: AsyncLLMEngine, limits: Limits
+) -> tuple[list[PromptInfo], SamplingParams]:
+    """Every check of a completion request and its engine inputs: the tokenized prompts and
+    their ``SamplingParams``; raises ``APIError`` (400). Shared with the gRPC API, so both
+    validate alike."""
     _check_unsupported(req)
     items = _prompt_items(req.prompt)
     check_fan_out(limits, req.n, len(items))
@@ -141,8 +145,16 @@ async def create_completion(
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
     params = make_params(req.sampling_params, max_tokens, req.logprobs)
     await check_grammar(engine, params)
+    return prompts, params
+
+
+async def create_completion(
+    req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
+) -> Response:
+    prompts, params = await prepare_completion(req, engine, limits)
     request_id = new_id("cmpl")
     streams = start_streams(engine, prompts, params, request_id, req.priority)
+    raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)
     if req.stream:
         return StreamingResponse(
             _stream(req, engine, prompts, streams, request_id), media_type="text/event-stream"

@@ -84,10 +84,11 @@ class DrainingServer(uvicorn.Server):
                 await asyncio.wait_for(self.lifespan.shutdown(), FORCED_LIFESPAN_SECONDS)
 
     def _in_flight(self) -> int:
-        """HTTP requests being answered. uvicorn's request tasks, not the engines' requests:
-        they also cover a request between the guard and the engine (tokenizing) and a stream
-        whose engine request is done but whose last chunks are still being sent."""
-        return len(self.server_state.tasks)
+        """HTTP requests and gRPC calls being answered. uvicorn's request tasks, not the
+        engines' requests: they also cover a request between the guard and the engine
+        (tokenizing) and a stream whose engine request is done but whose last chunks are
+        still being sent."""
+        return len(self.server_state.tasks) + self.state.grpc_in_flight
 
     def _engine_requests(self) -> int:
         return sum(e.num_unfinished_requests() for e in self.state.engines.values())
@@ -100,8 +101,8 @@ class DrainingServer(uvicorn.Server):
         start = time.monotonic()
         deadline = start + self.shutdown_timeout
         logger.info(
-            "draining: %d HTTP requests in flight (%d in the engines); new requests get 503; "
-            "waiting up to %gs (--shutdown-timeout)",
+            "draining: %d HTTP requests / gRPC calls in flight (%d in the engines); new ones "
+            "get 503; waiting up to %gs (--shutdown-timeout)",
             self._in_flight(), self._engine_requests(), self.shutdown_timeout,
         )  # fmt: skip
         while self._in_flight() and time.monotonic() < deadline and not self.force_exit:

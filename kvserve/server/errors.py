@@ -12,6 +12,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -101,8 +102,9 @@ def error_event(error: APIError) -> str:
     return f"data: {_ascii_json(body)}\n\n"
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A readable message and the first offending field from pydantic's error list."""
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """A readable message and the first offending field from pydantic's error list (FastAPI's
+    body errors, or a model validated directly, as the gRPC API does)."""
     parts, param = [], None
     for err in exc.errors():
         if err.get("type") == "json_invalid":  # loc is ("body", character offset): no field
@@ -127,7 +129,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -23,6 +23,7 @@ from kvserve.engine.async_engine import (
     RequestStream,
 )
 from kvserve.outputs import Logprob, PromptLogprobs, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sample.sampler import NO_TOKEN_ALLOWED
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
@@ -205,17 +206,21 @@ async def check_grammar(engine: AsyncLLMEngine, params: SamplingParams) -> None:
 def start_streams(
     engine: AsyncLLMEngine,
     prompts: Sequence[PromptInfo],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     base_id: str,
     priority: int = 0,
 ) -> list[RequestStream]:
-    """Submit one request per prompt; all or nothing (a failure aborts those already in)."""
+    """Submit one request per prompt (embedding requests with ``PoolingParams``); all or
+    nothing (a failure aborts those already in)."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
-            streams.append(engine.generate(prompt, params, rid, priority=priority))
+            if isinstance(params, PoolingParams):
+                streams.append(engine.encode(prompt, params, rid, priority=priority))
+            else:
+                streams.append(engine.generate(prompt, params, rid, priority=priority))
     except BaseException as e:
         for s in streams:
             s.abort()

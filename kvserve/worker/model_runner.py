@@ -1,9 +1,13 @@
-"""Turns a ``SchedulerOutput`` into one forward pass and a sampled token per finishing row.
+"""Turns a ``SchedulerOutput`` into one forward pass and the new tokens of each finishing row.
 
 The runner owns the physical KV tensors (device and CPU swap) and the model. It flattens
 the scheduled tokens of all requests into one batch (no padding between requests), builds
 slot mappings and block tables, runs the model, and samples on the rows that reached the end
-of their tokens.
+of their tokens. With speculative decoding a row also computes the request's proposed tokens:
+its last k + 1 positions give logits, the rejection sampler keeps the accepted run
+(``sample/rejection.py``), and the proposer (``kvserve/spec``) proposes the next step's tokens.
+Embedding requests share the batch but never sample: their final hidden states are pooled
+(``pooling.py``) when their prompt is complete.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -21,59 +24,30 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.outputs import Logprob, TokenLogprobs
 from kvserve.sample.custom_processors import BatchProcessors, LogitsProcessor
-from kvserve.sample.sampler import NoTokenAllowedError, SamplerOutput, SamplingMetadata, sample
+from kvserve.sample.rejection import expand_for_verification, rejection_sample
+from kvserve.sample.sampler import NoTokenAllowedError, SamplingMetadata, sample
+from kvserve.spec.proposer import ProposalInput, Proposer
+from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
+from kvserve.worker.pooling import Pooler, SumUpdates
+from kvserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
+from kvserve.worker.runner_output import (
+    ModelRunnerOutput,
+    StepTimings,
+    sampler_output_to_runner,
+    spec_output_to_runner,
+)
+
+__all__ = [
+    "ModelRunner",
+    "ModelRunnerOutput",
+    "StepTimings",
+    "allocate_kv_caches",
+    "build_metadata",
+    "kv_bytes_per_block",
+]
 
 logger = logging.getLogger("kvserve.runner")
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in each phase of engine steps (accumulated)."""
-
-    schedule: float = 0.0  # Scheduler.schedule
-    prepare: float = 0.0  # building input tensors and metadata (incl. swap copies)
-    forward: float = 0.0  # the model's forward pass and logits
-    sample: float = 0.0  # the sampler
-    output: float = 0.0  # scheduler update, detokenization, stop checks, outputs
-    steps: int = 0  # steps measured
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            k: getattr(self, k)
-            for k in ("schedule", "prepare", "forward", "sample", "output", "steps")
-        }
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Per sampled request: its token, and logprobs when asked."""
-
-    sampled: dict[str, int]  # request id -> new token id
-    sampled_logprob: dict[str, float] = field(default_factory=dict)  # id -> its logprob
-    top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # id -> top-n + sampled
-    sampled_rank: dict[str, int] = field(default_factory=dict)  # id -> 1-based rank of its token
-    # request id -> (index of the first prompt token covered, one TokenLogprobs per prompt token
-    # from there): the prompt logprobs computed this step (prompt_logprobs requests only)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    # request id -> why sampling its row failed (the others' rows were sampled without it)
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def update(self, other: ModelRunnerOutput) -> None:
-        """Merge the output of a part of the batch (per-request retries)."""
-        self.sampled.update(other.sampled)
-        self.sampled_logprob.update(other.sampled_logprob)
-        self.top_logprobs.update(other.top_logprobs)
-        self.sampled_rank.update(other.sampled_rank)
-        self.prompt_logprobs.update(other.prompt_logprobs)
-        self.failed.update(other.failed)
-
-
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * model.head_dim * elem
 
 
 def _use_decode_kernel(
@@ -109,8 +83,10 @@ class ModelRunner:
         seed: int,
         attention_backend: AttentionBackend = AttentionBackend.AUTO,
         logits_processors: Sequence[LogitsProcessor] = (),
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        self.proposer = proposer  # speculative decoding: proposes each row's next tokens
         # custom batch-level logits processors (vLLM v1's interface), built by the engine
         self.batch_processors = BatchProcessors(logits_processors)
         self.block_size = block_size
@@ -118,14 +94,7 @@ class ModelRunner:
         self.device = device
         cfg = model.config
         shape = (num_blocks, cfg.num_key_value_heads, block_size, model.head_dim)
-        # One (K, V) pair per layer: [num_blocks, Hkv, block_size, D] (see attention.py).
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
         swap_shape = (num_swap_blocks, *shape[1:])
         # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
         self.swap_caches = (
@@ -140,6 +109,7 @@ class ModelRunner:
         self.timings = StepTimings()
         self.workspace = GatherWorkspace()  # decode K/V gather buffers, reused every step
         self.use_decode_kernel = _use_decode_kernel(attention_backend, device, dtype, model)
+        self.pooler = Pooler()  # embedding requests: mean-pooling sums across prefill chunks
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, max_len: int) -> int:
@@ -193,45 +163,30 @@ class ModelRunner:
     def _prepare(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
+        """Flat input ids and positions, the attention metadata, and the flat rows whose
+        logits are sampled (a verification row's last k + 1, one for any other finishing row)."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
+        rows: list[tuple[list[int], int, int]] = []
         logits_idx: list[int] = []
-        for req in sched.scheduled:
-            n = sched.num_scheduled_tokens[req.request_id]
+        spec_rows: list[int] = []
+        offset = 0
+        for i, req in enumerate(sched.scheduled):
+            rid = req.request_id
+            n = sched.num_scheduled_tokens[rid]
             start = req.num_computed_tokens
-            blocks = sched.block_tables[req.request_id]
+            spec = sched.scheduled_spec_decode_tokens.get(rid, [])
             ids.extend(req.all_token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
+            ids.extend(spec)  # the proposals follow the request's own tokens
+            rows.append((sched.block_tables[rid], start, n))
+            offset += n
             if sched.samples(req):
-                logits_idx.append(qsl[-1] - 1)
-        width = max(len(sched.block_tables[r.request_id]) for r in sched.scheduled)
-        table = [
-            sched.block_tables[r.request_id] + [0] * (width - len(sched.block_tables[r.request_id]))
-            for r in sched.scheduled
-        ]
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=torch.tensor(table, dtype=torch.long, device=dev),
-            block_size=bs,
-        )
+                logits_idx.extend(range(offset - 1 - len(spec), offset))
+            if spec:
+                spec_rows.append(i)
+        md, positions = build_metadata(rows, self.block_size, self.device, frozenset(spec_rows))
         md.split_rows(self.workspace, self.use_decode_kernel)
-        return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            md,
-            logits_idx,
-        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        return input_ids, positions, md, logits_idx
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, swap: bool = True) -> ModelRunnerOutput:
@@ -240,6 +195,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if swap:
             self.swap(sched)
+        if self.proposer is not None:
+            self.proposer.forget(sched.finished_req_ids, sched.preempted_req_ids)
+        if len(self.pooler):
+            self.pooler.forget(sched.finished_req_ids)
         if not sched.scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, md, logits_idx = self._prepare(sched)
@@ -250,51 +209,97 @@ class ModelRunner:
         t2 = time.perf_counter()
         # Before sampling: if this raises, the step is retried per request and no seeded
         # generator has advanced yet.
-        rows = _prompt_logprob_rows(sched)
-        prompt_lps = self._prompt_logprobs(rows, hidden) if rows else {}
+        rows = prompt_logprob_rows(sched)
+        prompt_lps = compute_prompt_logprobs(self.model, rows, hidden) if rows else {}
+        pooled: dict[str, list[float]] = {}
+        sums: SumUpdates = {}
+        if any(r.pooling is not None for r in sched.scheduled):
+            pooled, sums = self.pooler.step(sched, hidden)
         out = ModelRunnerOutput({})
         if logits is not None:
-            out = self._sample(reqs, logits, sched)
+            out = self._sample_all(reqs, logits, sched)
         out.prompt_logprobs.update(prompt_lps)
+        out.pooled = pooled
         t3 = time.perf_counter()
+        if self.proposer is not None and sched.propose and out.sampled:
+            out.spec_token_ids = self._propose(reqs, out, sched)
+        self.pooler.commit(sums)  # last: nothing after it can fail the step and retry it
+        t4 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
+        self.timings.propose += t4 - t3
         self.timings.steps += 1
         return out
 
-    def _prompt_logprobs(
-        self, rows: list[tuple[Request, int, int, int]], hidden: torch.Tensor
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """Prompt logprobs from the hidden states of this step's prompt positions (vLLM's
-        semantics: log_softmax of the raw logits in float32; each entry holds the prompt's
-        own token first, with its rank, then the top ``prompt_logprobs`` with ranks 1..k)."""
-        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        for req, row, pos, count in rows:
-            targets = req.all_token_ids[pos + 1 : pos + 1 + count]
-            entries: list[TokenLogprobs] = []
-            for s in range(0, count, _PROMPT_LOGPROB_ROWS):
-                e = min(count, s + _PROMPT_LOGPROB_ROWS)
-                logits = self.model.compute_logits(hidden[row + s : row + e])  # [R, V]
-                lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V] float32
-                k = min(req.params.prompt_logprobs or 0, lp.shape[1])
-                tgt = torch.tensor(targets[s:e], dtype=torch.long, device=lp.device)  # [R]
-                chosen = lp.gather(1, tgt.unsqueeze(1))  # [R, 1]
-                ranks = (lp >= chosen).sum(dim=-1).tolist()  # vLLM's rank, as the sampler's
-                top_v: list[list[float]] = [[] for _ in range(e - s)]
-                top_i: list[list[int]] = [[] for _ in range(e - s)]
-                if k:
-                    values, ids = lp.topk(k, dim=-1)  # [R, k] x 2, descending
-                    top_v, top_i = values.tolist(), ids.tolist()
-                chosen_lps = chosen.squeeze(1).tolist()
-                for j, t in enumerate(targets[s:e]):
-                    # The prompt's token first; among the top-k it takes its top-k rank.
-                    entry = {t: Logprob(chosen_lps[j], ranks[j])}
-                    for r, (v, i) in enumerate(zip(top_v[j], top_i[j], strict=True)):
-                        entry[i] = Logprob(v, r + 1)
-                    entries.append(entry)
-            out[req.request_id] = (pos + 1, entries)
+    def _sample_all(
+        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """Rows without proposals go through the sampler, verification rows (k + 1 logits
+        rows each, in batch order) through the rejection sampler."""
+        if not sched.scheduled_spec_decode_tokens:
+            return self._sample(reqs, logits, sched)
+        plain_reqs: list[Request] = []
+        plain_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        row = 0
+        for r in reqs:
+            k = sched.num_spec_tokens(r)
+            (spec_reqs if k else plain_reqs).append(r)
+            (spec_rows if k else plain_rows).extend(range(row, row + k + 1))
+            row += k + 1
+        out = ModelRunnerOutput({})
+        if plain_reqs:
+            out.update(self._sample(plain_reqs, logits[plain_rows], sched))
+        if spec_reqs:
+            out.update(self._verify(spec_reqs, logits[spec_rows], sched))
         return out
+
+    def _verify(
+        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """Accept or reject each request's proposals; a failure is narrowed to one request."""
+        drafts = [sched.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
+        md = expand_for_verification(self._sampling_metadata(reqs, sched), drafts)
+        states = [None if r.generator is None else r.generator.get_state() for r in reqs]
+        try:
+            return spec_output_to_runner(reqs, rejection_sample(logits, md, drafts))
+        except Exception:
+            logger.exception("verifying %d requests failed; retrying one by one", len(reqs))
+        out = ModelRunnerOutput({})
+        row = 0
+        for r, draft, state in zip(reqs, drafts, states, strict=True):
+            one = expand_for_verification(self._sampling_metadata([r], sched), [draft])
+            if r.generator is not None and state is not None:
+                r.generator.set_state(state)
+            try:
+                res = rejection_sample(logits[row : row + len(draft) + 1], one, [draft])
+                out.update(spec_output_to_runner([r], res))
+            except Exception as exc:
+                why = str(exc) if isinstance(exc, NoTokenAllowedError) else repr(exc)
+                out.failed[r.request_id] = f"sampling failed: {why}"
+            row += len(draft) + 1
+        return out
+
+    def _propose(
+        self, reqs: list[Request], out: ModelRunnerOutput, sched: SchedulerOutput
+    ) -> dict[str, list[int]]:
+        """The next step's proposals for the requests that got tokens and may speculate."""
+        assert self.proposer is not None
+        batch = []
+        for r in reqs:
+            new = out.sampled.get(r.request_id)
+            # Grammar-constrained requests do not speculate (their matcher would have to
+            # check each proposal); the scheduler caps the rest by max_tokens.
+            if not new or r.structured_output is not None:
+                continue
+            room = r.max_tokens - r.num_output_tokens - len(new) - 1
+            if room > 0:
+                tokens = [*r.all_token_ids, *new]
+                batch.append(ProposalInput(r.request_id, tokens, sched.block_tables[r.request_id],
+                                           room))  # fmt: skip
+        return self.proposer.propose(batch) if batch else {}
 
     def _sample(
         self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
@@ -305,7 +310,7 @@ class ModelRunner:
         # Seeded rows: keep their generator states, so that a retry draws the same noise.
         states = [None if g is None else g.get_state() for g in md.generators]
         try:
-            return _runner_output(reqs, sample(logits, md))
+            return sampler_output_to_runner(reqs, sample(logits, md))
         except Exception:
             logger.exception("sampling a batch of %d rows failed; retrying row by row", len(reqs))
         out = ModelRunnerOutput({})
@@ -321,7 +326,7 @@ class ModelRunner:
                 why = str(exc) if isinstance(exc, NoTokenAllowedError) else repr(exc)
                 out.failed[r.request_id] = f"sampling failed: {why}"
                 continue
-            out.update(_runner_output([r], res))
+            out.update(sampler_output_to_runner([r], res))
         return out
 
     def _tell_processors(self, reqs: list[Request]) -> list[LogitsProcessor]:
@@ -355,43 +360,3 @@ class ModelRunner:
             token_bitmask=bitmask,
             token_bitmask_rows=mask_rows if bitmask is not None else [],
         )
-
-
-def _runner_output(reqs: list[Request], res: SamplerOutput) -> ModelRunnerOutput:
-    out = ModelRunnerOutput(
-        {r.request_id: t for r, t in zip(reqs, res.sampled_token_ids, strict=True)}
-    )
-    if res.sampled_logprobs is not None:
-        for i, r in enumerate(reqs):
-            if r.params.logprobs is not None:
-                out.sampled_logprob[r.request_id] = res.sampled_logprobs[i]
-                top = res.top_logprobs[i] if res.top_logprobs else None
-                out.top_logprobs[r.request_id] = top or {}
-                if res.sampled_ranks is not None:
-                    out.sampled_rank[r.request_id] = res.sampled_ranks[i]
-    return out
-
-
-# Prompt logprobs are computed this many positions at a time: a [rows, V] float32 block
-# (512 x 49152 x 4 bytes = 96 MiB) instead of one as large as a whole prefill chunk.
-_PROMPT_LOGPROB_ROWS = 512
-
-
-def _prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
-    """(request, its first row in the flat batch, first position, number of positions) of the
-    positions whose logits give prompt logprobs this step. Position p predicts prompt token
-    p + 1, so the last prompt position (it predicts the first output token) is not one; the
-    positions whose token already has its entry (a recompute after preemption) are skipped."""
-    rows = []
-    offset = 0
-    for req in sched.scheduled:
-        n = sched.num_scheduled_tokens[req.request_id]
-        lps = req.prompt_logprobs
-        if lps is not None:
-            start = req.num_computed_tokens
-            first = max(start, len(lps) - 1)
-            end = min(start + n, req.num_prompt_tokens - 1)
-            if end > first:
-                rows.append((req, offset + first - start, first, end - first))
-        offset += n
-    return rows

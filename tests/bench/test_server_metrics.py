@@ -140,3 +140,38 @@ def test_prefix_cache_without_counters_queries_or_with_a_reset() -> None:
         50,
         0.25,
     )
+
+
+def _spec(prefix: str, drafts: int, tokens: int, accepted: int) -> str:
+    lines = []
+    for key, value in (("num_drafts", drafts), ("num_draft_tokens", tokens),
+                       ("num_accepted_tokens", accepted)):  # fmt: skip
+        lines += [f"# TYPE {prefix}:spec_decode_{key} counter",
+                  f"{prefix}:spec_decode_{key}_total {value}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_spec_decode_acceptance_over_the_run() -> None:
+    for prefix, make in (("kvserve", _kvserve), ("vllm", _vllm)):
+        before = make(0, 0, 0) + _spec(prefix, 10, 40, 20)
+        after = make(0, 0, 0) + _spec(prefix, 110, 440, 320)
+        s = summarize_server_metrics(before, after)
+        assert (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens) == (100, 400)
+        assert s.spec_decode_num_accepted_tokens == 300
+        assert s.spec_decode_acceptance_rate == 0.75
+        assert s.spec_decode_mean_acceptance_length == 4.0  # 1 + 300 / 100
+    plain = summarize_server_metrics(_kvserve(0, 0, 0), _kvserve(0, 0, 0))
+    assert plain.spec_decode_acceptance_rate is None is plain.spec_decode_num_drafts
+
+
+def test_report_prints_spec_decode_rows() -> None:
+    from kvserve.bench.report import format_summary
+
+    s = summarize_server_metrics(_kvserve(0, 0, 0) + _spec("kvserve", 0, 0, 0),
+                                 _kvserve(0, 0, 0) + _spec("kvserve", 4, 16, 6))  # fmt: skip
+    result = {"completed": 1, "failed": 0, "duration": 1.0, "total_input_tokens": 1,
+              "total_output_tokens": 10, "request_throughput": 1.0, "output_throughput": 10.0,
+              "total_token_throughput": 11.0, **s.to_dict()}  # fmt: skip
+    text = format_summary(result, ())
+    assert "Spec decode acceptance rate (%):" in text and "37.50" in text
+    assert "Spec decode mean acceptance length:" in text and "2.50" in text

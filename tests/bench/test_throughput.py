@@ -102,3 +102,20 @@ def test_real_engine_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["num_requests"] == 2 and result["total_output_tokens"] == 8  # ignore_eos
     assert result["num_preemptions"] == 0
+
+
+def test_spec_decode_counters_are_run_deltas() -> None:
+    class Speculating(FakeLLM):
+        def stats(self) -> dict[str, Any]:
+            n = len(self.calls)  # each call verifies 5 drafts of 4 tokens, 6 accepted
+            return {"num_preemptions": 0, "spec_decode_num_drafts": 5 * n,
+                    "spec_decode_num_draft_tokens": 20 * n,
+                    "spec_decode_num_accepted_tokens": 6 * n}  # fmt: skip
+
+    llm = Speculating()
+    llm.generate(["x"], [type("P", (), {"max_tokens": 2})()])  # an earlier call: not counted
+    result = throughput.measure_generate(llm, ["ab"], [type("P", (), {"max_tokens": 2})()], False)
+    assert result["spec_decode_num_drafts"] == 5
+    assert result["spec_decode_num_accepted_tokens"] == 6
+    assert result["spec_decode_acceptance_rate"] == 6 / 20
+    assert result["spec_decode_mean_acceptance_length"] == 1 + 6 / 5

@@ -31,7 +31,7 @@ def req(rid: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True) -> 
 
 def fake_step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     out = s.schedule()
-    sampled = {r.request_id: token for r in out.scheduled if out.samples(r)}
+    sampled = {r.request_id: [token] for r in out.scheduled if out.samples(r)}
     _, finished = s.update_from_output(out, sampled)
     s.kv.check_integrity()
     return out, finished
@@ -176,3 +176,102 @@ def test_randomized_workload_keeps_integrity(policy: str, mode: str) -> None:
         assert s.stats.num_preemptions == 0
     else:
         assert s.stats.num_preemptions > 0
+
+
+def make_spec(num_blocks: int, k: int = 3, **spec: object) -> Scheduler:
+    from kvserve.config import SpeculativeConfig
+
+    cache = CacheConfig(block_size=4, num_kv_blocks=num_blocks)
+    return Scheduler(
+        SchedulerConfig(),
+        cache,
+        KVCacheManager(num_blocks, 4),
+        SpeculativeConfig(num_speculative_tokens=k, **spec),  # type: ignore[arg-type]
+    )
+
+
+def test_spec_tokens_are_scheduled_then_rolled_back() -> None:
+    s = make_spec(num_blocks=10)
+    s.add_request(req("a", 6, 10))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 6} and out.propose
+    s.update_from_output(out, {"a": [7]}, {"a": [8, 9, 10]})
+    a = s.requests["a"]
+    assert a.spec_token_ids == [8, 9, 10] and a.num_tokens_with_spec == 10
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}  # the last token and three proposals
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    assert out.block_tables == {"a": [0, 1, 2]}  # positions 6..9 reach block 2
+    assert out.samples(a) and out.num_spec_tokens(a) == 3
+    updated, finished = s.update_from_output(out, {"a": [8, 5]}, {"a": [6]})
+    assert updated == [a] and finished == [] and a.num_new_tokens == 2
+    assert a.output_token_ids == [7, 8, 5]
+    assert a.num_computed_tokens == 8  # 6 + 4 - the 2 rejected proposals
+    assert a.num_tokens == 9 and a.spec_token_ids == [6]
+    st = s.stats
+    assert (st.spec_decode_num_drafts, st.spec_decode_num_draft_tokens) == (1, 3)
+    assert st.spec_decode_num_accepted_tokens == 1
+    assert st.spec_decode_accepted_per_pos == [1, 0, 0]
+    assert st.num_generation_tokens == 3
+    s.kv.check_integrity()
+
+
+def test_rejected_slots_are_released() -> None:
+    s = make_spec(num_blocks=10)
+    s.add_request(req("a", 5, 10))
+    s.update_from_output(s.schedule(), {"a": [7]}, {"a": [8, 9, 10]})
+    out = s.schedule()
+    assert out.block_tables == {"a": [0, 1, 2]}  # positions 5..8
+    s.update_from_output(out, {"a": [4]})  # every proposal rejected
+    assert s.requests["a"].num_computed_tokens == 6
+    assert s.kv.block_ids("a") == [0, 1]  # block 2 held only rejected positions
+    assert s.kv.pool.num_free_blocks == 8
+    s.kv.check_integrity()
+
+
+def test_stops_inside_an_accepted_run_drop_the_rest() -> None:
+    s = make_spec(num_blocks=10)
+    s.add_request(req("eos", 4, 10, ignore_eos=False))
+    s.add_request(req("len", 4, 3))
+    s.update_from_output(
+        s.schedule(), {"eos": [7], "len": [7]}, {"eos": [8, EOS, 9], "len": [8, 9, 10]}
+    )
+    assert s.requests["len"].spec_token_ids == [8]  # room for 3 - 1 - 1 proposals
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"eos": 4, "len": 2}
+    _, finished = s.update_from_output(out, {"eos": [8, EOS, 9, 3], "len": [8, 5]})
+    by_id = {r.request_id: r for r in finished}
+    assert by_id["eos"].output_token_ids == [7, 8, EOS]
+    assert by_id["eos"].status is RequestStatus.FINISHED_STOPPED
+    assert by_id["len"].output_token_ids == [7, 8, 5]
+    assert by_id["len"].status is RequestStatus.FINISHED_LENGTH
+    assert s.kv.pool.num_free_blocks == 10
+    s.kv.check_integrity()
+
+
+def test_disable_by_batch_size_skips_speculation() -> None:
+    s = make_spec(num_blocks=20, disable_by_batch_size=1)
+    s.add_request(req("a", 4, 10))
+    out = s.schedule()
+    assert out.propose  # one running request: speculate
+    s.update_from_output(out, {"a": [7]}, {"a": [8, 9]})
+    s.add_request(req("b", 4, 10))
+    out = s.schedule()  # b joins: a's proposals were made for this step, none after it
+    assert not out.propose and out.scheduled_spec_decode_tokens == {"a": [8, 9]}
+    assert out.num_scheduled_tokens == {"a": 3, "b": 4}
+    s.update_from_output(out, {"a": [8, 9, 3], "b": [7]}, {"a": [1, 2], "b": [3]})
+    assert s.requests["a"].spec_token_ids == [] == s.requests["b"].spec_token_ids
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1} and not out.propose
+
+
+def test_preemption_drops_proposals() -> None:
+    s = make_spec(num_blocks=3)
+    s.add_request(req("a", 4, 8))
+    s.add_request(req("b", 4, 8))
+    s.update_from_output(s.schedule(), {"a": [7], "b": [7]}, {"a": [8, 9], "b": [8, 9]})
+    out = s.schedule()  # a needs a 3rd block for its proposals, b a 4th: b is preempted
+    assert out.preempted_req_ids == ["b"]
+    assert s.requests["b"].spec_token_ids == []
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9]}
+    s.kv.check_integrity()

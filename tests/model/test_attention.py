@@ -351,3 +351,64 @@ def test_cpu_kernel_bf16_is_at_least_as_accurate_as_sdpa() -> None:
     md.split_rows(GatherWorkspace(), use_kernel=True)
     kernel_err = (paged_attention(q, kc, vc, md, 0.125).double() - exact).abs().mean()
     assert kernel_err < sdpa_err
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spec_rows_attend_as_decode_rows(use_kernel: bool, dtype: torch.dtype) -> None:
+    """Verification rows (the last token plus k proposals) go to the decode batch, one entry
+    per query, and equal the reference; the other rows keep their paths."""
+    if use_kernel and not cpu_kernels.available():
+        pytest.skip("no C++ compiler")
+    seq_lens = [21, 17, 40, 6, 33]
+    query_lens = [5, 1, 8, 6, 3]
+    q, kc, vc, md = build_batch(seq_lens, query_lens, 8, 64, 4, 2, 16, dtype, seed=3)
+    md.spec_rows = frozenset({0, 4})
+    md.split_rows(GatherWorkspace(), use_kernel)
+    assert md.decode is not None
+    # rows 0 (5 queries), 1 (1) and 4 (3): 9 entries with their own context lengths
+    assert md.decode.seq_lens.tolist() == [17, 18, 19, 20, 21, 17, 31, 32, 33]
+    assert md.decode.token_idx is not None
+    assert md.decode.token_idx.tolist() == [0, 1, 2, 3, 4, 5, 20, 21, 22]
+    # the chunk after context (row 2) and the fresh prompt (row 3) keep the prefill paths
+    assert [g.rows for g in md.context_groups] == [[2, 3]]
+    fast = paged_attention(q, kc, vc, md, scale=0.25)
+    ref = reference_paged_attention(q, kc, vc, md, scale=0.25)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+
+
+def test_spec_row_queries_equal_one_token_steps() -> None:
+    """Query j of a verification row gets exactly the numbers of a one-token decode row with
+    that context (same kernel, same inputs): speculation cannot change greedy tokens here."""
+    q, kc, vc, md = build_batch([30], [4], 8, 16, 4, 2, 16, torch.float32, seed=5)
+    md.spec_rows = frozenset({0})
+    md.split_rows(None, cpu_kernels.available())
+    fast = paged_attention(q, kc, vc, md, scale=0.25)
+    for j in range(4):
+        one = AttentionMetadata(
+            slot_mapping=md.slot_mapping[j : j + 1],
+            query_start_loc=[0, 1],
+            seq_lens=[27 + j],
+            block_tables=md.block_tables,
+            block_size=8,
+        )
+        one.split_rows(None, cpu_kernels.available())
+        alone = paged_attention(q[j : j + 1], kc, vc, one, scale=0.25)
+        torch.testing.assert_close(fast[j : j + 1], alone, atol=0, rtol=0)
+
+
+def test_spec_row_beside_a_prefill_row_is_indexed() -> None:
+    """A verification row of 2 queries and one prefill row: 2 decode entries for 2 rows must
+    not be taken for an all-decode batch (row i = token i)."""
+    q, kc, vc, md = build_batch([12, 5], [2, 5], 4, 16, 4, 2, 16, torch.float32, seed=6)
+    md.spec_rows = frozenset({0})
+    md.split_rows(None, cpu_kernels.available())
+    assert md.decode is not None and md.decode.token_idx is not None
+    assert md.decode.token_idx.tolist() == [0, 1]
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, md, scale=0.25),
+        reference_paged_attention(q, kc, vc, md, scale=0.25),
+        atol=1e-5,
+        rtol=1e-5,
+    )

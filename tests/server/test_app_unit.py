@@ -127,6 +127,7 @@ def test_openapi_documents_the_real_statuses() -> None:
     assert statuses == {
         ("post", "/v1/completions"): generation,
         ("post", "/v1/chat/completions"): generation,
+        ("post", "/v1/embeddings"): generation,
         ("get", "/v1/models"): ["200", "401", "500", "503"],
         ("get", "/v1/models/{model_id}"): ["200", "401", "404", "500", "503"],
         ("get", "/health"): ["200", "503"],

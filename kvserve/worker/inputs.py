@@ -1,0 +1,67 @@
+"""The runner's KV tensors and the attention inputs of a flat batch (shared by the target's
+runner and the draft model's proposer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * model.head_dim * elem
+
+
+def allocate_kv_caches(
+    model: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (K, V) pair per layer, each ``[num_blocks, Hkv, block_size, D]``
+    (see attention.py)."""
+    cfg = model.config
+    shape = (num_blocks, cfg.num_key_value_heads, block_size, model.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device),
+         torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]  # fmt: skip
+
+
+def build_metadata(
+    rows: Sequence[tuple[list[int], int, int]],
+    block_size: int,
+    device: torch.device,
+    spec_rows: frozenset[int] = frozenset(),
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Attention metadata and positions ``[T]`` for rows of (block table, first position,
+    number of tokens): each row computes positions [start, start + n) of its request."""
+    bs = block_size
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    for blocks, start, n in rows:
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+    width = max(len(blocks) for blocks, _, _ in rows)
+    table = [blocks + [0] * (width - len(blocks)) for blocks, _, _ in rows]
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=torch.tensor(table, dtype=torch.long, device=device),
+        block_size=bs,
+        spec_rows=spec_rows,
+    )
+    return md, torch.tensor(positions, dtype=torch.long, device=device)
