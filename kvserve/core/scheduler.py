@@ -379,6 +379,9 @@ class Scheduler:
             # Rejected proposals' positions hold K/V of the wrong tokens: compute them again.
             req.num_computed_tokens -= num_spec - (len(tokens) - 1)
             status = self._append(req, tokens)
+            # A stop inside the run dropped tokens whose positions were computed: only
+            # positions of the request's own tokens (all but the newest) count.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv.cache_computed_blocks(req)  # after the append: hashes read the tokens
             updated.append(req)
             if status is not None:

@@ -275,3 +275,25 @@ def test_preemption_drops_proposals() -> None:
     assert s.requests["b"].spec_token_ids == []
     assert out.scheduled_spec_decode_tokens == {"a": [8, 9]}
     s.kv.check_integrity()
+
+
+def test_stop_early_in_a_run_caches_only_whole_token_blocks() -> None:
+    """EOS as the first of 4 new tokens: the positions after it were computed but hold no
+    token of the request, so no block past its tokens is hashed into the prefix cache."""
+    from kvserve.config import SpeculativeConfig
+
+    s = Scheduler(
+        SchedulerConfig(),
+        CacheConfig(block_size=4, num_kv_blocks=10),
+        KVCacheManager(10, 4, enable_caching=True),
+        SpeculativeConfig(num_speculative_tokens=3),
+    )
+    s.add_request(req("a", 5, 10, ignore_eos=False))
+    s.update_from_output(s.schedule(), {"a": [7]}, {"a": [EOS, 8, 9]})
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}  # positions 5..8 reach block 2
+    _, finished = s.update_from_output(out, {"a": [EOS, 8, 9, 10]})
+    assert finished[0].output_token_ids == [7, EOS]
+    assert finished[0].num_computed_tokens == 6  # not 9: only its 7 tokens minus the newest
+    assert s.kv.pool.num_cached_blocks == 1  # block 0 ([2, 3, 4, 5]); block 1 holds 3 tokens
+    s.kv.check_integrity()
