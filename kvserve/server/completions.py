@@ -73,8 +73,10 @@ def _prompt_only(out: RequestOutput) -> RequestOutput:
     return dataclasses.replace(out, outputs=outputs)
 
 
-def _prompt_items(prompt: Any) -> list[Any]:
-    """The four prompt forms as a list of prompts (each a string or a list of token ids)."""
+def prompt_items(prompt: Any, field: str = "prompt") -> list[Any]:
+    """The four prompt forms (a string, token ids, a list of either) as a list of prompts,
+    each a string or a list of token ids; ``field`` names the request field in errors
+    (``input`` for embeddings)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -82,7 +84,7 @@ def _prompt_items(prompt: Any) -> list[Any]:
     else:
         items = list(prompt)
     if not items:
-        raise bad_request("prompt must not be empty", "prompt")
+        raise bad_request(f"{field} must not be empty", field)
     return items
 
 
@@ -136,7 +138,7 @@ async def prepare_completion(
     their ``SamplingParams``; raises ``APIError`` (400). Shared with the gRPC API, so both
     validate alike."""
     _check_unsupported(req)
-    items = _prompt_items(req.prompt)
+    items = prompt_items(req.prompt)
     check_fan_out(limits, req.n, len(items))
     prompts = await _prompts(engine, items)
     # One SamplingParams for all prompts: the smallest resolved max_tokens fits every prompt.

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.outputs import EmbeddingRequestOutput
 from kvserve.pooling_params import PoolingParams
+from kvserve.server.completions import prompt_items
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import INT64_MAX, INT64_MIN, PromptInput, _examples, _Request
 from kvserve.server.serving import (
@@ -77,14 +78,7 @@ class EmbeddingResponse(BaseModel):
 
 def _input_items(value: Any, limits: Limits) -> list[str | list[int]]:
     """The four input forms as a list of inputs; empty ones are refused here, by name."""
-    if isinstance(value, str):
-        items: list[Any] = [value]
-    elif value and all(isinstance(t, int) for t in value):
-        items = [value]  # one input of token ids
-    else:
-        items = list(value)
-    if not items:
-        raise bad_request("input must not be empty", "input")
+    items = prompt_items(value, "input")
     for i, item in enumerate(items):
         if len(item) == 0:
             raise bad_request(f"input[{i}] is empty; every input needs at least one token", "input")
