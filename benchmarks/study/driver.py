@@ -59,7 +59,7 @@ class DriverResult:
 
 
 def _prompt_len(engine: LLMEngine, prompt: PromptType) -> int:
-    return len(engine.tokenize_prompt(prompt)[1])
+    return len(engine.processor.tokenize_prompt(prompt)[1])
 
 
 def warm_up(engine: LLMEngine, prompt: PromptType, n: int = 1, max_tokens: int = 4) -> None:

@@ -77,7 +77,7 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         for p, sp, prio in zip(prompts, params_list, priorities, strict=True):
-            self.engine.validate(self.engine.tokenize_prompt(p)[1], sp, prio)
+            self.engine.processor.validate(self.engine.processor.tokenize_prompt(p)[1], sp, prio)
         for sp in params_list:
             grammar = self.engine.compile_grammar(sp)
             if grammar is not None:
@@ -107,8 +107,8 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         resolved: list[PromptType] = []
         for p, prio in zip(prompts, priorities, strict=True):  # all checked before any runs
-            text, ids = self.engine.tokenize_for_pooling(p, params)
-            self.engine.validate(ids, params, prio)
+            text, ids = self.engine.processor.tokenize_for_pooling(p, params)
+            self.engine.processor.validate(ids, params, prio)
             resolved.append({"prompt": text, "prompt_token_ids": ids})
         outs = self._run(resolved, [params] * len(prompts), priorities, use_tqdm)
         return outs  # type: ignore[return-value]

@@ -1,0 +1,148 @@
+"""The engine's front door: prompts to token ids, and the checks that a request can ever run
+(vLLM's input ``Processor``). It reads the model's limits and the KV cache's size and
+changes nothing; ``LLMEngine``, ``LLM`` and the async engine call it before a request is
+queued, so bad input fails at once with a ``ValueError`` and never reaches a step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import EngineConfig, SchedulingPolicy
+from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
+from kvserve.engine.decoding_setup import validate_decoding_fields
+from kvserve.pooling_params import PoolingParams, truncate_prompt
+from kvserve.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingParams, is_int
+
+# A prompt: text, token ids, or vLLM's dict forms.
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        hf_config: Any,
+        max_model_len: int,
+        kv: KVCacheManager,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = int(hf_config.vocab_size)
+        self.hidden_size = int(hf_config.hidden_size)
+        self.max_model_len = max_model_len
+        self.kv = kv  # read only: its capacity
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) for any accepted prompt form; raises ValueError if bad."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; send prompt_token_ids")
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. a lone surrogate, which no tokenizer can encode
+                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
+        if isinstance(prompt, list) and all(is_int(t) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def tokenize_for_pooling(
+        self, prompt: PromptType, params: PoolingParams
+    ) -> tuple[str | None, list[int]]:
+        """An embedding request's (text, token ids): ``tokenize_prompt``, then only the last
+        ``truncate_prompt_tokens`` tokens (the text is dropped when the prompt is cut)."""
+        text, ids = self.tokenize_prompt(prompt)
+        cut = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        return (text if len(cut) == len(ids) else None), cut
+
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int = 0
+    ) -> int:
+        """Check a request can ever run, with the model's real limits (every token id inside
+        the vocabulary); returns its resolved max_tokens (0 for an embedding request, which
+        ``PoolingParams`` make). Raises ValueError."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is out of the vocabulary (size {vocab})")
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(n, params, priority)
+            return 0
+        bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is out of the vocabulary (size {vocab})"
+            )
+        self._check_priority(priority)
+        validate_decoding_fields(params, self.tokenizer, vocab)
+        for cls in self.config.model.logits_processors:
+            cls.validate_params(params)  # a custom processor may refuse the request
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
+                f"tokens, which leaves no room to generate"
+            )
+        capacity = self.kv.num_tokens_capacity
+        room = min(self.max_model_len, capacity) - n
+        max_tokens = min(params.max_tokens, self.max_model_len - n) if params.max_tokens else room
+        if (
+            max_tokens < 1
+            or blocks_for(n + max_tokens, self.kv.block_size) > self.kv.pool.num_blocks
+        ):
+            raise ValueError(
+                f"the request needs {n} prompt + {max_tokens or 1} output tokens but the KV cache "
+                f"holds only {capacity} tokens ({self.kv.pool.num_blocks} blocks); it can never "
+                f"fit: raise kv_cache_memory / num_kv_blocks or lower max_tokens"
+            )
+        return max_tokens
+
+    def _validate_pooling(self, n: int, params: PoolingParams, priority: int) -> None:
+        """An embedding request's own limits: its prompt fills at most the whole context
+        (nothing is generated after it) and the KV cache."""
+        self._check_priority(priority)
+        size = self.hidden_size
+        if params.dimensions is not None and params.dimensions != size:
+            # vLLM shortens only Matryoshka-trained models; a decoder's hidden state is not one.
+            raise ParamError(
+                "dimensions",
+                f"dimensions is {params.dimensions} but this model's embeddings have {size} "
+                f"dimensions (its hidden size) and cannot be shortened; leave dimensions unset "
+                f"or send {size}",
+            )
+        if n > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than the model's context of "
+                f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens"
+            )
+        if blocks_for(n, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"the prompt has {n} tokens but the KV cache holds only "
+                f"{self.kv.num_tokens_capacity} tokens ({self.kv.pool.num_blocks} blocks); it "
+                f"can never fit: raise kv_cache_memory / num_kv_blocks"
+            )
+
+    def _check_priority(self, priority: int) -> None:
+        if not is_int(priority) or not SEED_MIN <= priority <= SEED_MAX:
+            raise ValueError(f"priority must be an int64 integer, got {priority!r}")
+        policy = self.config.scheduler.scheduling_policy
+        if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
+            # vLLM's rule: a priority that would be ignored is an error, not a silent no-op.
+            raise ValueError(
+                f"got priority {priority} but priority scheduling is not enabled "
+                f"(scheduling_policy is {policy.value!r}; use --scheduling-policy priority)"
+            )
