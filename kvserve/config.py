@@ -106,6 +106,18 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
+class Quantization(enum.Enum):
+    """Weight-only quantization of the linear layers (vLLM's ``--quantization``)."""
+
+    INT8 = "int8"  # round-to-nearest at load: int8 codes, a scale per channel (or group)
+    INT4 = "int4"  # round-to-nearest at load: int4 codes, a scale per group of 32 (default)
+    GGUF = "gguf"  # a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept as they are
+
+
+# int4's default group: llama.cpp's Q4_0 block; 4.5 bits a weight with float16 scales
+DEFAULT_INT4_GROUP_SIZE = 32
+
+
 class PoolingType(enum.Enum):
     """How an embedding request's hidden states become one vector (vLLM's pooling_type)."""
 
@@ -129,10 +141,36 @@ class ModelConfig:
     # custom_processors.LogitsProcessor subclasses), one instance each per engine
     logits_processors: tuple[type, ...] = ()
     pooling: PoolingType = PoolingType.LAST  # embedding requests (LLM.embed, /v1/embeddings)
+    quantization: Quantization | None = None  # weight-only quantized linears; None: dtype
+    # weights per scale along K for int8/int4; None: int8 per channel, int4 32
+    quantization_group_size: int | None = None
+    gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
         object.__setattr__(self, "pooling", PoolingType(self.pooling))
+        if self.quantization is not None:
+            object.__setattr__(self, "quantization", Quantization(self.quantization))
+        if self.quantization_group_size is not None and self.quantization not in (
+            Quantization.INT8,
+            Quantization.INT4,
+        ):
+            raise ValueError(
+                "quantization_group_size is for quantization 'int8' or 'int4' (a GGUF file "
+                "brings its own groups)"
+            )
+        if self.quantization_group_size is not None and (
+            self.quantization_group_size < 2 or self.quantization_group_size % 2
+        ):
+            raise ValueError(
+                "quantization_group_size must be a positive even number (e.g. 32, 64, 128), "
+                f"got {self.quantization_group_size}."
+            )
+        if self.quantization is Quantization.GGUF and self.gguf_file is None:
+            raise ValueError(
+                "quantization 'gguf' keeps a GGUF file's quantized tensors: give a .gguf "
+                "model (or the built-in model, a Q4_1 GGUF)"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
 

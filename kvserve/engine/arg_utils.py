@@ -47,7 +47,6 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 VLLM_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "pipeline_parallel_size": (1, "kvserve runs a model in one process on one device"),
     "data_parallel_size": (1, "kvserve runs one engine per model"),
-    "quantization": (None, "kvserve loads unquantized weights only"),
     "kv_cache_dtype": ("auto", "the KV cache always has the model's dtype"),
     "trust_remote_code": (False, "kvserve never runs a model's own Python code"),
     "enable_lora": (False, "kvserve has no LoRA adapters"),
@@ -239,6 +238,18 @@ class EngineArgs:
         "\"draft_model\", \"model\": \"path\", \"num_speculative_tokens\": 4}'; also "
         "prompt_lookup_min and disable_by_batch_size", type=str,
     )  # fmt: skip
+    quantization: str | None = _opt(
+        None, "vLLM's flag: weight-only quantized linear layers (activations keep --dtype): "
+        "int8 or int4 (round-to-nearest at load, from any checkpoint), or gguf (a .gguf "
+        "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
+        "dequantized at load); the LM head and embeddings stay unquantized",
+        type=str, choices=("int8", "int4", "gguf"),
+    )  # fmt: skip
+    quantization_group_size: int | None = _opt(
+        None, "with --quantization int8/int4: weights per scale along the input dimension "
+        "(even, dividing every layer's input size; default: int8 one scale per output "
+        "channel, int4 32)", type=int,
+    )  # fmt: skip
     pooling: str = _opt(
         "last", "embeddings (LLM.embed, /v1/embeddings): the last prompt token's final hidden "
         "state, or the mean over the prompt's (vLLM's pooling_type LAST / MEAN)",
@@ -270,7 +281,7 @@ class EngineArgs:
         """Check everything that needs no model, so bad options fail before any loading."""
         for f in fields(self):
             choices = f.metadata["choices"]
-            if not choices:
+            if not choices or (f.default is None and getattr(self, f.name) is None):
                 continue
             value = getattr(self, f.name)
             value = getattr(value, "value", value)  # enums (KVPolicy.RESERVE) as their string
@@ -279,6 +290,7 @@ class EngineArgs:
             setattr(self, f.name, value)
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        self._check_quantization()
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
@@ -340,6 +352,20 @@ class EngineArgs:
             return SpeculativeConfig(**raw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"speculative_config: {e}") from e
+
+    def _check_quantization(self) -> None:
+        if self.quantization_group_size is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(
+                "quantization_group_size (--quantization-group-size) goes with --quantization "
+                "int8 or int4"
+            )
+        if self.quantization == "gguf" and self.model is not None:
+            path = Path(self.model)
+            if path.is_dir() or path.suffix.lower() != ".gguf":
+                raise ValueError(
+                    f"quantization 'gguf' (--quantization gguf) needs a .gguf model file, got "
+                    f"{self.model!r}; for a Hugging Face folder use int8 or int4"
+                )
 
     def _check_memory_options(self) -> None:
         util = self.gpu_memory_utilization
@@ -464,6 +490,9 @@ class EngineArgs:
                     load_processor_class(p) for p in self.logits_processors or ()
                 ),
                 pooling=self.pooling,  # type: ignore[arg-type]
+                quantization=self.quantization,  # type: ignore[arg-type]
+                quantization_group_size=self.quantization_group_size,
+                gguf_file=self._gguf_file(),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -492,6 +521,15 @@ class EngineArgs:
         from kvserve.model.builtin import resolve_model  # the built-in model or a GGUF file
 
         return resolve_model(self.model)
+
+    def _gguf_file(self) -> str | None:
+        """The GGUF file behind the model: a .gguf model, or the built-in model's."""
+        if self.model is None:
+            from kvserve.model.builtin import find_builtin_gguf
+
+            return str(find_builtin_gguf())
+        path = Path(self.model).expanduser()
+        return str(path.resolve()) if path.suffix.lower() == ".gguf" else None
 
     def _kv_cache_bytes(self, free_memory: Callable[[str], int] | None) -> int | None:
         if self.gpu_memory_utilization is None:

@@ -33,7 +33,7 @@ from kvserve.engine.output_processor import (
     token_logprobs,
     update_text,
 )
-from kvserve.model.loader import load_hf_config, load_model, model_max_len
+from kvserve.model.loader import QuantOptions, load_hf_config, load_model, model_max_len
 from kvserve.model.packed_linear import packing_supported
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
@@ -90,9 +90,11 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
         t0 = time.perf_counter()
+        quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
         model = load_model(
-            path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops
-        )
+            path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops,
+            quant,
+        )  # fmt: skip
         draft = self._load_draft(model)
         per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
         if draft is not None:  # the draft's K/V lives in the same blocks

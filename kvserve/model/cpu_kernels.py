@@ -19,7 +19,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "fused_ops.cpp", _CSRC / "sampling_ops.cpp"]
+_SOURCES = [
+    _CSRC / "paged_decode.cpp",
+    _CSRC / "fused_ops.cpp",
+    _CSRC / "sampling_ops.cpp",
+    _CSRC / "quant_linear.cpp",
+]
 
 # Compile the kernels with the vector width torch itself dispatches to on this CPU, so
 # ATen's Vectorized<float> in the sources is AVX-512 (or AVX2) wide, not the generic loop.

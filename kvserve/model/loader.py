@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from kvserve.config import Quantization
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """``ModelConfig``'s quantization fields, as the loader needs them."""
+
+    method: Quantization | None
+    group_size: int | None = None
+    gguf_file: str | None = None
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -48,8 +59,10 @@ def load_model(
     max_positions: int,
     prepack: bool = False,
     fused_ops: bool = False,
+    quant: QuantOptions | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for ``max_positions`` tokens of context and load its weights."""
+    """Build the model for ``max_positions`` tokens of context and load its weights;
+    ``quant`` swaps the linear layers (but the LM head) for quantized ones."""
     path = Path(path)
     config = load_hf_config(path)
     # Build on the meta device: random init of weights that are overwritten anyway costs
@@ -62,6 +75,12 @@ def load_model(
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
+    if quant is not None and quant.method is not None:
+        from kvserve.quantization.apply import quantize_model
+
+        model.quant_report = quantize_model(
+            model, quant.method, quant.group_size, torch.device(device), dtype, quant.gguf_file
+        )
     if prepack and packing_supported(torch.device(device), dtype):
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)
     if fused_ops:

@@ -1,0 +1,103 @@
+"""Swap a loaded model's linear layers for ``QuantLinear``s (``--quantization``).
+
+Every ``nn.Linear`` but the LM head is quantized: the fused QKV, o, gate/up and down
+projections of each layer. The LM head and the embeddings stay in the model dtype: the LM
+head is one matrix read once per step, often tied to the embeddings, and its rounding moves
+every logit. Round-to-nearest error is recorded per layer (``QuantReport``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvserve.config import DEFAULT_INT4_GROUP_SIZE, Quantization
+from kvserve.quantization.qlinear import QuantLinear
+from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn, relative_error
+
+logger = logging.getLogger(__name__)
+
+KEEP_UNQUANTIZED = ("lm_head",)
+
+
+@dataclass
+class QuantReport:
+    """What quantization did to a model: layers, bytes and round-to-nearest error."""
+
+    method: str
+    layers: int = 0
+    weight_bytes: int = 0  # the quantized layers' codes and scales
+    dense_bytes: int = 0  # the same layers in the model dtype
+    errors: dict[str, float] = field(default_factory=dict)  # layer -> ||W - Q(W)|| / ||W||
+    kernel: bool = True  # every layer runs the C++ kernel
+
+    def summary(self) -> str:
+        errs = list(self.errors.values())
+        err = f", RTN error mean {sum(errs) / len(errs):.4f} max {max(errs):.4f}" if errs else ""
+        return (
+            f"{self.method}: {self.layers} layers, {self.weight_bytes / 2**20:.1f} MiB "
+            f"(from {self.dense_bytes / 2**20:.1f} MiB){err}; kernel: {self.kernel}"
+        )
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """``(parent, attribute, dotted name)`` of every nn.Linear to quantize."""
+    found = []
+    for name, module in model.named_modules():
+        for attr, child in module.named_children():
+            if isinstance(child, nn.Linear) and attr not in KEEP_UNQUANTIZED:
+                found.append((module, attr, f"{name}.{attr}" if name else attr))
+    return found
+
+
+def quantize_model(
+    model: nn.Module,
+    method: Quantization,
+    group_size: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf_file: str | Path | None = None,
+) -> QuantReport:
+    """Replace the model's linear layers in place; returns the report (also logged)."""
+    report = QuantReport(method.value)
+    targets = _linears(model)
+    if method is Quantization.GGUF:
+        from kvserve.quantization.gguf_weights import load_gguf_linears
+
+        assert gguf_file is not None  # ModelConfig checks it
+        loaded = load_gguf_linears(gguf_file, model.config)  # type: ignore[arg-type]
+    for parent, attr, name in targets:
+        linear: nn.Linear = getattr(parent, attr)
+        if method is Quantization.GGUF:
+            if name not in loaded:
+                continue  # stored as floats in the file: stays an ordinary layer
+            qw = loaded[name]
+            if qw.shape != tuple(linear.weight.shape):
+                raise ValueError(f"GGUF weight {name} has shape {qw.shape}, model expects "
+                                 f"{tuple(linear.weight.shape)}")  # fmt: skip
+        else:
+            qw = _rtn(linear.weight, method, group_size, name)
+            report.errors[name] = relative_error(linear.weight, qw)
+        layer = QuantLinear(qw, linear.bias, device, dtype)
+        report.layers += 1
+        report.weight_bytes += qw.nbytes()
+        report.dense_bytes += linear.weight.numel() * linear.weight.element_size()
+        report.kernel &= layer.use_kernel
+        setattr(parent, attr, layer)
+    logger.info("quantized %s", report.summary())
+    return report
+
+
+def _rtn(
+    w: torch.Tensor, method: Quantization, group_size: int | None, name: str
+) -> QuantizedWeight:
+    bits = 8 if method is Quantization.INT8 else 4
+    g = group_size if group_size is not None or bits == 8 else DEFAULT_INT4_GROUP_SIZE
+    try:
+        return quantize_rtn(w, bits, g)
+    except ValueError as e:
+        raise ValueError(f"cannot quantize {name}: {e}") from e

@@ -1,0 +1,165 @@
+"""GGUF quantized tensors as ``QuantizedWeight``s, without going through a float weight.
+
+Each GGUF block type maps exactly onto codes plus a scale (and zero) per group, computed the
+way ``gguf.quants.dequantize`` computes it (tests check the values are identical):
+
+| type | group | codes | value | scales |
+|---|---|---|---|---|
+| Q8_0 | 32 | int8 | d * q | float16 d |
+| Q4_0 | 32 | q - 8 in [-8, 7] | d * (q - 8) | float16 d |
+| Q4_1 | 32 | q in [0, 15] | d * q + m | float16 d, m |
+| Q4_K | 32 (of a 256 super-block) | q in [0, 15] | (d * sc) * q - dmin * mn | float32 |
+| Q6_K | 16 (of a 256 super-block) | q - 32 in [-32, 31] (int8) | (d * sc) * (q - 32) | float32 |
+
+llama.cpp stores ``attn_q``/``attn_k`` rows in its rotary order; rows are unpermuted as the
+float converter does (``gguf_convert.unpermute_rotary``), codes and scales alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import Q4_K
+from transformers import PretrainedConfig
+
+from kvserve.model.gguf_convert import _BLOCK_NAME_RE, _BLOCK_TENSOR_MAP, unpermute_rotary
+from kvserve.quantization.qweight import QuantizedWeight, concat_rows
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+# HF projection -> (kvserve's fused module, its place in the fusion)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "o_proj": ("o_proj", 0),
+    "down_proj": ("down_proj", 0),
+}
+
+
+def _f16(col: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(col).view(np.float16).reshape(-1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[nb, 16]`` bytes -> ``[nb, 32]`` codes: low nibbles are elements 0..15, high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode_blocks(raw: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One tensor's blocks (uint8) -> codes ``[E]`` int8, scales and zeros ``[E / g]``."""
+    if qtype == T.Q8_0:
+        b = raw.reshape(-1, 34)
+        return b[:, 2:].copy().view(np.int8).reshape(-1), _f16(b[:, :2]), None
+    if qtype == T.Q4_0:
+        b = raw.reshape(-1, 18)
+        codes = _nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+        return codes.reshape(-1), _f16(b[:, :2]), None
+    if qtype == T.Q4_1:
+        b = raw.reshape(-1, 20)
+        return _nibbles(b[:, 4:]).astype(np.int8).reshape(-1), _f16(b[:, :2]), _f16(b[:, 2:4])
+    if qtype == T.Q4_K:
+        b = raw.reshape(-1, 144)
+        d = _f16(b[:, 0:2]).astype(np.float32)[:, None]  # [nb, 1]
+        dmin = _f16(b[:, 2:4]).astype(np.float32)[:, None]
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [nb, 8] each
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c and 2c + 1
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1)  # [nb * 256]
+        scales = (d * sc.astype(np.float32)).reshape(-1)
+        zeros = -(dmin * mn.astype(np.float32)).reshape(-1)
+        return codes.astype(np.int8), scales, zeros
+    if qtype == T.Q6_K:
+        b = raw.reshape(-1, 210)
+        ql, qh = b[:, :128], b[:, 128:192]
+        sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [nb, 16]
+        d = _f16(b[:, 208:210]).astype(np.float32)[:, None]
+        # two halves of 128 values: ql's 64 bytes give values 0..63 (low nibbles) and
+        # 64..127 (high); qh's 32 bytes give bits 4-5 of values 0..31, 32..63, 64.., 96..
+        low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2)
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        high = (qh.reshape(-1, 2, 1, 32) >> shifts) & 0x03  # [nb, 2, 4, 32]
+        q = low.reshape(-1, 2, 4, 32) | (high << 4)
+        codes = q.astype(np.int8).reshape(-1) - np.int8(32)
+        return codes, (d * sc).reshape(-1), None
+    raise ValueError(f"GGUF type {qtype.name} has no quantized layer in kvserve")
+
+
+GROUP_SIZES = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32, T.Q6_K: 16}
+
+
+def tensor_to_qweight(name: str, qtype: T, raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight``."""
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(
+            f"GGUF tensor {name!r} has type {qtype.name}, which --quantization gguf cannot keep "
+            f"quantized; supported: {[t.name for t in SUPPORTED_TYPES]} (or load the file "
+            "without --quantization: it is then dequantized)"
+        )
+    g = GROUP_SIZES[qtype]
+    codes, scales, zeros = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1), qtype)
+
+    def rows(a: np.ndarray, width: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(n, width)
+
+    return QuantizedWeight(
+        codes=rows(codes, k),
+        scales=rows(scales, k // g),
+        zeros=None if zeros is None else rows(zeros, k // g),
+        bits=4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8,
+        group_size=g,
+    )
+
+
+def _unpermute(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
+    z = None if qw.zeros is None else unpermute_rotary(qw.zeros, heads).contiguous()
+    return QuantizedWeight(
+        unpermute_rotary(qw.codes, heads).contiguous(),
+        unpermute_rotary(qw.scales, heads).contiguous(),
+        z, qw.bits, qw.group_size,
+    )  # fmt: skip
+
+
+def load_gguf_linears(path: str | Path, config: PretrainedConfig) -> dict[str, QuantizedWeight]:
+    """The decoder layers' projections of a llama GGUF, fused as kvserve's model fuses them:
+    module path (``layers.3.self_attn.qkv_proj``) -> weight. Projections stored as floats
+    (F32/F16/BF16) are left out: they stay ordinary layers."""
+    reader = GGUFReader(str(path))
+    parts: dict[str, dict[int, QuantizedWeight]] = {}
+    floats: set[str] = set()
+    for tensor in reader.tensors:
+        match = _BLOCK_NAME_RE.match(tensor.name)
+        if match is None or match.group(2) not in _BLOCK_TENSOR_MAP:
+            continue
+        hf = _BLOCK_TENSOR_MAP[match.group(2)].format(i=int(match.group(1)))
+        proj = hf.split(".")[-2]
+        if proj not in _FUSED:
+            continue  # norms
+        target, index = _FUSED[proj]
+        module = ".".join([*hf.removeprefix("model.").split(".")[:-2], target])
+        if tensor.tensor_type in FLOAT_TYPES:
+            floats.add(module)
+            continue
+        k, n = (int(x) for x in tensor.shape.tolist())  # ggml order: innermost first
+        qw = tensor_to_qweight(tensor.name, tensor.tensor_type, tensor.data, n, k)
+        if proj == "q_proj":
+            qw = _unpermute(qw, int(config.num_attention_heads))
+        elif proj == "k_proj":
+            qw = _unpermute(qw, int(config.num_key_value_heads))
+        parts.setdefault(module, {})[index] = qw
+    out = {}
+    for module, pieces in parts.items():
+        want = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+        if module in floats or len(pieces) != want:
+            raise ValueError(
+                f"GGUF stores the parts of {module} with a mix of float and quantized types; "
+                "--quantization gguf needs all of them quantized"
+            )
+        out[module] = concat_rows([pieces[i] for i in range(want)])
+    return out

@@ -1,0 +1,145 @@
+"""Quantized weights as plain data: integer codes and a scale (and zero) per group along K.
+
+One format holds every kind of weight-only quantization kvserve runs: its own round-to-nearest
+int8/int4 (``quantize_rtn``) and the GGUF types it keeps quantized (``gguf_weights.py``). A
+weight ``W[N, K]`` is ``codes[n, k] * scales[n, k // g] + zeros[n, k // g]``, computed in
+float32 (multiply, then add). The fast kernel (``qlinear.py``, ``csrc/quant_linear.cpp``) and
+the reference (``dequantize``) compute exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# int4 codes are any 16 consecutive integers starting at one of these: -8 (symmetric:
+# kvserve's RTN, GGUF Q4_0) or 0 (with a zero point: GGUF Q4_1, Q4_K).
+INT4_RANGES = ((-8, 7), (0, 15))
+
+
+@dataclass
+class QuantizedWeight:
+    """``W[n, k] = codes[n, k] * scales[n, k // g] (+ zeros[n, k // g])``."""
+
+    codes: torch.Tensor  # [N, K] int8: the integer codes (int4 ones within an INT4_RANGES range)
+    scales: torch.Tensor  # [N, K // g] float32 or float16 (the stored precision)
+    zeros: torch.Tensor | None  # [N, K // g] like scales; None: 0
+    bits: int  # 8 or 4: how many bits the codes need
+    group_size: int  # g: weights per scale along K (K itself: one scale per output channel)
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantized weights have 4 or 8 bits, got {self.bits}")
+        check_group_size(self.group_size, k)
+        if self.scales.shape != (n, k // self.group_size):
+            raise ValueError(
+                f"scales of shape {tuple(self.scales.shape)} do not fit {n} x {k} weights in "
+                f"groups of {self.group_size}"
+            )
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            raise ValueError("zeros must have the shape of scales")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype``: the pure-PyTorch reference of every kernel."""
+        g = self.group_size
+        w = self.codes.float() * self.scales.float().repeat_interleave(g, dim=1)  # [N, K]
+        if self.zeros is not None:
+            w = w + self.zeros.float().repeat_interleave(g, dim=1)
+        return w.to(dtype)
+
+    def nbytes(self) -> int:
+        """Bytes the weight takes in memory once packed for the kernel."""
+        n, k = self.shape
+        per_scale = self.scales.element_size() * (2 if self.zeros is not None else 1)
+        return n * k * self.bits // 8 + self.scales.numel() * per_scale
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    """A group size must be a positive even number dividing the input size K."""
+    if group_size < 2 or group_size % 2 or k % group_size:
+        raise ValueError(
+            f"quantization group size {group_size} must be even and divide the layer's input "
+            f"size {k} (e.g. 32, 64 or 128)"
+        )
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int | None) -> QuantizedWeight:
+    """Symmetric round-to-nearest quantization of ``w [N, K]`` (no zero point).
+
+    int8: scale = max|w| / 127 per group, codes in [-127, 127]. int4: llama.cpp's Q4_0 rule,
+    scale = (the value of largest magnitude) / -8, codes clamped to [-8, 7], which uses the
+    whole 16-code range. ``group_size`` None is one group per output channel. Scales are
+    stored as float16 (as GGUF stores them) and the codes are computed with the rounded scale.
+    """
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    check_group_size(g, k)
+    groups = w.detach().float().reshape(n, k // g, g)  # [N, K/g, g]
+    if bits == 8:
+        scale = groups.abs().amax(dim=-1) / 127.0
+        lo, hi = -127, 127
+    elif bits == 4:
+        idx = groups.abs().argmax(dim=-1, keepdim=True)
+        scale = groups.gather(-1, idx).squeeze(-1) / -8.0
+        lo, hi = -8, 7
+    else:
+        raise ValueError(f"quantize_rtn takes 8 or 4 bits, got {bits}")
+    scale = scale.to(torch.float16)
+    if not torch.isfinite(scale).all():
+        raise ValueError("weights too large for float16 scales (|w| > 65504 * 127)")
+    s = scale.float().unsqueeze(-1)  # [N, K/g, 1]
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    codes = torch.clamp(torch.round(groups * inv), lo, hi).to(torch.int8).reshape(n, k)
+    return QuantizedWeight(codes, scale, None, bits, g)
+
+
+def relative_error(w: torch.Tensor, qw: QuantizedWeight) -> float:
+    """``||W - dequant(W)|| / ||W||`` (Frobenius), the figure the loader records per layer."""
+    ref = w.detach().float()
+    denom = float(ref.norm())
+    return float((ref - qw.dequantize()).norm()) / denom if denom else 0.0
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along N (fused QKV, gate/up) into one; groups are refined to the
+    smallest group size, zeros materialised where any part has them, and int4 codes moved
+    into one common range (the zero absorbs the shift: equal values up to float32 rounding)."""
+    k = parts[0].shape[1]
+    if any(p.shape[1] != k for p in parts):
+        raise ValueError("fused weights must share their input size")
+    g = math.gcd(*(p.group_size for p in parts))
+    bits = max(p.bits for p in parts)
+    fp32 = any(p.scales.dtype == torch.float32 for p in parts)
+    sdtype = torch.float32 if fp32 else torch.float16
+    with_zeros = any(p.zeros is not None for p in parts)
+    # int4 parts must share one code range: shift [0, 15] codes to [-8, 7] if ranges differ.
+    shift_unsigned = bits == 4 and len({int(p.codes.min() >= 0) for p in parts}) > 1
+    codes, scales, zeros = [], [], []
+    for p in parts:
+        rep = p.group_size // g
+        s = p.scales.repeat_interleave(rep, dim=1)
+        z = None if p.zeros is None else p.zeros.repeat_interleave(rep, dim=1)
+        c = p.codes
+        if shift_unsigned and p.bits == 4 and int(c.min()) >= 0:
+            c = c - 8  # value = (c - 8) * s + (z + 8 s)
+            z = (z if z is not None else torch.zeros_like(s)).float() + 8 * s.float()
+            sdtype = torch.float32
+            with_zeros = True
+        codes.append(c)
+        scales.append(s)
+        zeros.append(z)
+    if with_zeros:
+        pairs = zip(zeros, scales, strict=True)
+        filled = [torch.zeros_like(s) if z is None else z for z, s in pairs]
+        zero_t: torch.Tensor | None = torch.cat([z.to(sdtype) for z in filled])
+    else:
+        zero_t = None
+    scale_t = torch.cat([s.to(sdtype) for s in scales])
+    return QuantizedWeight(torch.cat(codes), scale_t, zero_t, bits, g)

@@ -1,0 +1,96 @@
+"""Quantized models through the whole engine: the same tokens as their dequantized weights,
+under preemption and prefix caching, with KV integrity checked after every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve.engine.llm import build_engine_config
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.quantization.qlinear import QuantLinear
+from kvserve.quantization.qweight import quantize_rtn
+from kvserve.sampling_params import SamplingParams
+from tests.engine.utils import random_prompts, run_engine_checked
+
+PROMPTS = random_prompts([3, 7, 12, 5, 20, 9, 1, 15])
+PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def engine(path: Path, **kw: object) -> LLMEngine:
+    return LLMEngine(build_engine_config(str(path), dtype="float32", block_size=4, **kw))
+
+
+def dequantized_copy(src: Path, dst: Path, bits: int, group: int | None) -> Path:
+    """``src`` with every projection replaced by its round-to-nearest dequantized weight.
+
+    Groups run along each row, so quantizing q, k and v apart equals quantizing the fused
+    QKV the engine builds: this folder holds exactly the weights the quantized engine uses.
+    """
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    for name, w in state.items():
+        if name.split(".")[-2] in PROJ:
+            state[name] = quantize_rtn(w, bits, group).dequantize(torch.float32)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(("method", "bits", "group"), [("int8", 8, None), ("int4", 4, 32)])
+def test_quantized_engine_equals_its_dequantized_weights(
+    tiny_llama: Path, tmp_path: Path, method: str, bits: int, group: int | None
+) -> None:
+    want = run_engine_checked(
+        engine(dequantized_copy(tiny_llama, tmp_path / "dq", bits, group), num_kv_blocks=200),
+        PROMPTS, PARAMS,
+    )  # fmt: skip
+    e = engine(tiny_llama, num_kv_blocks=200, quantization=method)
+    layer = e.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, QuantLinear) and layer.bits == bits and layer.use_kernel
+    assert run_engine_checked(e, PROMPTS, PARAMS) == want
+    # and quantization did change the model: the unquantized tokens differ
+    assert run_engine_checked(engine(tiny_llama, num_kv_blocks=200), PROMPTS, PARAMS) != want
+
+
+@pytest.mark.parametrize(("policy", "mode"), [("preempt", "recompute"), ("preempt", "swap")])
+def test_quantized_engine_under_preemption(tiny_llama: Path, policy: str, mode: str) -> None:
+    roomy = run_engine_checked(engine(tiny_llama, num_kv_blocks=200, quantization="int4"),
+                               PROMPTS, PARAMS)  # fmt: skip
+    e = engine(tiny_llama, num_kv_blocks=14, kv_policy=policy, preemption_mode=mode,
+               quantization="int4")  # fmt: skip
+    assert run_engine_checked(e, PROMPTS, PARAMS) == roomy
+    assert e.stats()["num_preemptions"] > 0
+
+
+def test_quantized_engine_with_prefix_caching(tiny_llama: Path) -> None:
+    shared = random_prompts([24], seed=7)[0]
+    prompts = [shared + p for p in random_prompts([3, 5, 8, 2], seed=8)]
+    off = run_engine_checked(
+        engine(tiny_llama, num_kv_blocks=200, quantization="int8", enable_prefix_caching=False),
+        prompts, PARAMS,
+    )  # fmt: skip
+    e = engine(tiny_llama, num_kv_blocks=200, quantization="int8")
+    first = run_engine_checked(e, prompts[:1], PARAMS)
+    rest = run_engine_checked(e, prompts[1:], PARAMS)
+    assert first["0"] == off["0"]
+    assert [rest[str(i)] for i in range(3)] == [off[str(i)] for i in range(1, 4)]
+    assert e.stats()["prefix_cache_hits"] >= 3 * 24
+
+
+def test_bad_quantization_options(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        build_engine_config(str(tiny_llama), quantization="fp8")
+    with pytest.raises(ValueError, match=r"needs a \.gguf model file"):
+        build_engine_config(str(tiny_llama), quantization="gguf")
+    with pytest.raises(ValueError, match="goes with --quantization int8 or int4"):
+        build_engine_config(str(tiny_llama), quantization_group_size=32)
+    with pytest.raises(ValueError, match=r"cannot quantize layers\.0\.self_attn\.qkv_proj: .*"
+                                         r"group size 48 must be even and divide"):  # fmt: skip
+        engine(tiny_llama, quantization="int4", quantization_group_size=48)
