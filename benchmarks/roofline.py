@@ -10,6 +10,10 @@ step-time breakdown).
     python benchmarks/roofline.py                       # the 160M random Llama of issue 5
     python benchmarks/roofline.py --model builtin       # the built-in SmolLM2-135M
     python benchmarks/roofline.py --batch-sizes 1,8,64,128 --context 160
+    python benchmarks/roofline.py --model builtin --quantization int4   # 4.5 bits a weight
+
+With ``--quantization`` the decoder layers' weights count the bytes of their codes and scales
+(the engine's own ``QuantReport``), the LM head its model-dtype bytes.
 """
 
 from __future__ import annotations
@@ -52,15 +56,24 @@ def measure_matmul(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.b
 
 
 def step_floor(
-    cfg: object, batch: int, context: int, bw: float, flops: float, elem: int = 2
+    cfg: object,
+    batch: int,
+    context: int,
+    bw: float,
+    flops: float,
+    elem: int = 2,
+    layer_bytes: int | None = None,
 ) -> tuple[float, float, int]:
-    """(memory floor s, compute floor s, weight bytes) of one decode step."""
+    """(memory floor s, compute floor s, weight bytes) of one decode step. ``layer_bytes``:
+    the decoder layers' linear weights as stored (quantized), else ``elem`` bytes each."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or h // heads
     per_layer = h * (heads * d + 2 * kv_heads * d) + heads * d * h + 3 * h * inter
     linear_params = layers * per_layer + h * cfg.vocab_size  # + lm_head
-    weight_bytes = linear_params * elem
+    if layer_bytes is None:
+        layer_bytes = layers * per_layer * elem
+    weight_bytes = layer_bytes + h * cfg.vocab_size * elem
     kv_bytes = batch * context * 2 * layers * kv_heads * d * elem
     attn_flops = 4 * batch * context * heads * d * layers
     mem = (weight_bytes + kv_bytes) / bw
@@ -69,10 +82,17 @@ def step_floor(
 
 
 def measured_step(
-    model: str | None, batch: int, context: int, dtype: str, steps: int = 24
-) -> float:
-    """Mean seconds per decode step with ``batch`` requests at about ``context`` tokens."""
-    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory="2GiB")
+    model: str | None,
+    batch: int,
+    context: int,
+    dtype: str,
+    steps: int = 24,
+    quantization: str | None = None,
+) -> tuple[float, int | None]:
+    """Mean seconds per decode step with ``batch`` requests at about ``context`` tokens, and
+    the bytes of the quantized layers (None: not quantized)."""
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory="2GiB",
+              quantization=quantization)  # fmt: skip
     prompt = {"prompt_token_ids": [(7 * i) % 1000 + 10 for i in range(context)]}
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     eng = llm.engine
@@ -87,7 +107,8 @@ def measured_step(
         eng.step()
     elapsed = (time.perf_counter() - t0) / steps
     eng.abort_request([f"r{i}" for i in range(batch)])
-    return elapsed
+    report = getattr(eng.runner.model, "quant_report", None)
+    return elapsed, None if report is None else report.weight_bytes
 
 
 def main() -> None:
@@ -100,6 +121,12 @@ def main() -> None:
         help="weights and matmuls; auto: what kvserve picks here (float32 on AVX2-only CPUs, "
         "where bf16 is emulated and a 2048^2 bf16 matmul takes seconds)",
     )  # fmt: skip
+    ap.add_argument(
+        "--quantization",
+        choices=("int8", "int4", "gguf"),
+        default=None,
+        help="weight-only quantized layers (gguf: the built-in model's Q4_1)",
+    )
     args = ap.parse_args()
     dtype = auto_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
     name = str(dtype).removeprefix("torch.")
@@ -120,9 +147,10 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for b in [int(x) for x in args.batch_sizes.split(",")]:
             elem = torch.empty((), dtype=dtype).element_size()
-            mem, comp, _ = step_floor(cfg, b, args.context, bw, mm, elem)
+            step, qbytes = measured_step(model, b, args.context, name,
+                                         quantization=args.quantization)  # fmt: skip
+            mem, comp, _ = step_floor(cfg, b, args.context, bw, mm, elem, qbytes)
             floor = max(mem, comp)
-            step = measured_step(model, b, args.context, name)
             print(
                 f"| {b} | {mem * 1e3:.1f} | {comp * 1e3:.1f} | {floor * 1e3:.1f} | "
                 f"{step * 1e3:.1f} | {floor / step:.0%} |"

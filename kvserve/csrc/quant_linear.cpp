@@ -39,9 +39,6 @@ namespace {
 constexpr int64_t kTileVecs = 4;    // 16-channel vectors per tile: 64 output channels
 constexpr int64_t kChunkPairs = 128;  // K pairs dequantized at once: 256 values of K
 constexpr int64_t kRowChunk = 64;   // batch rows that share one dequantized chunk
-// Up to this many bf16 rows the direct path (no dequantized buffer) is faster; measured in
-// benchmarks/kernels.py --quant (see docs/performance.md).
-constexpr int64_t kDirectRows = 16;
 
 struct QuantArgs {
   const void* codes;
@@ -279,7 +276,8 @@ void direct_rows(const QuantArgs& a, const float* x, const float* xsum, int64_t 
   }
 }
 
-// x [m, K] bf16 -> out [m, N] through direct_tile, tiles split over threads.
+// x [m, K] bf16 -> out [m, N] through direct_tile, tiles split over threads. Used up to
+// direct_rows rows (the caller's threshold: kvserve.quantization.qlinear.DIRECT_ROWS).
 void run_direct(const QuantArgs& a, const c10::BFloat16* x, int64_t m, c10::BFloat16* out) {
   const int64_t ngroups = a.k / a.group;
   std::vector<float> xf(m * a.k), xsum(m * ngroups, 0.0f);
@@ -378,7 +376,7 @@ void run(const QuantArgs& a, const T* x, int64_t m, T* out) {
 
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
                   const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
-                  int64_t group, int64_t offset) {
+                  int64_t group, int64_t offset, int64_t direct_rows) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
               "quant_linear: x and out must be contiguous 2-D tensors");
   TORCH_CHECK(bits == 8 || bits == 4, "quant_linear: bits must be 8 or 4");
@@ -406,7 +404,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quant_linear: x must be float32 or bf16");
 #if defined(__AVX512BF16__)
-    if (m <= kDirectRows) {
+    if (m <= direct_rows) {
       run_direct(a, x.data_ptr<c10::BFloat16>(), m, out.data_ptr<c10::BFloat16>());
       return;
     }
@@ -428,7 +426,7 @@ bool quant_linear_bf16_supported() {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
-      "int bits, int group, int offset) -> ()");
+      "int bits, int group, int offset, int direct_rows) -> ()");
   m.def("quant_linear_bf16_supported() -> bool", &quant_linear_bf16_supported);
 }
 

@@ -21,6 +21,11 @@ from kvserve.quantization.qweight import INT4_RANGES, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
+# bf16 batches of up to this many rows take the kernel's direct path (codes times float32
+# activations, a scale per group) instead of dequantizing to bf16 tiles for vdpbf16ps:
+# measured with benchmarks/quant_kernels.py (docs/performance.md, "Quantized weights").
+DIRECT_ROWS = 16
+
 
 def reference_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
@@ -117,7 +122,7 @@ class QuantLinear(nn.Module):
         out = x2.new_empty(x2.shape[0], self.out_features)  # [M, N]
         torch.ops.kvserve.quant_linear(
             out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
-            self.offset,
+            self.offset, DIRECT_ROWS,
         )  # fmt: skip
         if self.bias is not None:
             out += self.bias

@@ -78,7 +78,7 @@ def test_bf16_kernel_equals_reference(
     assert float((out - exact).abs().max()) < 6e-3 * scale
     assert float((ref - exact).abs().max()) < 6e-3 * scale
     if rows > 16:  # batched path: the reference's bf16 weights, float32 sums, bf16 output
-        assert float((out - ref).abs().max()) <= 2 ** -7 * scale
+        assert float((out - ref).abs().max()) <= 2**-7 * scale
 
 
 @needs_kernels

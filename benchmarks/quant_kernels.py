@@ -1,0 +1,122 @@
+"""Quantized linear kernels against bf16 (oneDNN-prepacked), per layer shape and batch rows.
+
+For each of a model's projection shapes and each row count, times the prepacked bf16 linear
+(kvserve's unquantized fast path), PyTorch's own weight-only kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) and kvserve's kernel for int8
+(per channel) and int4 (group 32), each of kvserve's two paths forced: ``direct`` (codes times
+float32 activations) and ``tiles`` (dequantize to bf16 tiles, vdpbf16ps). Prints medians in
+microseconds; the crossing of the two paths is what ``qlinear.DIRECT_ROWS`` is set from.
+
+    python benchmarks/quant_kernels.py                      # TinyLlama-1.1B's shapes
+    python benchmarks/quant_kernels.py --shapes builtin --rows 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvserve.model import cpu_kernels
+from kvserve.quantization.qlinear import QuantLinear
+from kvserve.quantization.qweight import quantize_rtn
+
+SHAPES = {  # name -> [(layer, N, K)]
+    "tinyllama": [("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048),
+                  ("down", 2048, 5632)],
+    "builtin": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)],
+}  # fmt: skip
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def forced(layer: QuantLinear, x: torch.Tensor, direct: bool) -> Callable[[], object]:
+    out = x.new_empty(x.shape[0], layer.out_features)
+    limit = 1 << 30 if direct else 0
+
+    def run() -> None:
+        torch.ops.kvserve.quant_linear(
+            out, x, layer.codes, layer.scales_t, layer.zeros_t, layer.bits, layer.group_size,
+            layer.offset, limit,
+        )  # fmt: skip
+
+    return run
+
+
+def row_times(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(rows, k).bfloat16()
+    cpu = torch.device("cpu")
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
+    q8 = QuantLinear(quantize_rtn(w, 8, None), None, cpu, torch.bfloat16)
+    q4 = QuantLinear(quantize_rtn(w, 4, 32), None, cpu, torch.bfloat16)
+    # PyTorch's own kernels on the same sizes (random codes: only the time matters)
+    w8 = torch.randint(-127, 127, (n, k), dtype=torch.int8)
+    s8 = torch.rand(n, dtype=torch.bfloat16)
+    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32), 2
+    )
+    sz4 = torch.rand(k // 32, n, 2, dtype=torch.bfloat16)
+    fns = {
+        "bf16 prepacked": lambda: torch.ops.mkldnn._linear_pointwise(
+            x, packed, None, "none", [], ""
+        ),
+        "torch int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8),
+        "torch int4pack g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w4, 32, sz4),
+        "int8 direct": forced(q8, x, True),
+        "int8 tiles": forced(q8, x, False),
+        "int4 direct": forced(q4, x, True),
+        "int4 tiles": forced(q4, x, False),
+    }
+    return {name: median_us(fn, repeats) for name, fn in fns.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="tinyllama")
+    ap.add_argument("--rows", default="1,2,4,8,16,24,32,64,128")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available() or not torch.ops.kvserve.quant_linear_bf16_supported():
+        raise SystemExit("the bf16 quantized kernel needs the C++ kernels and AVX512-BF16")
+    rows = [int(r) for r in args.rows.split(",")]
+    cols = None
+    totals: dict[int, dict[str, float]] = {}
+    for layer, n, k in SHAPES[args.shapes]:
+        for m in rows:
+            t = row_times(n, k, m, args.repeats)
+            if cols is None:
+                cols = list(t)
+                print("| layer | rows | " + " | ".join(cols) + " |")
+                print("|---|---|" + "---|" * len(cols))
+            print(f"| {layer} {n}x{k} | {m} | " + " | ".join(f"{t[c]:.0f}" for c in cols) + " |")
+            acc = totals.setdefault(m, dict.fromkeys(t, 0.0))
+            for c in cols:
+                acc[c] += t[c]
+    assert cols is not None
+    print("\nall four layers, microseconds (one decoder layer's projections):")
+    print("| rows | " + " | ".join(cols) + " | int8 best / bf16 | int4 best / bf16 |")
+    print("|---|" + "---|" * (len(cols) + 2))
+    for m, t in totals.items():
+        i8 = min(t["int8 direct"], t["int8 tiles"]) / t["bf16 prepacked"]
+        i4 = min(t["int4 direct"], t["int4 tiles"]) / t["bf16 prepacked"]
+        cells = " | ".join(f"{t[c]:.0f}" for c in cols)
+        print(f"| {m} | {cells} | {i8:.2f} | {i4:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
