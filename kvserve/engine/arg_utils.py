@@ -242,8 +242,9 @@ class EngineArgs:
         None, "vLLM's flag: weight-only quantized linear layers (activations keep --dtype): "
         "int8 or int4 (round-to-nearest at load, from any checkpoint), or gguf (a .gguf "
         "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
-        "dequantized at load); the LM head and embeddings stay unquantized",
-        type=str, choices=("int8", "int4", "gguf"),
+        "dequantized at load), or compressed-tensors (a pre-quantized W4A16/W8A16 checkpoint: "
+        "found from its config.json without the flag); the LM head and embeddings stay "
+        "unquantized", type=str, choices=("int8", "int4", "gguf", "compressed-tensors"),
     )  # fmt: skip
     quantization_group_size: int | None = _opt(
         None, "with --quantization int8/int4: weights per scale along the input dimension "

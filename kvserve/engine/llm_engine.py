@@ -33,10 +33,11 @@ from kvserve.engine.output_processor import (
     token_logprobs,
     update_text,
 )
-from kvserve.model.loader import QuantOptions, load_hf_config, load_model, model_max_len
+from kvserve.model.loader import load_hf_config, load_model, model_max_len
 from kvserve.model.packed_linear import packing_supported
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
+from kvserve.quantization.apply import QuantOptions
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec.build import SPEC_WITH_PROCESSORS as _SPEC_WITH_PROCESSORS
 from kvserve.spec.build import build_proposer

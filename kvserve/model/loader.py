@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,15 +17,8 @@ from transformers import AutoConfig, PretrainedConfig
 from kvserve.config import Quantization
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
-
-
-@dataclass(frozen=True)
-class QuantOptions:
-    """``ModelConfig``'s quantization fields, as the loader needs them."""
-
-    method: Quantization | None
-    group_size: int | None = None
-    gguf_file: str | None = None
+from kvserve.quantization.apply import QuantOptions, quantize_model
+from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -74,13 +66,22 @@ def load_model(
     model.rotary.to_device(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(_iter_safetensors(path))
+    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
+    if scheme is None:
+        if quant is not None and quant.method is Quantization.COMPRESSED_TENSORS:
+            raise ValueError(f"quantization 'compressed-tensors': {path} is not a "
+                             "compressed-tensors checkpoint (no quantization_config)")  # fmt: skip
+        model.load_weights(_iter_safetensors(path))
+    else:
+        method = quant.method if quant is not None else None
+        if method not in (None, Quantization.COMPRESSED_TENSORS):
+            raise ValueError(f"{path} is already quantized (compressed-tensors); load it "
+                             f"without quantization {method.value!r}")  # fmt: skip
+        dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
+        model.load_weights(dense.items())
+        quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded)
     if quant is not None and quant.method is not None:
-        from kvserve.quantization.apply import quantize_model
-
-        model.quant_report = quantize_model(
-            model, quant.method, quant.group_size, torch.device(device), dtype, quant.gguf_file
-        )
+        model.quant_report = quantize_model(model, quant, torch.device(device), dtype)
     if prepack and packing_supported(torch.device(device), dtype):
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)
     if fused_ops:

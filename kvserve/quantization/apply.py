@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +21,17 @@ from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn, relative
 logger = logging.getLogger(__name__)
 
 KEEP_UNQUANTIZED = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """What to quantize with: ``ModelConfig``'s quantization fields, as the loader needs them."""
+
+    method: Quantization | None
+    group_size: int | None = None
+    gguf_file: str | None = None
+    # pre-quantized layers by module name (a compressed-tensors checkpoint), else None
+    loaded: dict[str, QuantizedWeight] | None = None
 
 
 @dataclass
@@ -55,32 +65,34 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 def quantize_model(
-    model: nn.Module,
-    method: Quantization,
-    group_size: int | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    gguf_file: str | Path | None = None,
+    model: nn.Module, quant: QuantOptions, device: torch.device, dtype: torch.dtype
 ) -> QuantReport:
     """Replace the model's linear layers in place; returns the report (also logged)."""
+    method = quant.method
+    assert method is not None
     report = QuantReport(method.value)
-    targets = _linears(model)
+    loaded = quant.loaded
     if method is Quantization.GGUF:
         from kvserve.quantization.gguf_weights import load_gguf_linears
 
-        assert gguf_file is not None  # ModelConfig checks it
-        loaded = load_gguf_linears(gguf_file, model.config)  # type: ignore[arg-type]
+        assert quant.gguf_file is not None  # ModelConfig checks it
+        loaded = load_gguf_linears(quant.gguf_file, model.config)  # type: ignore[arg-type]
+    targets = _linears(model)
+    if loaded is not None:
+        unknown = sorted(set(loaded) - {name for _, _, name in targets})
+        if unknown:
+            raise ValueError(f"quantized weights for layers the model does not have: {unknown[:3]}")
     for parent, attr, name in targets:
         linear: nn.Linear = getattr(parent, attr)
-        if method is Quantization.GGUF:
+        if loaded is not None:
             if name not in loaded:
                 continue  # stored as floats in the file: stays an ordinary layer
             qw = loaded[name]
             if qw.shape != tuple(linear.weight.shape):
-                raise ValueError(f"GGUF weight {name} has shape {qw.shape}, model expects "
-                                 f"{tuple(linear.weight.shape)}")  # fmt: skip
+                raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
+                                 f"expects {tuple(linear.weight.shape)}")  # fmt: skip
         else:
-            qw = _rtn(linear.weight, method, group_size, name)
+            qw = _rtn(linear.weight, method, quant.group_size, name)
             report.errors[name] = relative_error(linear.weight, qw)
         layer = QuantLinear(qw, linear.bias, device, dtype)
         report.layers += 1

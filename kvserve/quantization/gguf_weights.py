@@ -26,22 +26,12 @@ from gguf.quants import Q4_K
 from transformers import PretrainedConfig
 
 from kvserve.model.gguf_convert import _BLOCK_NAME_RE, _BLOCK_TENSOR_MAP, unpermute_rotary
-from kvserve.quantization.qweight import QuantizedWeight, concat_rows
+from kvserve.quantization.fusion import fuse_projections
+from kvserve.quantization.qweight import QuantizedWeight
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-
-# HF projection -> (kvserve's fused module, its place in the fusion)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "o_proj": ("o_proj", 0),
-    "down_proj": ("down_proj", 0),
-}
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -131,18 +121,17 @@ def load_gguf_linears(path: str | Path, config: PretrainedConfig) -> dict[str, Q
     module path (``layers.3.self_attn.qkv_proj``) -> weight. Projections stored as floats
     (F32/F16/BF16) are left out: they stay ordinary layers."""
     reader = GGUFReader(str(path))
-    parts: dict[str, dict[int, QuantizedWeight]] = {}
+    found: dict[str, QuantizedWeight] = {}
     floats: set[str] = set()
     for tensor in reader.tensors:
         match = _BLOCK_NAME_RE.match(tensor.name)
         if match is None or match.group(2) not in _BLOCK_TENSOR_MAP:
             continue
         hf = _BLOCK_TENSOR_MAP[match.group(2)].format(i=int(match.group(1)))
-        proj = hf.split(".")[-2]
-        if proj not in _FUSED:
+        module = hf.removeprefix("model.").removesuffix(".weight")
+        proj = module.split(".")[-1]
+        if not proj.endswith("_proj"):
             continue  # norms
-        target, index = _FUSED[proj]
-        module = ".".join([*hf.removeprefix("model.").split(".")[:-2], target])
         if tensor.tensor_type in FLOAT_TYPES:
             floats.add(module)
             continue
@@ -152,14 +141,5 @@ def load_gguf_linears(path: str | Path, config: PretrainedConfig) -> dict[str, Q
             qw = _unpermute(qw, int(config.num_attention_heads))
         elif proj == "k_proj":
             qw = _unpermute(qw, int(config.num_key_value_heads))
-        parts.setdefault(module, {})[index] = qw
-    out = {}
-    for module, pieces in parts.items():
-        want = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-        if module in floats or len(pieces) != want:
-            raise ValueError(
-                f"GGUF stores the parts of {module} with a mix of float and quantized types; "
-                "--quantization gguf needs all of them quantized"
-            )
-        out[module] = concat_rows([pieces[i] for i in range(want)])
-    return out
+        found[module] = qw
+    return fuse_projections(found, floats)

@@ -63,7 +63,8 @@ def test_builtin_gguf_layers_equal_the_converted_folder(builtin_model_dir: Path)
 
     from kvserve.config import Quantization
     from kvserve.model.builtin import find_builtin_gguf
-    from kvserve.model.loader import QuantOptions, load_model
+    from kvserve.model.loader import load_model
+    from kvserve.quantization.apply import QuantOptions
     from kvserve.quantization.qlinear import QuantLinear
 
     quant = QuantOptions(Quantization.GGUF, None, str(find_builtin_gguf()))

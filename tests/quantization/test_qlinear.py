@@ -8,7 +8,7 @@ from torch import nn
 
 from kvserve.config import Quantization
 from kvserve.model import cpu_kernels
-from kvserve.quantization.apply import quantize_model
+from kvserve.quantization.apply import QuantOptions, quantize_model
 from kvserve.quantization.qlinear import QuantLinear, pack_codes, reference_linear
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn
 
@@ -126,7 +126,7 @@ class _Tiny(nn.Module):
 def test_quantize_model_replaces_all_but_the_lm_head() -> None:
     torch.manual_seed(0)
     model = _Tiny()
-    report = quantize_model(model, Quantization.INT4, None, CPU, torch.float32)
+    report = quantize_model(model, QuantOptions(Quantization.INT4), CPU, torch.float32)
     assert isinstance(model.proj, QuantLinear) and model.proj.group_size == 32
     assert isinstance(model.block[0], QuantLinear)
     assert isinstance(model.lm_head, nn.Linear)
@@ -139,4 +139,4 @@ def test_quantize_model_replaces_all_but_the_lm_head() -> None:
 def test_quantize_model_names_the_layer_a_group_does_not_fit() -> None:
     want = r"cannot quantize block\.0: .* group size 64 must be even"
     with pytest.raises(ValueError, match=want):
-        quantize_model(_Tiny(), Quantization.INT8, 64, CPU, torch.float32)
+        quantize_model(_Tiny(), QuantOptions(Quantization.INT8, 64), CPU, torch.float32)

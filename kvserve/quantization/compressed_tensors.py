@@ -1,0 +1,123 @@
+"""Pre-quantized Hugging Face checkpoints in the compressed-tensors format (llm-compressor's,
+the one vLLM reads for its W4A16 / W8A16 models).
+
+Weight-only integer schemes load into kvserve's quantized layers as they are:
+``pack-quantized`` (int4 or int8 codes packed into int32, ``weight_packed``) and
+``naive-quantized`` (int8 codes, ``weight``), symmetric or with a zero point, per channel or per
+group, with ``weight_scale`` (and ``weight_zero_point``). A weight is
+``(q - zero_point) * scale``; the compressed-tensors library itself unpacks the codes and
+parses the config. Schemes that quantize activations (W8A8, FP8, NVFP4, ...) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from kvserve.quantization.fusion import fuse_projections
+from kvserve.quantization.qweight import QuantizedWeight
+
+FORMATS = ("pack-quantized", "naive-quantized")
+_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """The one weight-only integer scheme a checkpoint uses."""
+
+    format: str  # one of FORMATS
+    bits: int  # 4 or 8
+    group_size: int | None  # None: one scale per output channel
+    symmetric: bool
+
+
+def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
+    """The checkpoint's compressed-tensors scheme; None when its weights are not quantized.
+    A quantization kvserve cannot run is a ValueError naming what it is."""
+    raw: Any = getattr(config, "quantization_config", None)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    method = raw.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"the checkpoint is quantized with {method!r}; kvserve loads pre-quantized weights "
+            "in the compressed-tensors format (W4A16/W8A16) only"
+        )
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig.model_validate(raw)
+    fmt = str(qc.format)
+    schemes = list(qc.config_groups.values())
+    if fmt not in FORMATS or len(schemes) != 1:
+        raise ValueError(
+            f"compressed-tensors format {fmt!r} with {len(schemes)} scheme groups: kvserve "
+            f"loads one weight-only scheme in {FORMATS}"
+        )
+    scheme = schemes[0]
+    w = scheme.weights
+    if scheme.input_activations is not None or w is None:
+        raise ValueError(
+            "the checkpoint quantizes activations (e.g. W8A8); kvserve runs weight-only "
+            "quantization (activations stay in the model dtype)"
+        )
+    strategy = str(getattr(w.strategy, "value", w.strategy))
+    if str(getattr(w.type, "value", w.type)) != "int" or w.num_bits not in (4, 8):
+        raise ValueError(f"compressed-tensors weights of type {w.type} with {w.num_bits} bits: "
+                         "kvserve runs int4 and int8")  # fmt: skip
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors strategy {strategy!r}: kvserve runs group and "
+                         "channel")  # fmt: skip
+    if w.actorder not in (None, "static") and strategy == "group":
+        raise ValueError(f"GPTQ activation ordering {w.actorder!r} (a g_idx per layer) is not "
+                         "supported")  # fmt: skip
+    group = w.group_size if strategy == "group" else None
+    return WeightScheme(fmt, int(w.num_bits), group, bool(w.symmetric))
+
+
+def _qweight(params: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    scale = params["weight_scale"].float()  # [N, K / g] (or [N, 1])
+    if scheme.format == "pack-quantized":
+        shape = torch.Size(params["weight_shape"].tolist())
+        codes = unpack_from_int32(params["weight_packed"], scheme.bits, shape)  # [N, K] int8
+    else:
+        codes = params["weight"].to(torch.int8)
+    k = codes.shape[1]
+    zeros = None
+    if not scheme.symmetric:
+        zp = params["weight_zero_point"]
+        if scheme.format == "pack-quantized" and zp.dtype == torch.int32:
+            zp = unpack_from_int32(zp, scheme.bits, torch.Size(scale.shape), packed_dim=0)
+        zeros = -(zp.float() * scale)  # (q - z) s = q s - z s
+    return QuantizedWeight(
+        codes.contiguous(), scale.contiguous(), zeros, scheme.bits, k // scale.shape[1]
+    )
+
+
+def split_checkpoint(
+    weights: dict[str, torch.Tensor], scheme: WeightScheme
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """(dense weights for ``load_weights``: every quantized projection as its dequantized
+    weight, so the model loads whole; the quantized projections fused as kvserve's modules
+    name them, which then replace those layers)."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf in _SUFFIXES[:4] or (leaf == "weight" and f"{module}.weight_scale" in weights):
+            grouped.setdefault(module, {})[leaf] = t
+        else:
+            dense[name] = t
+    found: dict[str, QuantizedWeight] = {}
+    for module, params in grouped.items():
+        qw = _qweight(params, scheme)
+        dense[f"{module}.weight"] = qw.dequantize(torch.float32)
+        if not module.endswith("lm_head"):
+            found[module.removeprefix("model.")] = qw
+    return dense, fuse_projections(found)
