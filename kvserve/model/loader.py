@@ -9,20 +9,35 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.config import ModelImpl
+from kvserve.model.base import CausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
+from kvserve.model.registry import resolve_model_class
+from kvserve.model.transformers_backend import (
+    TransformersForCausalLM,
+    load_transformers_model,
+    remote_code_error,
+)
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a model folder: config.json is missing")
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:
+        # A model type transformers lacks, whose config points at its own code.
+        refusal = remote_code_error(path)
+        if refusal is None:
+            raise
+        raise refusal from e
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,25 +63,46 @@ def load_model(
     max_positions: int,
     prepack: bool = False,
     fused_ops: bool = False,
-) -> LlamaForCausalLM:
-    """Build the model for ``max_positions`` tokens of context and load its weights."""
+    model_impl: ModelImpl | str = ModelImpl.AUTO,
+) -> CausalLM:
+    """Build the model for ``max_positions`` tokens of context and load its weights: the
+    native class or the transformers backend, as ``model_impl`` resolves (``registry.py``)."""
     path = Path(path)
     config = load_hf_config(path)
+    cls = resolve_model_class(config, model_impl)
+    model: CausalLM
+    if cls is TransformersForCausalLM:
+        model = load_transformers_model(path, config, dtype, device, max_positions)
+    else:
+        model = _load_native(cls, path, config, dtype, device, max_positions)
+    if prepack and packing_supported(torch.device(device), dtype):
+        # Any nn.Linear packs, transformers' modules too (bf16: all; float32: the LM head).
+        pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]
+    if fused_ops:
+        model.enable_fused_ops()
+    model.eval()
+    return model
+
+
+def _load_native(
+    cls: type[Any],
+    path: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    max_positions: int,
+) -> Any:
+    """A native class (``registry.NATIVE_ARCHITECTURES``) built on meta, then loaded."""
     # Build on the meta device: random init of weights that are overwritten anyway costs
     # seconds. Then allocate real (uninitialised) storage and load every weight into it.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = cls(config, max_positions)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.rotary.to_device(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
-    if prepack and packing_supported(torch.device(device), dtype):
-        pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)
-    if fused_ops:
-        model.enable_fused_ops()
-    model.eval()
     return model
 
 
