@@ -19,6 +19,7 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.transformers_backend import TransformersForCausalLM
+from kvserve.spec.truncated_draft import write_truncated_draft
 from tests.engine.utils import random_prompts, run_engine_checked
 from tests.model.tiny_hf import CONFIGS, byte_tokenizer, make_tiny_hf_model
 
@@ -114,6 +115,23 @@ def test_sdpa_decode_backend(hf_models: HFModels) -> None:
     e = engine(hf_models, "gemma2", num_kv_blocks=128, attention_backend="sdpa")
     assert not e.runner.use_decode_kernel
     assert run_engine_checked(e, PROMPTS, GREEDY) == expected("gemma2", PROMPTS)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding(
+    hf_models: HFModels, tmp_path_factory: pytest.TempPathFactory, method: str
+) -> None:
+    """Verification rows (and a one-layer draft of the target, itself on the backend) keep
+    the greedy outputs."""
+    spec: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(write_truncated_draft(hf_models["qwen3"][0],
+                                                  tmp_path_factory.mktemp("draft"), 1))  # fmt: skip
+    e = engine(hf_models, "qwen3", num_kv_blocks=128, speculative_config=spec)
+    assert run_engine_checked(e, PROMPTS, GREEDY) == expected("qwen3", PROMPTS)
+    assert e.stats()["spec_decode_num_draft_tokens"] > 0
+    if method == "draft_model":
+        assert isinstance(e.runner.proposer.model, TransformersForCausalLM)  # type: ignore[union-attr]
 
 
 def test_text_prompt_and_eos(hf_models: HFModels) -> None:
