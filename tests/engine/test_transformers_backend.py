@@ -134,6 +134,27 @@ def test_speculative_decoding(
         assert isinstance(e.runner.proposer.model, TransformersForCausalLM)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("arch", ["granite", "gemma2"])
+def test_prompt_logprobs_and_embeddings(hf_models: HFModels, arch: str) -> None:
+    """Prompt logprobs come from compute_logits (Granite's logits_scaling, Gemma 2's final
+    soft-capping included); embeddings pool the body's final hidden states (after its norm)."""
+    path, model = hf_models[arch]
+    prompt = PROMPTS[4]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), output_hidden_states=True)  # type: ignore[operator]
+    ref = torch.log_softmax(res.logits[0].float(), dim=-1)  # [L, V]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        got = out.prompt_logprobs[p][prompt[p]].logprob
+        assert got == pytest.approx(ref[p - 1, prompt[p]].item(), abs=1e-4)
+    emb = llm.embed([{"prompt_token_ids": prompt}], use_tqdm=False)[0].outputs.embedding
+    want = torch.nn.functional.normalize(res.hidden_states[-1][0, -1], dim=-1)
+    assert torch.allclose(torch.tensor(emb), want, atol=2e-5)
+
+
 def test_text_prompt_and_eos(hf_models: HFModels) -> None:
     """The folder's tokenizer and EOS id work as for a native model."""
     path, model = hf_models["qwen3"]
