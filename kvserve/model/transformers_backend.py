@@ -39,6 +39,10 @@ from kvserve.model.base import KVCaches
 ATTN_IMPLEMENTATION = "kvserve"  # the name registered in transformers' AttentionInterface
 STEP_KWARG = "kvserve_step"  # the forward keyword argument carrying the PagedStep
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+REMOTE_CODE = (
+    "its config has an auto_map (trust_remote_code model); kvserve never runs a model's own "
+    "Python code"
+)
 
 
 @dataclass
@@ -68,11 +72,7 @@ def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
     ``ValueError`` naming the architecture and why it cannot (checks that need no weights)."""
     arch = architecture_name(config)
     if getattr(config, "auto_map", None):
-        raise _refuse(
-            arch,
-            "its config has an auto_map (trust_remote_code model); kvserve "
-            "never runs a model's own Python code",
-        )
+        raise _refuse(arch, REMOTE_CODE)
     if getattr(config, "is_encoder_decoder", False):
         raise _refuse(
             arch, "it is an encoder-decoder model; kvserve runs decoder-only causal language models"
@@ -108,11 +108,7 @@ def remote_code_error(path: Path) -> ValueError | None:
     if not raw.get("auto_map"):
         return None
     arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-    return _refuse(
-        arch,
-        "its config has an auto_map (trust_remote_code model); kvserve never "
-        "runs a model's own Python code",
-    )
+    return _refuse(arch, REMOTE_CODE)
 
 
 def _layer_window(config: PretrainedConfig, layer: int) -> int | None:
