@@ -42,6 +42,14 @@ class AttentionBackend(enum.Enum):
     CPU_KERNEL = "cpu_kernel"  # C++ kernel reading K/V in place through the block tables
 
 
+class ModelImpl(enum.Enum):
+    """Which implementation runs the model (vLLM's ``--model-impl``)."""
+
+    AUTO = "auto"  # kvserve's native class when the architecture has one, else transformers
+    KVSERVE = "kvserve"  # native only: an architecture without a native class is refused
+    TRANSFORMERS = "transformers"  # transformers' own class on kvserve's paged attention
+
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -147,8 +155,10 @@ class ModelConfig:
     # weights per scale along K for int8/int4; None: int8 per channel, int4 32
     quantization_group_size: int | None = None
     gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
+    model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
         object.__setattr__(self, "pooling", PoolingType(self.pooling))
         if self.quantization is not None:

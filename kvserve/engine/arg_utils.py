@@ -256,6 +256,12 @@ class EngineArgs:
         "state, or the mean over the prompt's (vLLM's pooling_type LAST / MEAN)",
         choices=("last", "mean"),
     )  # fmt: skip
+    model_impl: str = _opt(
+        "auto", "vLLM's flag: 'kvserve' runs the native implementation (Llama, Qwen2, "
+        "Mistral), 'transformers' the model's own transformers class on kvserve's paged "
+        "attention, 'auto' the native one when the architecture has it, else transformers",
+        choices=("auto", "kvserve", "transformers"),
+    )  # fmt: skip
     generation_config: str = _opt(
         "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
         "'auto' is accepted for models whose generation_config.json sets no sampling "
@@ -494,6 +500,7 @@ class EngineArgs:
                 quantization=self.quantization,  # type: ignore[arg-type]
                 quantization_group_size=self.quantization_group_size,
                 gguf_file=self._gguf_file(),
+                model_impl=self.model_impl,  # type: ignore[arg-type]
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

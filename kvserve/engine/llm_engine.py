@@ -94,7 +94,7 @@ class LLMEngine:
         quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
         model = load_model(
             path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops,
-            quant,
+            mc.model_impl, quant,
         )  # fmt: skip
         draft = self._load_draft(model)
         per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
@@ -155,7 +155,7 @@ class LLMEngine:
             num_blocks * cc.block_size,
             num_blocks * per_block / 2**20,
             "cpu_kernel" if self.runner.use_decode_kernel else "sdpa",
-            "on" if model.norm.fused else "off",
+            "on" if model.fused_ops_enabled else "off",
         )
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
@@ -185,7 +185,13 @@ class LLMEngine:
                 "target's tokenizer"
             )
         return load_model(
-            draft_path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops
+            draft_path,
+            mc.dtype,
+            self.device,
+            self.max_model_len,
+            mc.prepack_weights,
+            mc.fused_ops,
+            mc.model_impl,
         )
 
     # -- requests -----------------------------------------------------------------------------

@@ -197,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.head_dim = head_dim
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.num_layers = int(config.num_hidden_layers)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -223,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, kv, md, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]
+
+    @property
+    def fused_ops_enabled(self) -> bool:
+        return self.norm.fused
 
     def enable_fused_ops(self) -> bool:
         """Switch RMSNorm, SiLU*up and RoPE + KV write to the C++ CPU kernels when this model

@@ -9,23 +9,41 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from kvserve.config import Quantization
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.config import ModelImpl, Quantization
+from kvserve.model.base import CausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
+from kvserve.model.registry import resolve_model_class
+from kvserve.model.transformers_backend import (
+    TransformersForCausalLM,
+    load_transformers_model,
+    remote_code_error,
+)
 from kvserve.quantization.apply import QuantOptions, quantize_model
-from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
+from kvserve.quantization.compressed_tensors import (
+    WeightScheme,
+    checkpoint_scheme,
+    split_checkpoint,
+)
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a model folder: config.json is missing")
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:
+        # A model type transformers lacks, whose config points at its own code.
+        refusal = remote_code_error(path)
+        if refusal is None:
+            raise
+        raise refusal from e
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,42 +69,80 @@ def load_model(
     max_positions: int,
     prepack: bool = False,
     fused_ops: bool = False,
+    model_impl: ModelImpl | str = ModelImpl.AUTO,
     quant: QuantOptions | None = None,
-) -> LlamaForCausalLM:
-    """Build the model for ``max_positions`` tokens of context and load its weights;
+) -> CausalLM:
+    """Build the model for ``max_positions`` tokens of context and load its weights: the
+    native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
     ``quant`` swaps the linear layers (but the LM head) for quantized ones."""
     path = Path(path)
     config = load_hf_config(path)
+    cls = resolve_model_class(config, model_impl)
+    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
+    quant = _checked_quant(path, scheme, quant)
+    model: CausalLM
+    if cls is TransformersForCausalLM:
+        if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
+            raise ValueError(
+                f"{path}: pre-quantized weights (GGUF, compressed-tensors) load into kvserve's "
+                "native models only, not the transformers backend; use quantization int8 or "
+                "int4 on an unquantized checkpoint"
+            )
+        model = load_transformers_model(path, config, dtype, device, max_positions)
+    else:
+        model = _load_native(cls, path, config, dtype, device, max_positions)
+        if scheme is not None:
+            dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
+            model.load_weights(dense.items())
+            quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded)
+        else:
+            model.load_weights(_iter_safetensors(path))
+    if quant is not None and quant.method is not None:
+        report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
+        model.quant_report = report  # type: ignore[attr-defined]
+    if prepack and packing_supported(torch.device(device), dtype):
+        # Any nn.Linear packs, transformers' modules too (bf16: all; float32: the LM head).
+        pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]
+    if fused_ops:
+        model.enable_fused_ops()
+    model.eval()
+    return model
+
+
+def _checked_quant(
+    path: Path, scheme: WeightScheme | None, quant: QuantOptions | None
+) -> QuantOptions | None:
+    """``quant``, refused where it does not fit the checkpoint (pre-quantized or not)."""
+    method = quant.method if quant is not None else None
+    if scheme is None and method is Quantization.COMPRESSED_TENSORS:
+        raise ValueError(f"quantization 'compressed-tensors': {path} is not a "
+                         "compressed-tensors checkpoint (no quantization_config)")  # fmt: skip
+    if scheme is not None and method not in (None, Quantization.COMPRESSED_TENSORS):
+        assert method is not None
+        raise ValueError(f"{path} is already quantized (compressed-tensors); load it "
+                         f"without quantization {method.value!r}")  # fmt: skip
+    return quant
+
+
+def _load_native(
+    cls: type[Any],
+    path: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    max_positions: int,
+) -> Any:
+    """A native class (``registry.NATIVE_ARCHITECTURES``) with real, uninitialised storage;
+    the caller loads its weights."""
     # Build on the meta device: random init of weights that are overwritten anyway costs
     # seconds. Then allocate real (uninitialised) storage and load every weight into it.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = cls(config, max_positions)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.rotary.to_device(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
-    if scheme is None:
-        if quant is not None and quant.method is Quantization.COMPRESSED_TENSORS:
-            raise ValueError(f"quantization 'compressed-tensors': {path} is not a "
-                             "compressed-tensors checkpoint (no quantization_config)")  # fmt: skip
-        model.load_weights(_iter_safetensors(path))
-    else:
-        method = quant.method if quant is not None else None
-        if method not in (None, Quantization.COMPRESSED_TENSORS):
-            raise ValueError(f"{path} is already quantized (compressed-tensors); load it "
-                             f"without quantization {method.value!r}")  # fmt: skip
-        dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
-        model.load_weights(dense.items())
-        quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded)
-    if quant is not None and quant.method is not None:
-        model.quant_report = quantize_model(model, quant, torch.device(device), dtype)
-    if prepack and packing_supported(torch.device(device), dtype):
-        pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)
-    if fused_ops:
-        model.enable_fused_ops()
-    model.eval()
     return model
 
 

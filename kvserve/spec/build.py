@@ -9,7 +9,7 @@ from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.proposer import Proposer
 
 if TYPE_CHECKING:
-    from kvserve.model.llama import LlamaForCausalLM
+    from kvserve.model.base import CausalLM
     from kvserve.worker.model_runner import ModelRunner
 
 # vLLM's rule too: custom batch-level processors keep per-row state that k + 1 rows per
@@ -22,7 +22,7 @@ SPEC_WITH_PROCESSORS = (
 
 def build_proposer(
     config: EngineConfig,
-    draft: LlamaForCausalLM | None,
+    draft: CausalLM | None,
     num_blocks: int,
     runner: ModelRunner,
 ) -> Proposer | None:

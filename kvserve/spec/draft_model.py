@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from kvserve.model.attention import GatherWorkspace
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.base import CausalLM
 from kvserve.sample.sampler import greedy_ids
 from kvserve.spec.proposer import ProposalInput, Proposer
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
@@ -28,7 +28,7 @@ from kvserve.worker.inputs import allocate_kv_caches, build_metadata
 class DraftModelProposer(Proposer):
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_speculative_tokens: int,
         num_blocks: int,
         block_size: int,

@@ -8,17 +8,16 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.base import CausalLM
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * model.head_dim * elem
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
 def allocate_kv_caches(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
@@ -26,12 +25,11 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (K, V) pair per layer, each ``[num_blocks, Hkv, block_size, D]``
     (see attention.py)."""
-    cfg = model.config
-    shape = (num_blocks, cfg.num_key_value_heads, block_size, model.head_dim)
+    shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device),
          torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_hidden_layers)
+        for _ in range(model.num_layers)
     ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.base import CausalLM
 from kvserve.sample.custom_processors import BatchProcessors, LogitsProcessor
 from kvserve.sample.rejection import expand_for_verification, rejection_sample
 from kvserve.sample.sampler import NoTokenAllowedError, SamplingMetadata, sample
@@ -51,7 +51,7 @@ logger = logging.getLogger("kvserve.runner")
 
 
 def _use_decode_kernel(
-    backend: AttentionBackend, device: torch.device, dtype: torch.dtype, model: LlamaForCausalLM
+    backend: AttentionBackend, device: torch.device, dtype: torch.dtype, model: CausalLM
 ) -> bool:
     """Resolve the decode attention backend: may the C++ CPU kernel run this model?"""
     if backend is AttentionBackend.SDPA:
@@ -74,7 +74,7 @@ def _use_decode_kernel(
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         block_size: int,
         num_blocks: int,
         num_swap_blocks: int,
@@ -92,15 +92,14 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        cfg = model.config
-        shape = (num_blocks, cfg.num_key_value_heads, block_size, model.head_dim)
+        shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
         swap_shape = (num_swap_blocks, *shape[1:])
         # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
         self.swap_caches = (
             [
                 (torch.empty(swap_shape, dtype=dtype), torch.empty(swap_shape, dtype=dtype))
-                for _ in range(cfg.num_hidden_layers)
+                for _ in range(model.num_layers)
             ]
             if num_swap_blocks > 0
             else []

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.base import CausalLM
 from kvserve.outputs import Logprob, TokenLogprobs
 
 # Prompt logprobs are computed this many positions at a time: a [rows, V] float32 block
@@ -35,7 +35,7 @@ def prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int,
 
 
 def compute_prompt_logprobs(
-    model: LlamaForCausalLM, rows: list[tuple[Request, int, int, int]], hidden: torch.Tensor
+    model: CausalLM, rows: list[tuple[Request, int, int, int]], hidden: torch.Tensor
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """Prompt logprobs from the hidden states of this step's prompt positions (vLLM's
     semantics: log_softmax of the raw logits in float32; each entry holds the prompt's

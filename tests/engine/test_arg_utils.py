@@ -173,8 +173,6 @@ def test_vllm_refusals_name_the_option(tmp_path: Path) -> None:
         ("--tensor-parallel-size", "2"): "tensor_parallel_size=2 (--tensor-parallel-size 2) is "
         "not supported: kvserve runs a model on one device (tensor parallelism is a later "
         "issue); use 1",
-        ("--quantization", "awq"): "quantization='awq' (--quantization awq) is not supported: "
-        "kvserve loads unquantized weights only",
         ("--trust-remote-code",): "trust_remote_code=True (--trust-remote-code) is not "
         "supported: kvserve never runs a model's own Python code",
         ("--generation-config", "/m"): "generation_config='/m' (--generation-config /m) is not "
@@ -211,6 +209,11 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
         "enable_lora=True (--enable-lora) is not supported: kvserve has no LoRA adapters"
     )
     assert EngineArgs.from_kwargs(pipeline_parallel_size=1, quantization=None) == EngineArgs()
+    with pytest.raises(ValueError) as e:  # a quantization kvserve does not run
+        LLM(quantization="awq")
+    assert str(e.value) == (
+        "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors'], got 'awq'"
+    )
 
 
 def test_chat_template_file_or_inline(tmp_path: Path) -> None:

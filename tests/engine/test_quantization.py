@@ -94,3 +94,13 @@ def test_bad_quantization_options(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"cannot quantize layers\.0\.self_attn\.qkv_proj: .*"
                                          r"group size 48 must be even and divide"):  # fmt: skip
         engine(tiny_llama, quantization="int4", quantization_group_size=48)
+
+
+def test_transformers_backend_quantizes_the_same_weights(tiny_llama: Path) -> None:
+    """int4 on transformers' own Llama (unfused q/k/v) gives the native int4 tokens: groups
+    run along rows, so quantizing the parts equals quantizing their fusion."""
+    native = run_engine_checked(engine(tiny_llama, num_kv_blocks=200, quantization="int4"),
+                                PROMPTS, PARAMS)  # fmt: skip
+    e = engine(tiny_llama, num_kv_blocks=200, quantization="int4", model_impl="transformers")
+    assert sum(isinstance(m, QuantLinear) for m in e.runner.model.modules()) == 2 * 7
+    assert run_engine_checked(e, PROMPTS, PARAMS) == native

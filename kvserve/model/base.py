@@ -1,0 +1,65 @@
+"""What the runner, the engine, the draft proposer and pooling use of a model.
+
+Two kinds of model satisfy it: kvserve's native classes (``llama.py``) and the transformers
+backend's wrapper (``transformers_backend.py``). Code outside ``kvserve/model`` names this
+protocol, never a concrete class, so a new architecture changes nothing there.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import PretrainedConfig
+
+from kvserve.model.attention import AttentionMetadata
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, Hkv, bs, D]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder over a flat token batch with a paged KV cache (one (K, V) pair per layer)."""
+
+    config: PretrainedConfig  # the checkpoint's Hugging Face config
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one K/V head vector (the KV cache's last dimension)."""
+        ...
+
+    @property
+    def num_kv_heads(self) -> int:
+        """K/V heads per layer (the KV cache's second dimension)."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """Layers holding K/V: one (K, V) pair each in ``kv_caches``."""
+        ...
+
+    @property
+    def fused_ops_enabled(self) -> bool:
+        """Whether the C++ fused ops run (the engine logs it)."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: KVCaches,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Writes this step's K/V through ``md.slot_mapping``; returns the final hidden
+        states ``[T, hidden]`` (after the last norm: what pooling reads)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]``, with the model's own post-processing."""
+        ...
+
+    def enable_fused_ops(self) -> bool:
+        """Switch to the C++ fused ops where this model has them; returns whether it did."""
+        ...
+
+    def eval(self) -> CausalLM: ...

@@ -1,0 +1,162 @@
+"""The transformers backend as a model: which class runs a checkpoint, the refusals (one per
+reason, exact messages), the interface both kinds of model offer, the load-time probe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvserve.config import ModelImpl
+from kvserve.model.base import CausalLM
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_hf_config, load_model
+from kvserve.model.registry import resolve_model_class
+from kvserve.model.transformers_backend import (
+    TransformersForCausalLM,
+    paged_attention_forward,
+)
+from tests.model.tiny_hf import COMMON, make_config, make_tiny_hf_model, save_model
+
+PREFIX = "cannot run {} through the transformers backend: "
+
+
+def load(path: Path, max_positions: int = 512, impl: str = "transformers") -> CausalLM:
+    return load_model(path, torch.float32, "cpu", max_positions, model_impl=impl)
+
+
+def test_resolve_model_class() -> None:
+    llama, qwen3 = make_config("llama"), make_config("qwen3")
+    llama.architectures, qwen3.architectures = ["LlamaForCausalLM"], ["Qwen3ForCausalLM"]
+    assert resolve_model_class(llama, ModelImpl.AUTO) is LlamaForCausalLM
+    assert resolve_model_class(llama, "kvserve") is LlamaForCausalLM
+    assert resolve_model_class(llama, "transformers") is TransformersForCausalLM
+    assert resolve_model_class(qwen3, "auto") is TransformersForCausalLM
+    with pytest.raises(ValueError) as e:
+        resolve_model_class(qwen3, "kvserve")
+    assert str(e.value) == (
+        "model_impl='kvserve': Qwen3ForCausalLM has no native kvserve implementation (native: "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); use model_impl='auto' or "
+        "'transformers' to run it through the transformers backend"
+    )
+
+
+def test_both_kinds_satisfy_the_model_protocol(tmp_path: Path) -> None:
+    make_tiny_hf_model("llama", tmp_path)
+    native, backend = load(tmp_path, impl="kvserve"), load(tmp_path)
+    assert isinstance(native, LlamaForCausalLM) and isinstance(backend, TransformersForCausalLM)
+    for model in (native, backend):
+        assert isinstance(model, CausalLM)
+        assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 16)
+        assert not model.fused_ops_enabled  # float32: no fused ops on either
+    assert not backend.enable_fused_ops()
+
+
+def test_geometry_of_multi_head_models(tmp_path: Path) -> None:
+    """GPT-J names its sizes n_head / n_layer and has no num_key_value_heads."""
+    make_tiny_hf_model("gptj", tmp_path)
+    model = load(tmp_path)
+    assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 4, 16)
+
+
+def _refusal(tmp_path: Path, config: transformers.PretrainedConfig, **kw: object) -> str:
+    save_model(config, tmp_path)
+    with pytest.raises(ValueError) as e:
+        load(tmp_path, **kw)  # type: ignore[arg-type]
+    return str(e.value)
+
+
+def test_refuses_attention_outside_the_interface(tmp_path: Path) -> None:
+    msg = _refusal(tmp_path, transformers.StableLmConfig(**COMMON))
+    assert msg == PREFIX.format("StableLmForCausalLM") + (
+        "its attention does not go through transformers' attention interface "
+        "(_supports_attention_backend is False)"
+    )
+
+
+def test_refuses_attention_soft_capping(tmp_path: Path) -> None:
+    msg = _refusal(tmp_path, transformers.Gemma2Config(**COMMON, head_dim=16))
+    assert msg == PREFIX.format("Gemma2ForCausalLM") + (
+        "layer 0 soft-caps its attention logits (softcap=50.0); kvserve's paged attention "
+        "has no soft-capping yet"
+    )
+
+
+def test_refuses_a_sliding_window_per_layer(tmp_path: Path) -> None:
+    """Qwen3 slides from layer max_window_layers on: layer 0 is full, layer 1 is refused."""
+    cfg = make_config("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    msg = _refusal(tmp_path, cfg)
+    assert msg == PREFIX.format("Qwen3ForCausalLM") + (
+        "layer 1 attends over a sliding window of 8 tokens, shorter than the 512-token "
+        "context; kvserve's paged attention has no sliding window yet"
+    )
+    # Within an 8-token context the window changes no score, so the model runs.
+    assert isinstance(load(tmp_path, max_positions=8), TransformersForCausalLM)
+
+
+def test_refuses_models_without_attention(tmp_path: Path) -> None:
+    cfg = transformers.MambaConfig(vocab_size=260, hidden_size=64, num_hidden_layers=2)
+    assert _refusal(tmp_path, cfg) == PREFIX.format("MambaForCausalLM") + (
+        "it has layers without attention (linear_attention); kvserve's KV cache holds "
+        "attention K/V only"
+    )
+
+
+def test_refuses_encoder_decoder(tmp_path: Path) -> None:
+    cfg = transformers.T5Config(vocab_size=260, d_model=64, num_layers=2, num_heads=4, d_ff=128)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        load(tmp_path, impl="auto")
+    assert str(e.value) == PREFIX.format("T5ForConditionalGeneration") + (
+        "it is an encoder-decoder model; kvserve runs decoder-only causal language models"
+    )
+
+
+REMOTE = (
+    "its config has an auto_map (trust_remote_code model); kvserve never runs a model's own "
+    "Python code"
+)
+
+
+def test_refuses_remote_code(tmp_path: Path) -> None:
+    """A known model type with an auto_map: transformers' class would not be the model's own;
+    an unknown type needs the remote code to even read its config."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
+    with pytest.raises(ValueError) as e:
+        load(tmp_path, impl="auto")
+    assert str(e.value) == PREFIX.format("Qwen3ForCausalLM") + REMOTE
+    custom = {**config, "auto_map": auto_map, "model_type": "custom-lm"}
+    custom["architectures"] = ["CustomForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(custom))
+    with pytest.raises(ValueError) as e:
+        load_hf_config(tmp_path)
+    assert str(e.value) == PREFIX.format("CustomForCausalLM") + REMOTE
+
+
+def test_probe_catches_logits_post_processing(tmp_path: Path) -> None:
+    """Granite divides its logits by logits_scaling; a wrapper that did not would be caught."""
+    make_tiny_hf_model("granite", tmp_path)
+    model = load(tmp_path)
+    assert isinstance(model, TransformersForCausalLM)
+    model.check_logits()  # the real post-processing passes
+    model.logits_scaling = None
+    with pytest.raises(ValueError, match="its forward post-processes the logits in a way"):
+        model.check_logits()
+
+
+def test_attention_function_needs_the_engine_step(tmp_path: Path) -> None:
+    """Called without kvserve's step (as a stray generate() would), it says so."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    model = load(tmp_path)
+    assert isinstance(model, TransformersForCausalLM)
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(RuntimeError, match="runs inside kvserve's engine only"):
+        paged_attention_forward(model.hf.model.layers[0].self_attn, q, q, q, None)
