@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.gemma import GemmaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM, attention_supports
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 
 
@@ -41,6 +42,17 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
+    """The native class for ``config.architectures[0]`` (a minimal dispatch; the model
+    registry replaces it)."""
+    arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    for cls in (LlamaForCausalLM, GemmaForCausalLM):
+        if arch in cls.architectures:
+            return cls
+    supported = LlamaForCausalLM.architectures + GemmaForCausalLM.architectures
+    raise ValueError(f"unsupported architecture {arch!r}; kvserve runs {supported}")
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype,
@@ -55,7 +67,7 @@ def load_model(
     # Build on the meta device: random init of weights that are overwritten anyway costs
     # seconds. Then allocate real (uninitialised) storage and load every weight into it.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config)(config, max_positions)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.rotary.to_device(device)
@@ -70,11 +82,18 @@ def load_model(
     return model
 
 
+# Architectures whose native classes apply the config's sliding windows (layer_types).
+_WINDOWED = ("Qwen3ForCausalLM", *GemmaForCausalLM.architectures)
+
+
 def model_max_len(config: PretrainedConfig) -> int:
     """The context length the checkpoint supports (a sliding window, if any, caps it)."""
     max_len = int(getattr(config, "max_position_embeddings", 2048))
     window = getattr(config, "sliding_window", None)
     use_window = getattr(config, "use_sliding_window", True)
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if arch in _WINDOWED and attention_supports("sliding_window"):
+        return max_len  # these models apply their windows in attention
     if window and use_window:
         # kvserve attends over the full context, so it stays inside the window to stay exact.
         max_len = min(max_len, int(window))
