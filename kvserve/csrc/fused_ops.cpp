@@ -217,6 +217,9 @@ void norm_head(const T* x, const T* w, int64_t d, float eps, bool unit_offset, T
 // written to their slots of the paged cache [num_blocks, Hkv, block_size, D]. With q/k norm
 // weights ([D] each; Qwen3, Gemma3) every q and k head is first normalised (norm_head) into
 // a scratch head, rounded to T as the norm's output tensor would be, and rotated from there.
+// Measured at Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16, 1 thread): 6.6 us per
+// decode token against 126 us for the PyTorch chain (two norms, RoPE, KV write), 121 vs
+// 838 us at 64 tokens; the norms add 2.5 us to the bare RoPE + KV write.
 template <typename T>
 void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
