@@ -9,13 +9,16 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/cpu/Gelu.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -87,11 +90,13 @@ inline Vec rnd(Vec v) {
 }
 
 // Hugging Face's Llama RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), math in float32.
+// With `unit_offset` it is Gemma's: y = T((x * rsqrt(mean(x^2) + eps)) * (1 + w)), all in
+// float32 and rounded once at the end, as GemmaRMSNorm computes it.
 // With `residual` defined, first residual = T(residual + x) in place (the decoder layer's
 // skip connection) and the norm is taken of that sum.
 template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps,
-                   at::Tensor* residual) {
+                   at::Tensor* residual, bool unit_offset) {
   const int64_t rows = x.size(0), h = x.size(1);
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
@@ -119,8 +124,12 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, do
       const Vec invv(inv);
       for (int64_t i = 0; i < h; i += Vec::size()) {
         const int64_t n = std::min<int64_t>(Vec::size(), h - i);
-        const Vec normed = rnd<T>(load_f(xr + i, n) * invv);
-        store_t(orow + i, load_f(wp + i, n) * normed, n);
+        if (unit_offset) {
+          store_t(orow + i, (load_f(xr + i, n) * invv) * (Vec(1.f) + load_f(wp + i, n)), n);
+        } else {
+          const Vec normed = rnd<T>(load_f(xr + i, n) * invv);
+          store_t(orow + i, load_f(wp + i, n) * normed, n);
+        }
       }
     }
   });
@@ -150,13 +159,75 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// out = T(T(gelu_tanh(gate)) * up) (Gemma's GeGLU), with ATen's own tanh-approximation
+// formula (ATen/native/cpu/Gelu.h). PyTorch's elementwise loop runs the vectorised formula
+// over whole pairs of its vectors (32 floats, 64 bf16) and the scalar one (std::tanh) on a
+// row's tail; doing the same keeps the tail's last bits equal too.
+template <typename T>
+void gelu_tanh_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const T* gp = gate_up.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  const int64_t step = 2 * at::vec::Vectorized<T>::size();
+  const int64_t vec_end = inter - inter % step;
+  at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + inter;
+      T* o = op + r * os;
+      for (int64_t i = 0; i < vec_end; i += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), vec_end - i);
+        const Vec gelu = rnd<T>(at::native::vectorized_gelu_approximated_with_tanh(load_f(g + i, n)));
+        store_t(o + i, gelu * load_f(u + i, n), n);
+      }
+      for (int64_t i = vec_end; i < inter; ++i) {
+        const float gelu = round_to<T>(
+            at::native::scalar_gelu_approximated_with_tanh(static_cast<float>(g[i])));
+        o[i] = static_cast<T>(gelu * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// Per-head RMSNorm of one head's d values (Qwen3's and Gemma3's q/k norms) into dst, rounded
+// as rms_norm_impl rounds a row (Llama style, or Gemma's unit offset).
+template <typename T>
+void norm_head(const T* x, const T* w, int64_t d, float eps, bool unit_offset, T* dst) {
+  Vec ss(0.f);
+  for (int64_t i = 0; i < d; i += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), d - i);
+    const Vec v = load_f(x + i, n);
+    ss = ss + v * v;
+  }
+  const float mean = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, ss) / d;
+  const Vec invv(1.f / std::sqrt(mean + eps));
+  for (int64_t i = 0; i < d; i += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), d - i);
+    if (unit_offset) {
+      store_t(dst + i, (load_f(x + i, n) * invv) * (Vec(1.f) + load_f(w + i, n)), n);
+    } else {
+      store_t(dst + i, load_f(w + i, n) * rnd<T>(load_f(x + i, n) * invv), n);
+    }
+  }
+}
+
 // Rotate-half RoPE on q and k as Hugging Face computes it in the model dtype:
 // T(T(x * cos) + T(rotate_half(x) * sin)). q goes to q_out [T, H, D]; rotated k and v are
-// written to their slots of the paged cache [num_blocks, Hkv, block_size, D].
+// written to their slots of the paged cache [num_blocks, Hkv, block_size, D]. With q/k norm
+// weights ([D] each; Qwen3, Gemma3) every q and k head is first normalised (norm_head) into
+// a scratch head, rounded to T as the norm's output tensor would be, and rotated from there.
+// Measured at Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16, 1 thread): 6.6 us per
+// decode token against 126 us for the PyTorch chain (two norms, RoPE, KV write), 121 vs
+// 838 us at 64 tokens; the norms add 2.5 us to the bare RoPE + KV write.
 template <typename T>
 void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+                        const at::Tensor* q_norm, const at::Tensor* k_norm, double eps,
+                        bool unit_offset) {
+  const T* qw = q_norm ? q_norm->const_data_ptr<T>() : nullptr;
+  const T* kw = k_norm ? k_norm->const_data_ptr<T>() : nullptr;
   const int64_t tokens = qkv.size(0), d = q_out.size(2), half = d / 2;
   const T* src = qkv.const_data_ptr<T>();
   const T* cp = cos.const_data_ptr<T>();
@@ -177,19 +248,29 @@ void rope_write_kv_impl(at::Tensor& q_out, const at::Tensor& qkv, const at::Tens
       store_t(dst + half + i, hi, n);
     }
   };
+  const float feps = static_cast<float>(eps);
   at::parallel_for(0, tokens, row_grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    std::vector<T> scratch(d);
+    // The head to rotate: x itself, or its normalised copy in scratch.
+    auto normed = [&](const T* x, const T* w) -> const T* {
+      if (!w) return x;
+      norm_head(x, w, d, feps, unit_offset, scratch.data());
+      return scratch.data();
+    };
     for (int64_t t = begin; t < end; ++t) {
       const T* x = src + t * row;
       const T* c = cp + t * cos.stride(0);
       const T* s = sp + t * sin.stride(0);
-      for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * d, c, s, qo + (t * num_heads + h) * d);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        rotate(normed(x + h * d, qw), c, s, qo + (t * num_heads + h) * d);
+      }
       const T* k = x + num_heads * d;
       const T* v = k + num_kv_heads * d;
       // Cache layout [num_blocks, Hkv, block_size, D]: head h of slot (block, offset).
       const int64_t block = slot[t] / bs, offset = slot[t] % bs;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t at = ((block * num_kv_heads + h) * bs + offset) * d;
-        rotate(k + h * d, c, s, kc + at);
+        rotate(normed(k + h * d, kw), c, s, kc + at);
         std::copy(v + h * d, v + (h + 1) * d, vc + at);
       }
     }
@@ -280,18 +361,19 @@ void check_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor
                   weight.scalar_type() == x.scalar_type(), "dtypes/shapes");
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool unit_offset) {
   check_rms_norm(out, x, weight);
-  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, nullptr)
+  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, nullptr, unit_offset)
 }
 
 void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x,
-                  const at::Tensor& weight, double eps) {
+                  const at::Tensor& weight, double eps, bool unit_offset) {
   check_cpu_2d(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual must match x");
   check_rms_norm(out, x, weight);
-  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, &residual)
+  DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, eps, &residual, unit_offset)
 }
 
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
@@ -302,9 +384,19 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   DISPATCH(out.scalar_type(), silu_and_mul_impl, out, gate_up)
 }
 
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_cpu_2d(gate_up, "gate_up");
+  check_cpu_2d(out, "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * out.size(1) && gate_up.size(0) == out.size(0), "shapes");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "dtypes");
+  DISPATCH(out.scalar_type(), gelu_tanh_and_mul_impl, out, gate_up)
+}
+
 void rope_write_kv(at::Tensor q_out, const at::Tensor& qkv, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                   const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                   const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                   const std::optional<at::Tensor>& q_norm,
+                   const std::optional<at::Tensor>& k_norm, double eps, bool unit_offset) {
   check_cpu_2d(qkv, "qkv");
   check_cpu_2d(cos, "cos");
   check_cpu_2d(sin, "sin");
@@ -322,8 +414,16 @@ void rope_write_kv(at::Tensor q_out, const at::Tensor& qkv, const at::Tensor& co
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "dtypes");
   }
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "dtypes");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  for (const auto* w : {&q_norm, &k_norm}) {
+    TORCH_CHECK(!w->has_value() || ((*w)->is_contiguous() && (*w)->numel() == d &&
+                                    (*w)->scalar_type() == qkv.scalar_type()),
+                "q/k norm weights must be [head_dim] of the qkv dtype");
+  }
+  const at::Tensor* qn = q_norm.has_value() ? &*q_norm : nullptr;
+  const at::Tensor* kn = k_norm.has_value() ? &*k_norm : nullptr;
   DISPATCH(qkv.scalar_type(), rope_write_kv_impl, q_out, qkv, cos, sin, k_cache, v_cache,
-           slot_mapping, num_heads, num_kv_heads)
+           slot_mapping, num_heads, num_kv_heads, qn, kn, eps, unit_offset)
 }
 
 void argmax_rows(at::Tensor out, const at::Tensor& x) {
@@ -338,20 +438,25 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def(
-      "add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) "
+      "rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset=False) "
       "-> ()");
+  m.def(
+      "add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps, "
+      "bool unit_offset=False) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def(
       "rope_write_kv(Tensor(a!) q_out, Tensor qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
-      "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+      "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+      "Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-6, bool unit_offset=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("argmax_rows", &argmax_rows);
 }

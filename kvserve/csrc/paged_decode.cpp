@@ -10,6 +10,14 @@
 //   time with an online softmax; q.k with vdpbf16ps straight from the bf16 rows (a product
 //   of two bf16 is exact in float32, so only the summation order differs), 16 sums reduced
 //   at once, and the V accumulators in registers. ~2x faster than the generic one.
+//
+// Per-layer options (Mistral / Gemma 2 / Qwen sliding-window layers, Gemma 2's soft-cap):
+// - window > 0: a row of length L attends to tokens max(0, L - window)..L - 1 only (Hugging
+//   Face's sliding_window_overlay for the query at L - 1). Both paths start at that token:
+//   whole blocks before it are never read, the block holding it is read from its offset on.
+// - soft_cap > 0: each scaled score s becomes soft_cap * tanh(s / soft_cap) before the
+//   softmax (Gemma 2's attn_logit_softcapping). The bf16 path takes it as a template
+//   parameter, so without a soft-cap its inner loop is the one it always was.
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/core/Tensor.h>
@@ -44,8 +52,10 @@ struct HeadTask {
   const int64_t* table;   // the row's block table
   int64_t block_size;     // tokens per block
   int64_t len;            // context tokens
+  int64_t start;          // first token attended (sliding window; 0 = from the start)
   int64_t block_stride;   // elements from one block to the next (hkv * block_size * d)
   float scale;            // softmax scale
+  float cap;              // soft-cap of the scores (0 = none)
 };
 
 // Asks the CPU to start loading this head's first `n` vectors of block `blk` (one
@@ -58,21 +68,32 @@ inline void prefetch_block(const HeadTask<T>& t, const T* cache, int64_t blk, in
   }
 }
 
-// Calls fn(p, row) for each context token p, `row` pointing at its vector in `cache`.
-// Walks block by block (a division per token costs more than a dot product), prefetching
-// the next block while this one is computed on.
+// Calls fn(p, row) for each attended context token p (t.start..t.len - 1), `row` pointing
+// at its vector in `cache`. Walks block by block (a division per token costs more than a dot
+// product), prefetching the next block while this one is computed on.
 template <typename T, typename F>
 inline void for_each_token(const HeadTask<T>& t, const T* cache, F&& fn) {
-  for (int64_t b0 = 0, blk = 0; b0 < t.len; b0 += t.block_size, ++blk) {
+  const int64_t first = t.start / t.block_size;
+  for (int64_t blk = first, b0 = first * t.block_size; b0 < t.len; b0 += t.block_size, ++blk) {
     const T* base = cache + t.table[blk] * t.block_stride;
     const int64_t n = std::min(t.block_size, t.len - b0);
     if (b0 + n < t.len) prefetch_block(t, cache, blk + 1, std::min(t.block_size, t.len - b0 - n));
-    for (int64_t o = 0; o < n; ++o) fn(b0 + o, base + o * t.d);
+    for (int64_t o = std::max<int64_t>(t.start - b0, 0); o < n; ++o) fn(b0 + o, base + o * t.d);
   }
 }
 
 inline float reduce_sum(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// In place: s[p] = cap * tanh(s[p] / cap), transformers' order (divide, tanh, multiply).
+inline void soft_cap_scores(float* s, int64_t n, float cap) {
+  const Vec capv(cap);
+  int64_t p = 0;
+  for (; p + Vec::size() <= n; p += Vec::size()) {
+    ((Vec::loadu(s + p) / capv).tanh() * capv).store(s + p);
+  }
+  for (; p < n; ++p) s[p] = std::tanh(s[p] / cap) * cap;
 }
 
 // In place over each of the group's score rows: s[p] = exp(s[p] - max); inv[g] = 1 / sum.
@@ -118,7 +139,7 @@ struct Scratch {
 
 template <typename T>
 void head_generic(const HeadTask<T>& t, Scratch& w) {
-  const int64_t d = t.d, len = t.len;
+  const int64_t d = t.d, len = t.len - t.start;  // len: tokens attended
   w.qf.resize(t.group * d);
   w.acc.assign(t.group * d, 0.f);
   w.row.resize(d);
@@ -135,15 +156,16 @@ void head_generic(const HeadTask<T>& t, Scratch& w) {
       for (int64_t i = 0; i < d; i += Vec::size()) {
         s = at::vec::fmadd(Vec::loadu(qf + g * d + i), Vec::loadu(row + i), s);
       }
-      scores[g * len + p] = reduce_sum(s);
+      scores[g * len + p - t.start] = reduce_sum(s);
     }
   });
+  if (t.cap > 0.f) soft_cap_scores(scores, t.group * len, t.cap);
   float inv[kMaxGroup];
   softmax_numerators(scores, t.group, len, inv);
   for_each_token(t, t.v, [&](int64_t p, const T* v) {  // acc[g] = sum_p w[g, p] * v_p
     load_row(v, row, d);
     for (int64_t g = 0; g < t.group; ++g) {
-      const Vec wv(scores[g * len + p]);
+      const Vec wv(scores[g * len + p - t.start]);
       float* a = acc + g * d;
       for (int64_t i = 0; i < d; i += Vec::size()) {
         at::vec::fmadd(wv, Vec::loadu(row + i), Vec::loadu(a + i)).store(a + i);
@@ -197,8 +219,9 @@ inline void store_even_odd(__m512 even, __m512 odd, c10::BFloat16* dst) {
 // One pass over the context, 16 tokens at a time, with an online softmax (running max and
 // sum per query head), so each K and V run is read once, while it is in L1. The V
 // accumulators hold even/odd halves (see widen_even_odd): acc[g][2c] has elements 32c + 2l,
-// acc[g][2c + 1] elements 32c + 2l + 1.
-template <int D>
+// acc[g][2c + 1] elements 32c + 2l + 1. The first block read is the one holding t.start,
+// from that offset on; kCap applies the soft-cap t.cap to each chunk's scores.
+template <int D, bool kCap>
 void head_bf16(const HeadTask<c10::BFloat16>& t) {
   static_assert(D % 32 == 0, "head_dim");
   constexpr int NQ = D / 32, NV = D / 16;
@@ -214,7 +237,9 @@ void head_bf16(const HeadTask<c10::BFloat16>& t) {
     sum[g] = 0.f;
   }
   const __m512 scale = _mm512_set1_ps(t.scale);
-  for (int64_t b0 = 0, blk = 0; b0 < t.len; b0 += t.block_size, ++blk) {
+  [[maybe_unused]] const Vec cap(t.cap);
+  const int64_t first = t.start / t.block_size;
+  for (int64_t blk = first, b0 = first * t.block_size; b0 < t.len; b0 += t.block_size, ++blk) {
     const int64_t n_blk = std::min(t.block_size, t.len - b0);
     const int64_t off = t.table[blk] * t.block_stride;
     if (b0 + n_blk < t.len) {
@@ -222,7 +247,7 @@ void head_bf16(const HeadTask<c10::BFloat16>& t) {
       prefetch_block(t, t.k, blk + 1, nn);
       prefetch_block(t, t.v, blk + 1, nn);
     }
-    for (int64_t c0 = 0; c0 < n_blk; c0 += 16) {
+    for (int64_t c0 = std::max<int64_t>(t.start - b0, 0); c0 < n_blk; c0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, n_blk - c0));
       const c10::BFloat16* kb = t.k + off + c0 * D;
       const c10::BFloat16* vb = t.v + off + c0 * D;
@@ -239,6 +264,7 @@ void head_bf16(const HeadTask<c10::BFloat16>& t) {
           }
         }
         __m512 s = _mm512_mul_ps(hsum16(a), scale);
+        if constexpr (kCap) s = (Vec(s) / cap).tanh() * cap;
         s = _mm512_mask_mov_ps(_mm512_set1_ps(-kInf), valid, s);  // past the chunk's end
         const float m_new = std::max(mx[g], _mm512_reduce_max_ps(s));
         const __m512 e = Vec(_mm512_sub_ps(s, _mm512_set1_ps(m_new))).exp_u20();
@@ -273,8 +299,9 @@ template <typename T>
 void run_head(const HeadTask<T>& t, Scratch& w) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (t.d == 64) return head_bf16<64>(t);
-    if (t.d == 128) return head_bf16<128>(t);
+    const bool cap = t.cap > 0.f;
+    if (t.d == 64) return cap ? head_bf16<64, true>(t) : head_bf16<64, false>(t);
+    if (t.d == 128) return cap ? head_bf16<128, true>(t) : head_bf16<128, false>(t);
   }
 #endif
   head_generic(t, w);
@@ -283,7 +310,8 @@ void run_head(const HeadTask<T>& t, Scratch& w) {
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
+                   const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
+                   int64_t window, double soft_cap) {
   const int64_t num_rows = block_tables.size(0), table_stride = block_tables.stride(0);
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
   const int64_t group = q.size(1) / hkv;
@@ -297,7 +325,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   // than ATen's grain of K/V elements in all) stay on the calling thread: waking the pool
   // costs more than the work.
   int64_t total = 0;
-  for (int64_t r = 0; r < num_rows; ++r) total += lens[r];
+  for (int64_t r = 0; r < num_rows; ++r) total += window > 0 ? std::min(lens[r], window) : lens[r];
   const int64_t items = num_rows * hkv;
   const int64_t grain = total * hkv * d * 2 < at::internal::GRAIN_SIZE ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
@@ -308,6 +336,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     t.block_size = bs;
     t.block_stride = hkv * bs * d;
     t.scale = static_cast<float>(scale);
+    t.cap = static_cast<float>(soft_cap);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / hkv, kh = item % hkv;
       const int64_t tok = row_idx ? row_idx[r] : r;
@@ -319,6 +348,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       t.v = v_cache.const_data_ptr<T>() + kh * bs * d;
       t.table = tables + r * table_stride;
       t.len = lens[r];
+      t.start = window > 0 ? std::max<int64_t>(lens[r] - window, 0) : 0;
       run_head(t, scratch);
     }
   });
@@ -326,7 +356,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
+                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
+                            int64_t window, double soft_cap) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
@@ -346,10 +377,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.size(2) == k_cache.size(3) && out.sizes() == q.sizes(), "q/out/cache shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
               "q, cache and out must share a dtype");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
   if (q.scalar_type() == at::kFloat) {
-    decode_kernel<float>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+    decode_kernel<float>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window,
+                         soft_cap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+    decode_kernel<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale,
+                                 window, soft_cap);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
@@ -360,7 +395,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(kvserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor rows, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor rows, float scale, int window, "
+      "float soft_cap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -21,6 +21,13 @@ Two implementations share one signature:
   the first L - Lq + 1 + j keys, which is a decode row of that length over the same block
   table, so the decode kernel serves them unchanged and each query gets the very numbers a
   one-token step at that position would.
+
+Both take ``sliding_window`` (query at position ``i`` sees keys ``i - window < j <= i``, Hugging
+Face's ``sliding_window_overlay``) and ``soft_cap`` (scores ``cap * tanh(s / cap)`` after the
+scale, before mask and softmax, as Gemma 2's ``attn_logit_softcapping``), per call since they
+vary by layer. The cache keeps every block; only the reads are windowed: the kernel starts at
+the window's first token, the SDPA paths add the window to their masks (built once per step and
+window), and a soft-cap takes an explicit float32 path instead of SDPA (which has none).
 """
 
 from __future__ import annotations
@@ -29,14 +36,16 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.model import cpu_kernels
 from kvserve.model.prefill_attention import (
     ContextGroup,
     PrefillGroup,
+    attend,
     batched_context,
     batched_prefill,
+    cached_window_mask,
+    check_attention_options,
     group_context_rows,
     group_fresh_prompts,
 )
@@ -84,6 +93,7 @@ class DecodeBatch:
     mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, key in context (SDPA only)
     workspace: GatherWorkspace | None = None  # reusable gather buffers (None: allocate)
     use_kernel: bool = False  # True: the C++ CPU kernel; False: gather + SDPA
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # mask by sliding window
 
 
 @dataclass
@@ -181,19 +191,27 @@ def _context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> to
 
 
 def _attend_one(
-    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (the last ``Lq`` positions) over ``L`` context tokens."""
     lq, lk = q.shape[0], k_ctx.shape[0]
-    # Query i sits at absolute position lk - lq + i and may see keys 0..that position.
+    # Query i sits at absolute position lk - lq + i and may see keys 0..that position, and
+    # with a window only those past that position - window.
     mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-    out = F.scaled_dot_product_attention(
+    if sliding_window is not None and sliding_window < lk:
+        mask = mask.triu(diagonal=lk - lq - sliding_window + 1)
+    out = attend(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
         k_ctx.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
         v_ctx.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
+        mask,
+        scale,
+        soft_cap,
     )  # [1, H, Lq, D]
     return out.squeeze(0).transpose(0, 1)  # [Lq, H, D]
 
@@ -206,19 +224,24 @@ def reference_paged_attention(
     scale: float,
     rows: list[int] | None = None,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention for each request (or only ``rows``), reading K/V through its block table.
 
     q: ``[T, H, D]`` queries of the flat batch (their K/V must already be written).
-    Returns ``[T, H, D]``.
+    ``sliding_window``/``soft_cap``: see the module docstring (None: unset). With a soft-cap
+    the scores are computed in float32 whatever q's dtype. Returns ``[T, H, D]``.
     """
+    check_attention_options(sliding_window, soft_cap)
     if out is None:
         out = torch.empty_like(q)
     for i in range(md.num_rows) if rows is None else rows:
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         k_ctx = _context(k_cache, md.block_tables[i], md.seq_lens[i])  # [L, Hkv, D]
         v_ctx = _context(v_cache, md.block_tables[i], md.seq_lens[i])
-        out[start:end] = _attend_one(q[start:end], k_ctx, v_ctx, scale)
+        out[start:end] = _attend_one(q[start:end], k_ctx, v_ctx, scale, sliding_window, soft_cap)
     return out
 
 
@@ -229,12 +252,23 @@ def _batched_decode(
     dec: DecodeBatch,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ) -> None:
     """All one-token rows at once: the CPU kernel, or one SDPA over their gathered contexts."""
     if dec.use_kernel:
         rows = dec.token_idx if dec.token_idx is not None else dec.seq_lens[:0]
         cpu_kernels.paged_decode_attention(
-            out, q, k_cache, v_cache, dec.block_tables, dec.seq_lens, rows, scale
+            out,
+            q,
+            k_cache,
+            v_cache,
+            dec.block_tables,
+            dec.seq_lens,
+            rows,
+            scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         )
         return
     # Gather whole blocks: [Bd * nb, Hkv, bs, D] -> [Bd, Hkv, nb * bs, D]. index_select on the
@@ -254,9 +288,9 @@ def _batched_decode(
     k = k_blocks.view(bd, nb, hkv, bs, d).transpose(1, 2).reshape(bd, hkv, nb * bs, d)
     v = v_blocks.view(bd, nb, hkv, bs, d).transpose(1, 2).reshape(bd, hkv, nb * bs, d)
     qd = (q if dec.token_idx is None else q[dec.token_idx]).unsqueeze(2)  # [Bd, H, 1, D]
-    o = F.scaled_dot_product_attention(
-        qd, k, v, attn_mask=dec.mask, scale=scale, enable_gqa=True
-    ).squeeze(2)  # [Bd, H, D]
+    assert dec.mask is not None  # built by split_rows for the SDPA path
+    mask = cached_window_mask(dec._windowed, dec.mask, sliding_window)  # [Bd, 1, 1, nb * bs]
+    o = attend(qd, k, v, mask, scale, soft_cap).squeeze(2)  # [Bd, H, D]
     if dec.token_idx is None:
         out.copy_(o)
     else:
@@ -269,17 +303,36 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Fast path with the reference's results: batched decode rows and prefill rows."""
+    """Fast path with the reference's results: batched decode rows and prefill rows.
+
+    ``sliding_window``/``soft_cap`` as ``reference_paged_attention`` (None: unset, and then
+    every path runs exactly as without them).
+    """
+    check_attention_options(sliding_window, soft_cap)
     if md.prefill_rows is None:
         md.split_rows()
     out = torch.empty_like(q)
+    opts = (sliding_window, soft_cap)
     if md.decode is not None:
-        _batched_decode(q, k_cache, v_cache, md.decode, scale, out)
+        _batched_decode(q, k_cache, v_cache, md.decode, scale, out, *opts)
     for group in md.prefill_groups:
-        batched_prefill(q, k_cache, v_cache, group, scale, out)
+        batched_prefill(q, k_cache, v_cache, group, scale, out, *opts)
     for ctx in md.context_groups:  # after decode: they reuse its workspace buffers
-        batched_context(q, k_cache, v_cache, ctx, scale, out)
+        batched_context(q, k_cache, v_cache, ctx, scale, out, *opts)
     if md.prefill_rows:
-        reference_paged_attention(q, k_cache, v_cache, md, scale, rows=md.prefill_rows, out=out)
+        reference_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            md,
+            scale,
+            rows=md.prefill_rows,
+            out=out,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
     return out

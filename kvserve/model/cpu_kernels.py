@@ -68,31 +68,52 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     rows: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Decode attention reading K/V in place through the block tables, written into ``out``.
 
     q, out: ``[T, H, D]``; caches ``[num_blocks, Hkv, block_size, D]``; block_tables
     ``[Bd, nb]`` int64 (rows may be a strided view); seq_lens ``[Bd]`` int64; rows ``[Bd]``
     int64 token rows of q/out for each decode row, or empty when row i is token i.
+    ``sliding_window``: a row of length L reads only tokens ``max(0, L - window)..L - 1``;
+    ``soft_cap``: scores ``cap * tanh(s / cap)`` before the softmax (None: unset each).
     """
     torch.ops.kvserve.paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        rows,
+        scale,
+        0 if sliding_window is None else sliding_window,  # 0: the kernel's "no window"
+        0.0 if soft_cap is None else soft_cap,  # 0: no soft-cap
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's Llama RMSNorm of ``[T, hidden]`` rows in one pass (see ``RMSNorm``)."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm of ``[T, hidden]`` rows in one pass (see ``RMSNorm``);
+    ``unit_offset``: Gemma's ``(1 + w)`` RMSNorm, rounded once at the end (``GemmaRMSNorm``)."""
     out = torch.empty_like(x)
-    torch.ops.kvserve.rms_norm(out, x, weight, eps)
+    torch.ops.kvserve.rms_norm(out, x, weight, eps, unit_offset)
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
     """``residual += x`` (in place, rounded to its dtype), then returns RMSNorm(residual)."""
     out = torch.empty_like(x)
-    torch.ops.kvserve.add_rms_norm(out, residual, x, weight, eps)
+    torch.ops.kvserve.add_rms_norm(out, residual, x, weight, eps, unit_offset)
     return out
 
 
@@ -100,6 +121,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [T, 2 * I]`` -> ``[T, I]`` (see ``MLP``)."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     torch.ops.kvserve.silu_and_mul(out, gate_up)
+    return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``gate_up = [T, 2 * I]`` -> ``[T, I]``
+    (Gemma's GeGLU, see ``MLP``)."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.kvserve.gelu_tanh_and_mul(out, gate_up)
     return out
 
 
@@ -112,14 +141,22 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k of the fused projection ``qkv`` ``[T, (H + 2 Hkv) * D]`` with
-    ``cos``/``sin`` ``[T, D]``, store k and v in their cache slots; returns q ``[T, H, D]``."""
+    ``cos``/``sin`` ``[T, D]``, store k and v in their cache slots; returns q ``[T, H, D]``.
+
+    ``qk_norm``: the q and k norm weights (``[D]`` each; Qwen3, Gemma3), applied to every
+    head before the rotation (Gemma's ``(1 + w)`` form with ``unit_offset``)."""
     head_dim = k_cache.shape[3]
     q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+    q_w, k_w = qk_norm if qk_norm is not None else (None, None)
     torch.ops.kvserve.rope_write_kv(
-        q, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
-    )
+        q, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        q_w, k_w, eps, unit_offset,
+    )  # fmt: skip
     return q
 
 

@@ -1,10 +1,15 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) written for a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM, Qwen3) written for a paged KV cache.
 
 Tokens of all requests in a step arrive flat (``[T]``, no padding between requests); the
 attention metadata says which tokens belong to which request and where their K/V live.
 Q/K/V and gate/up projections are fused into single matmuls at load time. With
 ``enable_fused_ops`` (CPU, bf16) RMSNorm, SiLU*up and RoPE + KV write each run as one C++
 kernel (``cpu_kernels``) that rounds like the PyTorch op chain it replaces.
+
+Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE (fused: inside the RoPE + KV
+write kernel), a head_dim of its own, and optional sliding-window layers (``layer_types``).
+The pieces here (attention with q/k norms, windows and soft-capping, the gated MLP with SiLU
+or tanh-GELU, per-layer-type RoPE) are shared with ``gemma.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +26,41 @@ from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def model_architecture(config: PretrainedConfig, supported: tuple[str, ...]) -> str:
+    """The config's architecture, or a ValueError naming what this class runs."""
+    arch = (getattr(config, "architectures", None) or [supported[0]])[0]
+    if arch not in supported:
+        raise ValueError(f"unsupported architecture {arch!r}; this model class runs {supported}")
+    return arch
+
+
+def layer_window(config: PretrainedConfig, layer: int) -> int | None:
+    """Layer ``layer``'s sliding window from ``layer_types`` (None: full attention), as
+    transformers reads it: ``config.sliding_window`` on ``sliding_attention`` layers."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return None
+    if types[layer] not in LAYER_TYPES:
+        raise ValueError(
+            f"layer {layer} has attention type {types[layer]!r}; kvserve runs {LAYER_TYPES}"
+        )
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and types[layer] == "sliding_attention" else None
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # Gemma's (1 + w) form (gemma.GemmaRMSNorm)
+
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
@@ -33,7 +69,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         # Normalise in float32 as Hugging Face does, so bf16 runs round the same way.
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -44,7 +80,8 @@ class RMSNorm(nn.Module):
         """The skip connection and this norm: returns ``(residual + x, norm(residual + x))``.
         Fused, the sum is written into ``residual`` (which the caller owns)."""
         if self.fused:
-            return residual, cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            normed = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return residual, normed
         residual = residual + x
         return residual, self(residual)
 
@@ -52,12 +89,20 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, from the config's rope parameters (theta, scaling)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+    ) -> None:
+        """``layer_type``: the key of per-layer-type rope parameters (Gemma3's local and
+        global RoPE: ``rope_parameters = {"sliding_attention": {...}, ...}``)."""
         super().__init__()
         # Tables are computed on the CPU whatever device context the model is built under
         # (the loader builds on "meta"); ``to_device`` moves them.
         with torch.device("cpu"):
-            inv_freq, scaling = _inv_freq(config, head_dim)
+            inv_freq, scaling = _inv_freq(config, head_dim, layer_type)
             pos = torch.arange(max_positions, dtype=torch.float)
             freqs = torch.outer(pos, inv_freq)  # [P, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -82,15 +127,22 @@ def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tens
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def _inv_freq(
+    config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling from the config's rope parameters."""
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are unsupported")
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     if rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
         return inv_freq, float(scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
@@ -101,7 +153,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        bias: bool,
+        *,
+        o_bias: bool = False,
+        qk_norm: type[RMSNorm] | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
+        """``qk_norm``: a per-head norm on q and k before RoPE (Qwen3, Gemma3); ``scale``:
+        the softmax scale (default head_dim ** -0.5); ``sliding_window``: this layer attends
+        to its last ``sliding_window`` keys; ``soft_cap``: scores -> cap * tanh(scores / cap)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -109,9 +174,17 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-        self.fused = False  # RoPE + KV write as one C++ kernel
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        # only the features a layer uses are passed (none: the plain causal fast path)
+        self.attn_kwargs: dict[str, float | int] = {}
+        if sliding_window is not None:
+            self.attn_kwargs["sliding_window"] = sliding_window
+        if soft_cap is not None:
+            self.attn_kwargs["soft_cap"] = soft_cap
+        self.fused = False  # (q/k norm +) RoPE + KV write as one C++ kernel
 
     def forward(
         self,
@@ -124,42 +197,67 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         if self.fused:
             cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
+            norms = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norms = (self.q_norm.weight, self.k_norm.weight)
             q = cpu_kernels.rope_write_kv(
-                qkv, cos, sin, *kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads
-            )  # [T, H, D]
+                qkv, cos, sin, *kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads,
+                norms, self.q_norm.eps if self.q_norm else 1e-6,
+                bool(self.q_norm and self.q_norm.unit_offset),
+            )  # fmt: skip  # [T, H, D]
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(rope, q, k)
             write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
+        return self.o_proj(o.reshape(t, self.q_size))  # o: [T, H, D]
+
+
+# The gated MLP's activations: transformers' ``hidden_act`` name -> (PyTorch op, C++ kernel
+# computing act(gate) * up). gelu_pytorch_tanh is Gemma's GeGLU.
+ACTIVATIONS = {
+    "silu": (nn.functional.silu, cpu_kernels.silu_and_mul),
+    "gelu_pytorch_tanh": (
+        lambda x: nn.functional.gelu(x, approximate="tanh"),
+        cpu_kernels.gelu_tanh_and_mul,
+    ),
+}
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden activation {act!r}; kvserve runs {tuple(ACTIVATIONS)}"
+            )
+        self.act, self.act_and_mul = ACTIVATIONS[act]
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.fused = False  # silu(gate) * up as one C++ kernel
+        self.fused = False  # act(gate) * up as one C++ kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(cpu_kernels.silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, attn: Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, bias)
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu")
+        )
 
     def forward(
         self,
@@ -181,34 +279,57 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def _llama_attention(config: PretrainedConfig, arch: str, layer: int) -> Attention:
+    """Qwen2 has q/k/v bias; Qwen3 q/k norms and (with attention_bias) an o_proj bias too;
+    Llama and Mistral follow ``attention_bias``. Windows as transformers applies them:
+    Qwen2/3 per layer (``layer_types``), Mistral ``sliding_window`` on every layer."""
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if arch == "MistralForCausalLM":
+        window = getattr(config, "sliding_window", None)
+        window = int(window) if window else None
+    else:
+        window = layer_window(config, layer)
+    if arch == "Qwen3ForCausalLM":
+        return Attention(
+            config, attention_bias, o_bias=attention_bias, qk_norm=RMSNorm, sliding_window=window
+        )
+    return Attention(config, arch == "Qwen2ForCausalLM" or attention_bias, sliding_window=window)
+
+
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here."""
+    """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here,
+    Qwen3 by its q/k norms (and windows)."""
+
+    architectures = SUPPORTED_ARCHITECTURES  # what this class runs (config.architectures[0])
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; kvserve runs {SUPPORTED_ARCHITECTURES}"
-            )
-        bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        arch = model_architecture(config, self.architectures)
         self.config = config
-        head_dim = (
+        self.head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self.head_dim = head_dim
         self.num_kv_heads = int(config.num_key_value_heads)
         self.num_layers = int(config.num_hidden_layers)
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, bias) for _ in range(config.num_hidden_layers)
+            self.make_layer(config, arch, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.rotary = self.make_rotary(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # logits -> cap * tanh(logits / cap) (Gemma 2/3's final_logit_softcapping)
+        self.final_logit_softcapping: float | None = None
+
+    def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
+        return DecoderLayer(config, _llama_attention(config, arch, layer))
+
+    def make_rotary(self, config: PretrainedConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(config, self.head_dim, max_positions)
 
     def forward(
         self,
@@ -245,13 +366,17 @@ class LlamaForCausalLM(nn.Module):
             return False
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
-                m.fused = True
+                m.fused = True  # q/k norms then run inside the attention's RoPE kernel
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in the model dtype (the sampler widens
         them to float32 where it computes; greedy argmax reads them as they are)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.final_logit_softcapping
+        if cap is not None:  # in the model dtype, op by op, as transformers computes it
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -146,12 +146,8 @@ def _load_native(
     return model
 
 
+# Architectures whose native classes apply the config's sliding windows (layer_types).
 def model_max_len(config: PretrainedConfig) -> int:
-    """The context length the checkpoint supports (a sliding window, if any, caps it)."""
-    max_len = int(getattr(config, "max_position_embeddings", 2048))
-    window = getattr(config, "sliding_window", None)
-    use_window = getattr(config, "use_sliding_window", True)
-    if window and use_window:
-        # kvserve attends over the full context, so it stays inside the window to stay exact.
-        max_len = min(max_len, int(window))
-    return max_len
+    """The context length the checkpoint supports. A sliding window does not cap it: the
+    attention applies windows per layer (``attention.paged_attention``)."""
+    return int(getattr(config, "max_position_embeddings", 2048))

@@ -11,6 +11,12 @@ by every layer:
   and query, and attended in one SDPA call whose mask is each row's causal-with-offset mask.
   Padding changes SDPA's sizes, so results match the loop to rounding, not bit for bit (a group
   of one row, or of rows sharing ``L`` and ``Lq``, runs on the loop's sizes and is exact).
+
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2/3 with ``use_sliding_window``) and soft-capped
+scores (Gemma 2's ``attn_logit_softcapping``) vary by layer while these batches are shared by
+every layer, so each batch keeps its causal mask and derives a windowed one on first use per
+window (``window_mask``). SDPA has no soft-cap: with one set, ``attend`` takes an explicit
+float32 path (scores, cap, mask, softmax); without, it is the SDPA call it always was.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 if TYPE_CHECKING:
     from kvserve.model.attention import AttentionMetadata, GatherWorkspace
@@ -32,6 +39,83 @@ if TYPE_CHECKING:
 # with budgets 0 / 1024 / 4096 / 16384 (32 / 23 / 9 / 1 calls); the per-row loop 18.6 ms.
 MERGE_BUDGET_PAIRS = 1024
 
+# The soft-cap path materialises float32 scores; queries go in chunks so that one chunk's
+# scores stay under this many bytes (a 4096-token chunk over 8192 keys x 8 heads is 1 GiB).
+SOFTCAP_CHUNK_BYTES = 64 << 20
+
+
+def check_attention_options(sliding_window: int | None, soft_cap: float | None) -> None:
+    """ValueError for a window below 1 or a soft-cap that is not positive (None: unset)."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+
+
+def window_mask(mask: Tensor, window: int | None) -> Tensor:
+    """``mask`` (bool, ``[..., Lq, Lk]``) restricted to each query's last ``window`` keys.
+
+    Every mask here is causal: a query's row is the prefix ``0..pos`` of its keys (``pos`` its
+    absolute position), or the whole context for padded queries whose output is dropped. So
+    ``pos = row sum - 1`` and Hugging Face's ``sliding_window_overlay`` (key ``j`` visible when
+    ``j > pos - window``) keeps ``j >= row sum - window``; no row becomes empty. A window at
+    least the key count changes nothing and returns ``mask`` itself (the same bits as before).
+    """
+    if window is None or window >= mask.shape[-1]:
+        return mask
+    j = torch.arange(mask.shape[-1], device=mask.device)  # [Lk]
+    return mask & (j >= mask.sum(-1, keepdim=True) - window)
+
+
+def cached_window_mask(cache: dict[int, Tensor], mask: Tensor, window: int | None) -> Tensor:
+    """``window_mask(mask, window)``, built once per window and kept in ``cache`` (the batch's,
+    shared by every layer of the step)."""
+    if window is None:
+        return mask
+    if window not in cache:
+        cache[window] = window_mask(mask, window)
+    return cache[window]
+
+
+def softcap_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float
+) -> Tensor:
+    """Attention with soft-capped scores, in float32: Gemma 2's order (transformers'
+    ``eager_attention_forward``): ``s = q.k * scale``, ``s = cap * tanh(s / cap)``, then the
+    mask, softmax and ``p @ v``.
+
+    q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, mask bool ``[B or 1, 1, Lq or 1, Lk]`` or
+    ``[Lq, Lk]`` (as SDPA takes it; no empty row). Returns ``[B, H, Lq, D]`` in q's dtype.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    kf = k.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, Lk]
+    vf = v.float().unsqueeze(2)  # [B, Hkv, 1, Lk, D]
+    qf = q.float().reshape(b, hkv, h // hkv, lq, d)  # [B, Hkv, G, Lq, D]: GQA groups
+    m = mask.reshape(-1, 1, 1, *mask.shape[-2:])  # [B or 1, 1, 1, Lq or 1, Lk]
+    out = torch.empty(b, hkv, h // hkv, lq, d, dtype=q.dtype, device=q.device)
+    step = max(1, SOFTCAP_CHUNK_BYTES // (4 * b * h * lk))
+    for i in range(0, lq, step):
+        s = torch.matmul(qf[:, :, :, i : i + step], kf) * scale  # [B, Hkv, G, c, Lk]
+        s = torch.tanh(s / soft_cap) * soft_cap
+        s = s.masked_fill(~m[..., i : i + step, :], float("-inf"))
+        out[:, :, :, i : i + step] = torch.matmul(torch.softmax(s, dim=-1), vf)
+    return out.view(b, h, lq, d)
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float | None
+) -> Tensor:
+    """SDPA over the bool ``mask`` or, with a soft-cap, the explicit path. Shapes as
+    ``softcap_attention``."""
+    if soft_cap is not None:
+        return softcap_attention(q, k, v, mask, scale, soft_cap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
 
 @dataclass
 class PrefillGroup:
@@ -42,6 +126,11 @@ class PrefillGroup:
     blocks: torch.Tensor  # [n * L] cache block of each token, to read K/V back
     offsets: torch.Tensor  # [n * L] offset of each token in its block
     mask: torch.Tensor  # [L, L] bool causal mask, the reference's own
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The causal mask with a sliding window (``mask`` itself for None), built once."""
+        return cached_window_mask(self._windowed, self.mask, window)
 
 
 @dataclass
@@ -58,18 +147,24 @@ class ContextGroup:
     mask: torch.Tensor  # [n or 1, 1, Lq, Lk] bool: row's key j visible to its query i
     pad_keys: torch.Tensor | None  # [p] gathered key slots past a row's L (None: no padding)
     workspace: GatherWorkspace | None = None  # reusable gather buffers (None: allocate)
-    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _additive: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The bool mask with a sliding window (``mask`` itself for None), built once."""
+        return cached_window_mask(self._windowed, self.mask, window)
+
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The mask as 0 / -inf in ``dtype``, built on the first layer and kept for the rest.
 
         SDPA turns a bool mask into exactly this on every call; with 8 rows of 100 queries
         over 1104 keys that was ~8% of the call (profiled: aten::where 6.9 of 82.7 ms).
         """
-        if dtype not in self._additive:
-            m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._additive[dtype] = m.masked_fill_(~self.mask, float("-inf"))
-        return self._additive[dtype]
+        if (dtype, window) not in self._additive:
+            mask = self.window_mask(window)
+            m = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._additive[dtype, window] = m.masked_fill_(~mask, float("-inf"))
+        return self._additive[dtype, window]
 
 
 def group_fresh_prompts(
@@ -196,17 +291,18 @@ def batched_prefill(
     group: PrefillGroup,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
-    """One SDPA over n fresh prompts of length L, with the mask the reference uses."""
+    """One SDPA over n fresh prompts of length L, with the mask the reference uses (with a
+    window, the reference's windowed mask; with a soft-cap, the explicit path)."""
     length, (h, d) = group.length, q.shape[1:]
     hkv = k_cache.shape[1]
     # This step's K/V, read back from their slots: [n * L, Hkv, D] -> [n, Hkv, L, D].
     k = k_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
     v = v_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
     qg = q[group.tokens].view(-1, length, h, d).transpose(1, 2)  # [n, H, L, D]
-    o = F.scaled_dot_product_attention(
-        qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-    )  # [n, H, L, D]
+    o = attend(qg, k, v, group.window_mask(sliding_window), scale, soft_cap)  # [n, H, L, D]
     out[group.tokens] = o.transpose(1, 2).reshape(-1, h, d)
 
 
@@ -248,6 +344,8 @@ def batched_context(
     group: ContextGroup,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """One SDPA over the group's rows: padded queries against their padded gathered contexts.
 
@@ -258,9 +356,13 @@ def batched_context(
     k = _gather_context(k_cache, group, 0, q)  # [n, Hkv, Lk, D]
     v = _gather_context(v_cache, group, 1, q)
     qg = q[group.query_index].view(n, lq, h, d).transpose(1, 2)  # [n, H, Lq, D]
-    o = F.scaled_dot_product_attention(
-        qg, k, v, attn_mask=group.additive_mask(q.dtype), scale=scale, enable_gqa=True
-    )  # [n, H, Lq, D]
+    if soft_cap is None:
+        additive = group.additive_mask(q.dtype, sliding_window)
+        o = F.scaled_dot_product_attention(
+            qg, k, v, attn_mask=additive, scale=scale, enable_gqa=True
+        )  # [n, H, Lq, D]
+    else:
+        o = softcap_attention(qg, k, v, group.window_mask(sliding_window), scale, soft_cap)
     # [n * Lq, H, D]: a copy (SDPA's output is [n, H, Lq, D]); 6.5 MB for 32 rows of 100
     # queries in bf16, <1% of the call.
     o = o.transpose(1, 2).reshape(n * lq, h, d)

@@ -13,16 +13,17 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from kvserve.config import ModelImpl
-from kvserve.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from kvserve.model.gemma import GemmaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.transformers_backend import (
     TransformersForCausalLM,
     architecture_name,
     check_supported,
 )
 
-NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = dict.fromkeys(
-    SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-)
+NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    arch: cls for cls in (LlamaForCausalLM, GemmaForCausalLM) for arch in cls.architectures
+}
 
 
 def resolve_model_class(

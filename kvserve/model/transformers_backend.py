@@ -125,8 +125,9 @@ def _attention_options(module: nn.Module, kwargs: dict[str, Any], step: PagedSte
     that reads what a layer's attention needs beyond plain causal attention.
 
     A window at least as long as the context changes no score (position i may see every
-    j > i - window, i.e. all of 0..i), so it is dropped. Soft-capping and shorter windows
-    are refused until ``paged_attention`` has them; then this returns them instead.
+    j > i - window, i.e. all of 0..i), so it is dropped. Soft-capping is what the layer
+    passes its attention function (``softcap``, as transformers' Gemma 2 does; Gemma 3's
+    config field is ignored by transformers too).
     """
     arch, layer = architecture_name(step.config), module.layer_idx
     if kwargs.get("s_aux") is not None:
@@ -136,21 +137,11 @@ def _attention_options(module: nn.Module, kwargs: dict[str, Any], step: PagedSte
     window = kwargs.get("sliding_window", _layer_window(step.config, layer))
     if window is not None and int(window) >= step.max_positions:
         window = None
-    soft_cap = kwargs.get("softcap", getattr(step.config, "attn_logit_softcapping", None))
-    if soft_cap is not None:
-        raise _refuse(
-            arch,
-            f"layer {layer} soft-caps its attention logits (softcap="
-            f"{soft_cap}); kvserve's paged attention has no soft-capping yet",
-        )
-    if window is not None:
-        raise _refuse(
-            arch,
-            f"layer {layer} attends over a sliding window of {window} "
-            f"tokens, shorter than the {step.max_positions}-token context; "
-            "kvserve's paged attention has no sliding window yet",
-        )
-    return {}
+    soft_cap = kwargs.get("softcap")
+    return {
+        "sliding_window": None if window is None else int(window),
+        "soft_cap": None if soft_cap is None else float(soft_cap),
+    }
 
 
 def paged_attention_forward(

@@ -18,6 +18,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.registry import NATIVE_ARCHITECTURES
 from kvserve.model.transformers_backend import TransformersForCausalLM
 from kvserve.spec.truncated_draft import write_truncated_draft
 from tests.engine.utils import random_prompts, run_engine_checked
@@ -64,8 +65,9 @@ def hf_greedy(arch: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) 
 def engine(hf_models: HFModels, arch: str, **kw: object) -> LLMEngine:
     path, model = hf_models[arch]
     _REFERENCE_MODELS[arch] = model
-    # Llama has a native class: force the backend; the others take it under "auto".
-    impl = "transformers" if arch == "llama" else "auto"
+    # Architectures with a native class: force the backend; the others take it under "auto".
+    native = model.config.architectures[0] in NATIVE_ARCHITECTURES
+    impl = "transformers" if native else "auto"
     opts = {"dtype": "float32", "block_size": 4, "model_impl": impl, **kw}
     e = LLMEngine(build_engine_config(str(path), **opts))
     assert isinstance(e.runner.model, TransformersForCausalLM)
@@ -190,6 +192,6 @@ def test_model_impl_option(hf_models: HFModels) -> None:
     assert isinstance(llm.engine.runner.model, LlamaForCausalLM)
     with pytest.raises(ValueError, match=r"model_impl must be one of \['auto', 'kvserve', "):
         LLM(path, model_impl="vllm")
-    qwen3 = str(hf_models["qwen3"][0])
-    with pytest.raises(ValueError, match="model_impl='kvserve': Qwen3ForCausalLM has no native"):
-        LLM(qwen3, dtype="float32", num_kv_blocks=16, model_impl="kvserve")
+    phi3 = str(hf_models["phi3"][0])
+    with pytest.raises(ValueError, match="model_impl='kvserve': Phi3ForCausalLM has no native"):
+        LLM(phi3, dtype="float32", num_kv_blocks=16, model_impl="kvserve")

@@ -29,17 +29,18 @@ def load(path: Path, max_positions: int = 512, impl: str = "transformers") -> Ca
 
 
 def test_resolve_model_class() -> None:
-    llama, qwen3 = make_config("llama"), make_config("qwen3")
-    llama.architectures, qwen3.architectures = ["LlamaForCausalLM"], ["Qwen3ForCausalLM"]
+    llama, phi3 = make_config("llama"), make_config("phi3")
+    llama.architectures, phi3.architectures = ["LlamaForCausalLM"], ["Phi3ForCausalLM"]
     assert resolve_model_class(llama, ModelImpl.AUTO) is LlamaForCausalLM
     assert resolve_model_class(llama, "kvserve") is LlamaForCausalLM
     assert resolve_model_class(llama, "transformers") is TransformersForCausalLM
-    assert resolve_model_class(qwen3, "auto") is TransformersForCausalLM
+    assert resolve_model_class(phi3, "auto") is TransformersForCausalLM
     with pytest.raises(ValueError) as e:
-        resolve_model_class(qwen3, "kvserve")
+        resolve_model_class(phi3, "kvserve")
     assert str(e.value) == (
-        "model_impl='kvserve': Qwen3ForCausalLM has no native kvserve implementation (native: "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); use model_impl='auto' or "
+        "model_impl='kvserve': Phi3ForCausalLM has no native kvserve implementation (native: "
+        "Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM); use model_impl='auto' or "
         "'transformers' to run it through the transformers backend"
     )
 
@@ -77,25 +78,22 @@ def test_refuses_attention_outside_the_interface(tmp_path: Path) -> None:
     )
 
 
-def test_refuses_attention_soft_capping(tmp_path: Path) -> None:
-    msg = _refusal(tmp_path, transformers.Gemma2Config(**COMMON, head_dim=16))
-    assert msg == PREFIX.format("Gemma2ForCausalLM") + (
-        "layer 0 soft-caps its attention logits (softcap=50.0); kvserve's paged attention "
-        "has no soft-capping yet"
-    )
+def test_windows_and_soft_caps_reach_paged_attention() -> None:
+    """A layer's window and attention soft-cap, as transformers passes them to the attention
+    function, go to paged attention (the engine tests hold the outputs to transformers'); a
+    window as long as the context is dropped, since it changes no score."""
+    from types import SimpleNamespace
 
+    from kvserve.model.transformers_backend import PagedStep, _attention_options
 
-def test_refuses_a_sliding_window_per_layer(tmp_path: Path) -> None:
-    """Qwen3 slides from layer max_window_layers on: layer 0 is full, layer 1 is refused."""
-    cfg = make_config("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    assert cfg.layer_types == ["full_attention", "sliding_attention"]
-    msg = _refusal(tmp_path, cfg)
-    assert msg == PREFIX.format("Qwen3ForCausalLM") + (
-        "layer 1 attends over a sliding window of 8 tokens, shorter than the 512-token "
-        "context; kvserve's paged attention has no sliding window yet"
-    )
-    # Within an 8-token context the window changes no score, so the model runs.
-    assert isinstance(load(tmp_path, max_positions=8), TransformersForCausalLM)
+    cfg = make_config("gemma2")
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    step = PagedStep([], None, cfg, 512)  # type: ignore[arg-type]
+    layer = SimpleNamespace(layer_idx=0, is_causal=True)
+    options = _attention_options(layer, {"sliding_window": 8, "softcap": 1.0}, step)  # type: ignore[arg-type]
+    assert options == {"sliding_window": 8, "soft_cap": 1.0}
+    options = _attention_options(layer, {"sliding_window": 512, "softcap": None}, step)  # type: ignore[arg-type]
+    assert options == {"sliding_window": None, "soft_cap": None}
 
 
 def test_refuses_models_without_attention(tmp_path: Path) -> None:
@@ -126,13 +124,13 @@ REMOTE = (
 def test_refuses_remote_code(tmp_path: Path) -> None:
     """A known model type with an auto_map: transformers' class would not be the model's own;
     an unknown type needs the remote code to even read its config."""
-    make_tiny_hf_model("qwen3", tmp_path)
+    make_tiny_hf_model("phi3", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
     with pytest.raises(ValueError) as e:
         load(tmp_path, impl="auto")
-    assert str(e.value) == PREFIX.format("Qwen3ForCausalLM") + REMOTE
+    assert str(e.value) == PREFIX.format("Phi3ForCausalLM") + REMOTE
     custom = {**config, "auto_map": auto_map, "model_type": "custom-lm"}
     custom["architectures"] = ["CustomForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(custom))

@@ -61,14 +61,35 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "starcoder2": ("Starcoder2Config", {**COMMON, "sliding_window": None}),
-    # Soft-capped final logits; no attention soft-capping, and the 4096-token windows are
-    # longer than the 512-token context, so they change nothing.
+    # Attention soft-capping (1.0: small enough to bend these scores), alternating 8-token
+    # windows (shorter than prompt + output) and soft-capped final logits.
     "gemma2": (
         "Gemma2Config",
-        {**COMMON, "head_dim": 16, "attn_logit_softcapping": None, "final_logit_softcapping": 3.0},
+        {
+            **COMMON,
+            "head_dim": 16,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 3.0,
+            "sliding_window": 8,
+        },
     ),
-    # Every layer slides over 4096 tokens (longer than the context); soft-capped logits.
-    "gemma3_text": ("Gemma3TextConfig", {**COMMON, "head_dim": 16, "final_logit_softcapping": 3.0}),
+    # Gemma 3: 8-token windows on all but every 6th layer, soft-capped logits.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {**COMMON, "head_dim": 16, "final_logit_softcapping": 3.0, "sliding_window": 8},
+    ),
+    # Qwen3 sliding from layer 1 on (max_window_layers 1) over 8 tokens
+    "qwen3_window": (
+        "Qwen3Config",
+        {
+            **COMMON,
+            "head_dim": 16,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+    ),
+    "mistral_window": ("MistralConfig", {**COMMON, "sliding_window": 8}),
     "phi": ("PhiConfig", {**MHA, "partial_rotary_factor": 0.5}),
     "gpt2": (  # learned absolute positions: position_ids are kvserve's positions
         "GPT2Config",
