@@ -14,11 +14,10 @@ microseconds; the crossing of the two paths is what ``qlinear.DIRECT_ROWS`` is s
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from kernels import timed  # benchmarks/kernels.py: median seconds after warm-up
 
 from kvserve.model import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear
@@ -29,17 +28,6 @@ SHAPES = {  # name -> [(layer, N, K)]
                   ("down", 2048, 5632)],
     "builtin": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)],
 }  # fmt: skip
-
-
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def forced(layer: QuantLinear, x: torch.Tensor, direct: bool) -> Callable[[], object]:
@@ -80,7 +68,7 @@ def row_times(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
         "int4 direct": forced(q4, x, True),
         "int4 tiles": forced(q4, x, False),
     }
-    return {name: median_us(fn, repeats) for name, fn in fns.items()}
+    return {name: timed(fn, repeats) * 1e6 for name, fn in fns.items()}
 
 
 def main() -> None:
