@@ -73,12 +73,12 @@ _CLASSES = {
 }
 
 
-def make_native_model(arch: str, path: Path) -> PreTrainedModel:
+def make_native_model(arch: str, path: Path, **overrides: object) -> PreTrainedModel:
     """A random tiny model of ``arch`` saved to ``path``, float32. Norm weights are random
     too (transformers initialises Gemma's to 0 and Qwen3's to 1, which would hide a wrong
     ``1 + w`` or a missing q/k norm)."""
     torch.manual_seed(0)
-    model = _CLASSES[arch](native_config(arch))
+    model = _CLASSES[arch](native_config(arch, **overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
