@@ -50,6 +50,13 @@ class ModelImpl(enum.Enum):
     TRANSFORMERS = "transformers"  # transformers' own class on kvserve's paged attention
 
 
+class GenerationConfigSource(enum.Enum):
+    """Where requests' default sampling values come from (vLLM's ``--generation-config``)."""
+
+    AUTO = "auto"  # the model's generation_config.json (temperature, top_k, ...), as vLLM
+    VLLM = "vllm"  # vLLM's neutral defaults; the file's sampling values are ignored
+
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -156,9 +163,13 @@ class ModelConfig:
     quantization_group_size: int | None = None
     gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
+    # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)
+    generation_config: GenerationConfigSource = GenerationConfigSource.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
+        source = GenerationConfigSource(self.generation_config)
+        object.__setattr__(self, "generation_config", source)
         object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
         object.__setattr__(self, "pooling", PoolingType(self.pooling))
         if self.quantization is not None:

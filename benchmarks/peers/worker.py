@@ -31,6 +31,7 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[flo
         max_num_seqs=max(len(prompts), 1),
         kv_cache_memory=args.kv_cache,
         max_num_batched_tokens=4096,
+        model_impl=args.model_impl,
     )
     # Token ids only, no text: as the vLLM run (detokenize=False), so both do the same work.
     params = SamplingParams(
@@ -103,6 +104,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-file", default=None, help="JSON list of token id lists to use")
     ap.add_argument("--stop-at-eos", action="store_true", help="outputs end at EOS")
+    ap.add_argument(
+        "--model-impl", default="auto", choices=["auto", "kvserve", "transformers"],
+        help="kvserve only: native class or the transformers backend",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -118,6 +123,7 @@ def main() -> None:
         + json.dumps(
             {
                 "engine": args.engine,
+                "model_impl": args.model_impl if args.engine == "kvserve" else None,
                 "num_requests": args.num_requests,
                 "elapsed": elapsed,
                 "output_tokens": tokens,

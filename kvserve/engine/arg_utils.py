@@ -37,9 +37,6 @@ from kvserve.sample.custom_processors import load_processor_class
 logger = logging.getLogger("kvserve")
 
 GENERATION_CONFIGS = ("auto", "vllm")
-# generation_config.json keys vLLM's --generation-config auto turns into default sampling
-# parameters; kvserve does not, so "auto" logs the ones a model sets.
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # vLLM options whose feature kvserve lacks: the value that means "not used" (accepted, since
 # it changes nothing) and why any other value is refused. Switches that vLLM turns on with a
@@ -263,9 +260,10 @@ class EngineArgs:
         choices=("auto", "kvserve", "transformers"),
     )  # fmt: skip
     generation_config: str = _opt(
-        "vllm", "vLLM's flag: kvserve's default sampling parameters are vLLM's ('vllm'); "
-        "'auto' is accepted for models whose generation_config.json sets no sampling "
-        "defaults, and refused for the others (kvserve does not apply them)",
+        "auto", "vLLM's flag: 'auto' makes the temperature, top_p, top_k, min_p, repetition/"
+        "presence/frequency penalties and max_new_tokens (as max_tokens) of the model's "
+        "generation_config.json the defaults of requests that do not set them; 'vllm' "
+        "ignores the file (vLLM's neutral defaults)",
     )  # fmt: skip
     tensor_parallel_size: int = _opt(1, "vLLM's flag: only 1 (one device per model)")
     enforce_eager: bool = _opt(False, "vLLM's flag: no effect, kvserve always runs eagerly")
@@ -310,8 +308,8 @@ class EngineArgs:
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
                 _refusal("generation_config", self.generation_config,
-                         "kvserve's default sampling parameters are vLLM's; give 'vllm' "
-                         "or 'auto'")
+                         "kvserve reads generation_config.json from the model folder only; "
+                         "give 'auto' (the model's sampling defaults) or 'vllm' (none)")
             )  # fmt: skip
         self._check_memory_options()
         if self.model is not None:
@@ -501,6 +499,7 @@ class EngineArgs:
                 quantization_group_size=self.quantization_group_size,
                 gguf_file=self._gguf_file(),
                 model_impl=self.model_impl,  # type: ignore[arg-type]
+                generation_config=self.generation_config,  # type: ignore[arg-type]
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -551,25 +550,11 @@ class EngineArgs:
         return size
 
     def _log_vllm_noops(self, path: Path) -> None:
-        """Say what the accepted-but-inert vLLM options do here, so none is silently dropped;
-        refuse ``generation_config auto`` when it would change a model's decoding."""
+        """Say what the accepted-but-inert vLLM options do here, so none is silently dropped."""
         if self.enforce_eager:
             logger.info("enforce_eager: kvserve always runs eagerly (no CUDA graphs)")
         if self.disable_log_requests:
             logger.info("disable_log_requests: kvserve never logs request contents")
-        gen = path / "generation_config.json"
-        if self.generation_config == "auto" and gen.is_file():
-            values = json.loads(gen.read_text(encoding="utf-8"))
-            ignored = {k: values[k] for k in _SAMPLING_KEYS if k in values}
-            if ignored:
-                # vLLM would make these the requests' defaults; kvserve does not, and a flag
-                # that changes decoding is honoured or refused, never quietly dropped.
-                raise ValueError(
-                    f"generation_config auto: the model sets sampling defaults {ignored} in "
-                    f"{gen}, which kvserve does not apply; use --generation-config vllm "
-                    f"(requests then use vLLM's default sampling parameters unless they set "
-                    f"their own)"
-                )
 
 
 def field_choices(name: str) -> tuple[str, ...]:

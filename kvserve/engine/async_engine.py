@@ -152,6 +152,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The model's defaults for the sampling fields a request leaves unset (read-only)."""
+        return self.engine.default_sampling_params
+
+    @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None
 
@@ -207,7 +212,8 @@ class AsyncLLMEngine:
         a running event loop, which is where the outputs are delivered. ``priority`` orders
         admission under the ``priority`` scheduling policy (lower first, as in vLLM).
         """
-        return self._submit(prompt, params or SamplingParams(), request_id, priority)
+        params = params or self.engine.get_default_sampling_params()
+        return self._submit(prompt, params, request_id, priority)
 
     def encode(
         self,

@@ -45,6 +45,12 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` and ``chat`` use when given none (vLLM's method): the
+        model's generation_config.json values under ``generation_config="auto"`` (the
+        default), vLLM's neutral ones for the rest."""
+        return self.engine.get_default_sampling_params()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were dropped."""
         return self.engine.reset_prefix_cache()
@@ -65,7 +71,7 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -24,6 +24,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works, execute_isolating
+from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import (
     CompletionState,
@@ -90,6 +91,8 @@ class LLMEngine:
         # DecodeStream works on the Rust tokenizer behind the transformers wrapper.
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
+        # The model's sampling defaults (--generation-config auto), vLLM's dict of the same name.
+        self.default_sampling_params = sampling_defaults(path, mc.generation_config)
         t0 = time.perf_counter()
         quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
         model = load_model(
@@ -195,6 +198,11 @@ class LLMEngine:
         )
 
     # -- requests -----------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters gets (vLLM's method): the model's
+        defaults, and vLLM's for every field they do not set."""
+        return SamplingParams(**self.default_sampling_params)
+
     def add_request(
         self,
         request_id: str,
@@ -206,7 +214,7 @@ class LLMEngine:
         """Queue a request (``n`` child sequences), or with ``PoolingParams`` an embedding
         request (vLLM's signature). ``priority``: lower runs first under the ``priority``
         scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):

@@ -139,9 +139,12 @@ async def create_chat_completion(
     template = chat_template_args(req, tools, options)
     prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt, template)
     requested = req.max_completion_tokens or req.max_tokens
-    max_tokens = resolve_max_tokens(engine, len(prompt.token_ids), requested, limits)
+    defaults = engine.default_sampling_params  # the model's (--generation-config auto)
+    max_tokens = resolve_max_tokens(
+        engine, len(prompt.token_ids), requested, limits, defaults.get("max_tokens")
+    )
     top_k = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_params(req.sampling_params, max_tokens, top_k)
+    params = make_params(req.sampling_params, max_tokens, top_k, defaults)
     tools.apply_grammar(params)  # tool_choice required / named
     await check_grammar(engine, params)
     request_id = new_id("chatcmpl")

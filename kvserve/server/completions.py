@@ -143,9 +143,16 @@ async def prepare_completion(
     prompts = await _prompts(engine, items)
     # One SamplingParams for all prompts: the smallest resolved max_tokens fits every prompt.
     requested = 1 if req.max_tokens == 0 else req.max_tokens  # 0: see _prompt_only
-    resolved = [resolve_max_tokens(engine, len(p.token_ids), requested, limits) for p in prompts]
+    defaults = engine.default_sampling_params  # the model's (--generation-config auto)
+    default = defaults.get("max_tokens")
+    if default is not None and requested is not None and "max_tokens" not in req.model_fields_set:
+        # not sent: the smaller of the field's 16 and the model's max_new_tokens (vLLM's rule)
+        requested = min(requested, default)
+    resolved = [
+        resolve_max_tokens(engine, len(p.token_ids), requested, limits, default) for p in prompts
+    ]
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
-    params = make_params(req.sampling_params, max_tokens, req.logprobs)
+    params = make_params(req.sampling_params, max_tokens, req.logprobs, defaults)
     await check_grammar(engine, params)
     return prompts, params
 

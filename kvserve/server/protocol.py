@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +45,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
     # with include_usage: every chunk carries the usage so far (vLLM's option)
     continuous_usage_stats: bool = False
+
+
+# The sampling fields a request may leave unset and vLLM's value for them when the model
+# has no default either (vLLM's _DEFAULT_SAMPLING_PARAMS: user -> model -> neutral).
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
 
 
 class _SamplingFields(_Request):
@@ -113,19 +127,23 @@ class _SamplingFields(_Request):
         """``SamplingParams.prompt_logprobs`` for this request."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; raises ValueError (-> 400) on out-of-range values."""
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters; raises ValueError (-> 400) on out-of-range values.
+        ``defaults``: the model's values (``--generation-config auto``) for the sampling
+        fields this request leaves unset or null, before vLLM's neutral ones."""
+        given = {name: getattr(self, name) for name in NEUTRAL_SAMPLING}
+        sampling = {
+            name: (defaults or {}).get(name, neutral) if given[name] is None else given[name]
+            for name, neutral in NEUTRAL_SAMPLING.items()
+        }
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            **sampling,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

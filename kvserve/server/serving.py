@@ -150,12 +150,18 @@ async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool =
 
 
 def resolve_max_tokens(
-    engine: AsyncLLMEngine, num_prompt: int, requested: int | None, limits: Limits
+    engine: AsyncLLMEngine,
+    num_prompt: int,
+    requested: int | None,
+    limits: Limits,
+    default: int | None = None,
 ) -> int | None:
     """Check prompt + max_tokens against the context (vLLM's message) and the server limit.
 
-    ``requested=None`` means "as much as the context allows" (chat's default), capped by the
-    server's limit; it returns the value for ``SamplingParams.max_tokens``.
+    ``requested=None`` means "the model's ``default`` (its generation_config.json
+    max_new_tokens), else as much as the context allows" (chat's default), capped by the
+    room left and the server's limit, as vLLM caps it; it returns the value for
+    ``SamplingParams.max_tokens``.
     """
     max_len = engine.max_model_len
     if num_prompt >= max_len:
@@ -166,10 +172,11 @@ def resolve_max_tokens(
             "messages" if requested is None else "prompt",
         )
     if requested is None:
-        if limits.max_tokens_limit is None:
+        if limits.max_tokens_limit is None and default is None:
             return None  # the engine fills the room left in the context and the KV cache
         room = min(max_len, engine.engine.kv_capacity_tokens) - num_prompt
-        return max(1, min(limits.max_tokens_limit, room))
+        caps = [c for c in (limits.max_tokens_limit, default) if c is not None]
+        return max(1, min(*caps, room))
     if limits.max_tokens_limit is not None and requested > limits.max_tokens_limit:
         raise bad_request(
             f"max_tokens is {requested}, above this server's limit of "

@@ -48,6 +48,7 @@ def test_settings_parsing_and_defaults() -> None:
 def test_server_commands() -> None:
     args = quantization.build_parser().parse_args(["--quantization-group-size", "64"])
     args.build = llamacpp.LlamaCppBuild(Path("/x"))
+    args.model_cfg = CFG
     model = quantization.Model("m", Path("/models/m"))
     ggufs = {"Q4_0": Path("/g/model-Q4_0.gguf"), "Q8_0": Path("/g/model-Q8_0.gguf")}
     by_key = {s.key: s for s in quantization.SETTINGS}
@@ -56,6 +57,9 @@ def test_server_commands() -> None:
     assert cmd[cmd.index("--quantization") + 1] == "int4"
     assert cmd[cmd.index("--quantization-group-size") + 1] == "64"
     assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--dtype" in cmd
+    assert cmd[cmd.index("--max-model-len") + 1] == "320"  # 128 in + 128 out + 64
+    # llama.cpp's KV tokens, 64 x 320, at 2 x 2 layers x 2 KV heads x 16 x 2 bytes a token
+    assert cmd[cmd.index("--kv-cache-memory") + 1] == str(64 * 320 * 256)
     cmd = quantization.server_command(args, by_key["kvserve-gguf-q8_0"], model, ggufs, 8123)
     assert cmd[cmd.index("serve") + 1] == "/g/model-Q8_0.gguf"
     assert "--quantization-group-size" not in cmd and cmd[cmd.index("--quantization") + 1] == "gguf"

@@ -19,6 +19,7 @@ from kvserve.config import (
     AttentionBackend,
     CacheConfig,
     EngineConfig,
+    GenerationConfigSource,
     KVPolicy,
     ModelConfig,
     PoolingType,
@@ -176,7 +177,8 @@ def test_vllm_refusals_name_the_option(tmp_path: Path) -> None:
         ("--trust-remote-code",): "trust_remote_code=True (--trust-remote-code) is not "
         "supported: kvserve never runs a model's own Python code",
         ("--generation-config", "/m"): "generation_config='/m' (--generation-config /m) is not "
-        "supported: kvserve's default sampling parameters are vLLM's; give 'vllm' or 'auto'",
+        "supported: kvserve reads generation_config.json from the model folder only; give "
+        "'auto' (the model's sampling defaults) or 'vllm' (none)",
         ("--model", str(tmp_path), "--tokenizer", "/tok"): f"tokenizer '/tok' (--tokenizer) is "
         f"not the model folder '{tmp_path}': kvserve reads the tokenizer from the model "
         f"folder; a separate tokenizer folder is not supported",
@@ -229,17 +231,15 @@ def test_inert_vllm_options_are_logged(
     tmp_path: Path, kvserve_logs: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos": 2}))
-    args = EngineArgs(model=str(tmp_path), enforce_eager=True, disable_log_requests=True,
-                      generation_config="auto")  # fmt: skip
-    with pytest.raises(ValueError, match=r"sets sampling defaults \{'temperature': 0.6\}"):
-        args.create_engine_config()
+    args = EngineArgs(model=str(tmp_path), enforce_eager=True, disable_log_requests=True)
+    # generation_config is vLLM's 'auto' by default: applied by the engine, not refused.
+    assert args.create_engine_config().model.generation_config is GenerationConfigSource.AUTO
     assert kvserve_logs.messages == [
         "enforce_eager: kvserve always runs eagerly (no CUDA graphs)",
         "disable_log_requests: kvserve never logs request contents",
     ]
-    # No sampling defaults in the model: 'auto' changes nothing and is accepted.
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos": 2}))
-    args.create_engine_config()
+    vllm = EngineArgs(model=str(tmp_path), generation_config="vllm").create_engine_config()
+    assert vllm.model.generation_config is GenerationConfigSource.VLLM
 
 
 def test_serve_takes_the_vllm_names(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""Native Qwen3 and Gemma 1/2/3 (text) through the whole engine: greedy outputs equal
-transformers' ``generate`` (float32, sliding windows smaller than prompt + output), under
-forced preemption and with prefix caching (KV integrity checked every step), and bf16 with
-the fused C++ ops and prepacked weights gives the plain path's tokens."""
+"""Native Qwen3, Mistral (a window on every layer) and Gemma 1/2/3 (text) through the
+whole engine: greedy outputs equal transformers' ``generate`` (float32, sliding windows
+smaller than prompt + output), under forced preemption and with prefix caching (KV
+integrity checked every step), and bf16 with the fused C++ ops and prepacked weights gives
+the plain path's tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from tests.engine.utils import random_prompts, run_engine_checked
-from tests.model.tiny_native import NATIVE_ARCHS, WINDOW, make_native_model
+from tests.model.tiny_native import MISTRAL_WINDOW, NATIVE_ARCHS, WINDOW, make_native_model
 
 LENGTHS = [3, 7, 12, 5, 20, 9, 1, 15, 33]
 MAX_TOKENS = 12
@@ -75,7 +76,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     m = native[arch]
     prompts = random_prompts(LENGTHS)
-    assert max(LENGTHS) + MAX_TOKENS > WINDOW
+    assert max(LENGTHS) + MAX_TOKENS > max(WINDOW, MISTRAL_WINDOW)
     llm = LLM(
         str(m.path),
         dtype="float32",
@@ -152,3 +153,19 @@ def test_bf16_fast_paths_keep_outputs(native: dict[str, Native], arch: str) -> N
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1] == outs[2]
     assert torch.bfloat16 == llm.engine.runner.model.embed_tokens.weight.dtype
+
+
+def test_mistral_window_changes_outputs(native: dict[str, Native]) -> None:
+    """The window the tests above match really bites: the same weights without a window
+    give other greedy tokens for the longest prompt, so ignoring it could not pass."""
+    m = native["mistral"]
+    prompt = random_prompts(LENGTHS)[LENGTHS.index(max(LENGTHS))]
+    m.hf.config.sliding_window = None
+    try:
+        full = m.hf.generate(  # type: ignore[operator]
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    finally:
+        m.hf.config.sliding_window = MISTRAL_WINDOW
+    assert full != m.greedy(tuple(prompt), MAX_TOKENS)

@@ -96,6 +96,32 @@ def test_windows_and_soft_caps_reach_paged_attention() -> None:
     assert options == {"sliding_window": None, "soft_cap": None}
 
 
+def test_refuses_attention_sinks_and_bidirectional_layers() -> None:
+    """What paged attention lacks is refused at the layer that asks for it (the load-time
+    probe runs every layer once): gpt-oss's sinks, an encoder-style non-causal layer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvserve.model.transformers_backend import PagedStep, _attention_options
+
+    cfg = make_config("llama")
+    cfg.architectures = ["LlamaForCausalLM"]
+    step = PagedStep([], None, cfg, 512)  # type: ignore[arg-type]
+    prefix = "cannot run LlamaForCausalLM through the transformers backend: layer 1 "
+    causal = SimpleNamespace(layer_idx=1, is_causal=True)
+    with pytest.raises(ValueError) as e:
+        _attention_options(causal, {"s_aux": torch.zeros(4)}, step)  # type: ignore[arg-type]
+    assert str(e.value) == prefix + "uses attention sinks, which kvserve lacks"
+    for layer, kw in (
+        (SimpleNamespace(layer_idx=1, is_causal=False), {}),
+        (causal, {"is_causal": False}),
+    ):
+        with pytest.raises(ValueError) as e:
+            _attention_options(layer, kw, step)  # type: ignore[arg-type]
+        assert str(e.value) == prefix + "attends bidirectionally (is_causal=False)"
+
+
 def test_refuses_models_without_attention(tmp_path: Path) -> None:
     cfg = transformers.MambaConfig(vocab_size=260, hidden_size=64, num_hidden_layers=2)
     assert _refusal(tmp_path, cfg) == PREFIX.format("MambaForCausalLM") + (

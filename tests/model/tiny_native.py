@@ -1,5 +1,6 @@
-"""Tiny random Qwen3 and Gemma 1/2/3 (text) models, saved as Hugging Face folders, and the
-plain prefill/decode drive of a kvserve model the model tests compare with transformers."""
+"""Tiny random Qwen3, Mistral (windowed) and Gemma 1/2/3 (text) models, saved as Hugging
+Face folders, and the plain prefill/decode drive of a kvserve model the model tests compare
+with transformers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -23,21 +26,24 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
 from tests.engine.utils import TINY
 
-NATIVE_ARCHS = ("qwen3", "gemma", "gemma2", "gemma3")
+NATIVE_ARCHS = ("qwen3", "mistral", "gemma", "gemma2", "gemma3")
 # Smaller than most prompts plus their outputs, so the sliding layers really drop keys.
 WINDOW = 6
+MISTRAL_WINDOW = 8  # Mistral slides on every layer
 # head_dim 32 with hidden 64 and 4 heads: q is 128 wide, unlike hidden (as in Qwen3/Gemma).
 # Eager attention: the reference for soft-capping (SDPA has none).
 BASE = {**TINY, "head_dim": 32, "attn_implementation": "eager"}
 
 
-def native_config(arch: str, **overrides: object) -> Qwen3Config | GemmaConfig:
+def native_config(arch: str, **overrides: object) -> Qwen3Config | MistralConfig | GemmaConfig:
     """The tiny config of ``arch``: windows on some layers, soft-caps small enough to bite,
     Gemma 3's local and global RoPE with different bases (and linear scaling on global)."""
     if arch == "qwen3":
         # Layers from max_window_layers on slide: layer 0 full, layer 1 windowed.
         kw = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
         return Qwen3Config(**{**BASE, **kw, **overrides})
+    if arch == "mistral":
+        return MistralConfig(**{**BASE, "sliding_window": MISTRAL_WINDOW, **overrides})
     if arch == "gemma":
         return GemmaConfig(**{**BASE, **overrides})
     gemma23 = {"query_pre_attn_scalar": 24, "sliding_window": WINDOW}
@@ -60,18 +66,19 @@ def native_config(arch: str, **overrides: object) -> Qwen3Config | GemmaConfig:
 
 _CLASSES = {
     "qwen3": Qwen3ForCausalLM,
+    "mistral": MistralForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
 }
 
 
-def make_native_model(arch: str, path: Path) -> PreTrainedModel:
+def make_native_model(arch: str, path: Path, **overrides: object) -> PreTrainedModel:
     """A random tiny model of ``arch`` saved to ``path``, float32. Norm weights are random
     too (transformers initialises Gemma's to 0 and Qwen3's to 1, which would hide a wrong
     ``1 + w`` or a missing q/k norm)."""
     torch.manual_seed(0)
-    model = _CLASSES[arch](native_config(arch))
+    model = _CLASSES[arch](native_config(arch, **overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
