@@ -168,20 +168,42 @@ class RayServeOptions:
 
 def serve_namespace(overrides: Mapping[str, Any]) -> argparse.Namespace:
     """``kvserve serve``'s parsed defaults with ``overrides`` (option names, as a config's
-    ``args``) applied; an unknown name is a ValueError naming the closest option."""
+    ``args``) applied as the flags would be: a string goes through the flag's type (``"1MiB"``
+    for a byte size), a choice is checked, a single value of a list option becomes a list.
+    An unknown name is a ValueError naming the closest option."""
     from kvserve.server.cli import add_serve_parser  # the server stack, not Ray
 
     parser = argparse.ArgumentParser(prog="kvserve")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = add_serve_parser(sub)
     args = parser.parse_args(["serve"])
-    known = vars(args)
+    actions = {a.dest: a for a in serve._actions if a.dest != argparse.SUPPRESS}
     for key, value in overrides.items():
-        if key not in known or key == "command":
-            close = difflib.get_close_matches(key, list(known), n=1)
+        action = actions.get(key)
+        if action is None or key == "help":
+            close = difflib.get_close_matches(key, list(actions), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown kvserve serve option {key!r}{hint}")
-        setattr(args, key, value)
+        setattr(args, key, _as_flag_value(action, value))
     return args
+
+
+def _as_flag_value(action: argparse.Action, value: Any) -> Any:
+    if action.nargs in ("+", "*") and isinstance(value, (str, int, float)):
+        value = [value]
+    if isinstance(value, list):
+        return [_as_flag_value(_one(action), v) for v in value]
+    if isinstance(value, str) and callable(action.type):
+        value = action.type(value)
+    if action.choices is not None and value is not None and value not in action.choices:
+        raise ValueError(f"{action.dest} must be one of {list(action.choices)}, got {value!r}")
+    return value
+
+
+def _one(action: argparse.Action) -> argparse.Action:
+    """``action`` for one element of its list."""
+    return argparse.Action(action.option_strings, action.dest, type=action.type,
+                           choices=action.choices)  # fmt: skip
 
 
 def replica_threads(args: argparse.Namespace) -> int:
