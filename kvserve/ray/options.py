@@ -69,6 +69,12 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         help="prefix_aware: characters of the prompt that key the owner replica",
     )  # fmt: skip
     g.add_argument(
+        "--stream-batching-interval-ms", type=float, default=0.0,
+        help="a replica sends a stream's chunks to the ingress at most this often after the "
+             "first (Ray Serve LLM's stream_batching_interval_ms, 50 there): fewer Ray "
+             "objects per token, burstier chunks; 0: each step's chunks at once",
+    )  # fmt: skip
+    g.add_argument(
         "--imbalanced-threshold", type=int, default=8,
         help="prefix_aware: in-flight difference above which the least loaded replica wins",
     )  # fmt: skip

@@ -91,6 +91,7 @@ class KVServeReplica:
         self.app = build_app(self.state)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.model_name = next(iter(self.state.engines))
+        self.batch_interval_s = float(getattr(args, "stream_batching_interval_ms", 0.0)) / 1000
         logger.info("replica %s serves %s (%d threads)", self.replica_id, self.model_name, threads)
 
     async def served_model(self) -> str:
@@ -139,6 +140,8 @@ class KVServeReplica:
 
         task = asyncio.create_task(self.app(request.scope(), receive, send))
         pending: list[Message] = []
+        loop = asyncio.get_running_loop()
+        last_yield: float | None = None  # the first batch (TTFT) is never held back
         try:
             while True:
                 new = await _next_messages(queue, task)
@@ -148,8 +151,14 @@ class KVServeReplica:
                     break
                 pending.extend(new)
                 if any(m["type"] == "http.response.body" for m in pending):
+                    if last_yield is not None and not is_final(pending[-1]):
+                        wait = last_yield + self.batch_interval_s - loop.time()
+                        if wait > 0:  # --stream-batching-interval-ms: gather a few steps
+                            await asyncio.sleep(wait)
+                            pending.extend(_drain(queue))
                     batch, pending = pending, []
                     yield batch
+                    last_yield = loop.time()
                     if is_final(batch[-1]):
                         break
             await task  # re-raise an app crash (the app answers its own errors with 500)
@@ -165,6 +174,14 @@ class KVServeReplica:
         state = getattr(self, "state", None)
         if state is not None:
             state.shutdown()
+
+
+def _drain(queue: asyncio.Queue[Message]) -> list[Message]:
+    """The messages waiting in ``queue`` now (maybe none)."""
+    messages = []
+    while not queue.empty():
+        messages.append(queue.get_nowait())
+    return messages
 
 
 async def _next_messages(queue: asyncio.Queue[Message], task: asyncio.Task[None]) -> list[Message]:
