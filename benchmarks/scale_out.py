@@ -64,7 +64,8 @@ def server_command(args: argparse.Namespace, setup: str, port: int) -> list[str]
         "--no-enable-prefix-caching",
     ]  # fmt: skip
     if replicas is not None:
-        cmd += ["--ray", "--num-replicas", str(replicas), "--routing-policy", "least_loaded"]
+        cmd += ["--ray", "--num-replicas", str(replicas), "--routing-policy", "least_loaded",
+                "--stream-batching-interval-ms", str(args.stream_batching_interval_ms)]  # fmt: skip
     return cmd
 
 
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--stream-batching-interval-ms", type=float, default=0.0,
+                    help="Ray setups: the replicas' stream batching (0: every step)")  # fmt: skip
     ap.add_argument("--c1-requests", type=int, default=16, help="requests at concurrency 1")
     ap.add_argument("--c64-requests", type=int, default=256, help="requests at concurrency 64")
     ap.add_argument("--warmup-requests", type=int, default=16)
