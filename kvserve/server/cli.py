@@ -18,6 +18,7 @@ from typing import Any
 
 from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.ray.options import add_ray_args
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import Limits
@@ -112,6 +113,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="do not show the tools to the chat template when tool_choice is 'none'",
     )  # fmt: skip
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
+    add_ray_args(p)
     return p
 
 
@@ -184,19 +186,9 @@ def _tracer(endpoint: str | None) -> RequestTracer | None:
     return tracer
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted; 0 on a clean stop (SIGTERM/SIGINT drain the requests
-    in flight first: ``kvserve.server.drain``), 1 if a model failed to load."""
-    import uvicorn
-
-    from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
-
-    specs = _model_specs(args)
-    # Built before uvicorn starts, so a bad engine option exits with code 2 and a message.
-    engine_args = replace(EngineArgs.from_cli_args(args), model=None, served_model_name=None)
-    for model, _ in specs:
-        replace(engine_args, model=model)  # per-model checks (e.g. --tokenizer)
-    state = ServerState(
+def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerState:
+    """The server's state from its flags, before any model loads (also each Ray replica's)."""
+    return ServerState(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
         limits=Limits(
@@ -213,6 +205,25 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics=ServerMetrics(engine_args.metrics_prefix),
         tracer=_tracer(engine_args.otlp_traces_endpoint),
     )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; 0 on a clean stop (SIGTERM/SIGINT drain the requests
+    in flight first: ``kvserve.server.drain``), 1 if a model failed to load."""
+    import uvicorn
+
+    from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
+
+    if args.ray:  # Ray Serve replicas behind one OpenAI ingress (kvserve/ray/)
+        from kvserve.ray.app import run_ray_serve
+
+        return run_ray_serve(args)
+    specs = _model_specs(args)
+    # Built before uvicorn starts, so a bad engine option exits with code 2 and a message.
+    engine_args = replace(EngineArgs.from_cli_args(args), model=None, served_model_name=None)
+    for model, _ in specs:
+        replace(engine_args, model=model)  # per-model checks (e.g. --tokenizer)
+    state = build_state(args, engine_args)
     config = uvicorn.Config(
         build_app(state),
         host=args.host,
