@@ -168,7 +168,7 @@ def resolve_max_tokens(
     if requested is None:
         if limits.max_tokens_limit is None:
             return None  # the engine fills the room left in the context and the KV cache
-        room = min(max_len, engine.engine.kv_capacity_tokens) - num_prompt
+        room = min(max_len, engine.kv_capacity_tokens) - num_prompt
         return max(1, min(limits.max_tokens_limit, room))
     if limits.max_tokens_limit is not None and requested > limits.max_tokens_limit:
         raise bad_request(
