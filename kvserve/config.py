@@ -311,7 +311,13 @@ class ParallelConfig:
         backend = self.distributed_executor_backend
         if backend is None:
             backend = ExecutorBackend.MP if self.tensor_parallel_size > 1 else ExecutorBackend.UNI
-        backend = ExecutorBackend(backend)
+        try:
+            backend = ExecutorBackend(backend)
+        except ValueError:
+            choices = [b.value for b in ExecutorBackend]
+            raise ValueError(
+                f"distributed_executor_backend must be one of {choices}, got {backend!r}"
+            ) from None
         if backend is ExecutorBackend.UNI and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one rank in the engine's process; "
