@@ -300,8 +300,9 @@ class ParallelConfig:
     # None: "uni" for one rank, "mp" for more; "uni" with several ranks is refused
     distributed_executor_backend: ExecutorBackend | None = None
     # torch CPU threads of each runner's process, set by the engine (uni) or each worker
-    # (mp) before the model loads; None leaves torch's default (OMP_NUM_THREADS)
-    num_threads: int | None = None
+    # (mp) before the model loads; None leaves torch's default (OMP_NUM_THREADS). A resource,
+    # not a result: configs that differ only in it compute the same and compare equal.
+    num_threads: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import (
@@ -274,10 +274,7 @@ class LLMEngine:
         timings.schedule += time.perf_counter() - t0
         if not sched.scheduled and self.scheduler.waiting_for_grammar:
             self._wait_for_grammars()
-        out = self.executor.execute_model(sched)
-        timings.add(out.timings)
-        if out.timings:
-            timings.steps += 1
+        out = self._execute(sched)
         t1 = time.perf_counter()
         grammar_failed = {
             r.request_id: r.structured_output.error or "grammar failed"
@@ -335,6 +332,14 @@ class LLMEngine:
         outputs = self._collect(parent_ids)
         timings.output += time.perf_counter() - t1
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step on the runner(s); their phase times join the engine's."""
+        out = self.executor.execute_model(sched)
+        self.timings.add(out.timings)
+        if out.timings:
+            self.timings.steps += 1
+        return out
 
     def _add_logprobs(self, req: Request, out: ModelRunnerOutput) -> None:
         """Logprobs of the request's new tokens (one entry each), when it asked for them."""
