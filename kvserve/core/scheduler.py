@@ -409,6 +409,13 @@ class Scheduler:
         req.status = status
         finished.append(req)
 
+    def restate_finished(self, req: Request, status: RequestStatus) -> None:
+        """Change why a request that finished this step finished (a stop string found in
+        the same step as its length limit wins, as in vLLM)."""
+        if not (req.status.finished and status.finished):
+            raise ValueError(f"request {req.request_id}: {req.status} -> {status} is not finished")
+        req.status = status
+
     def truncate_output(self, req: Request, num_output_tokens: int) -> None:
         """Keep the first ``num_output_tokens`` output tokens of a request a stop string
         ends inside a speculative run (the engine then finishes it)."""

@@ -314,7 +314,7 @@ class LLMEngine:
                 continue
             if hit:
                 if req.status.finished:
-                    req.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
+                    self.scheduler.restate_finished(req, RequestStatus.FINISHED_STOPPED)
                 else:
                     stopped.append(rid)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
