@@ -42,6 +42,8 @@ def default_num_threads(args: argparse.Namespace) -> int | None:
     default, that layout ran decode steps ~20x slower on 2 cores (~300 ms instead of ~15 ms
     for a 160M model; a 32-token request took 10 s instead of 0.6 s); setting the count
     explicitly at start-up, before any thread exists, avoids it (measured, same machine).
+    The count becomes ``EngineArgs.num_threads``: the engine sets it (each worker process
+    its own), so ``LLM``, Ray replicas and workers get the same treatment as the CLI.
     """
     if getattr(args, "num_threads", None):
         return int(args.num_threads)
@@ -70,11 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every request at INFO (e.g. each /health poll of a sweep): too chatty.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
-    threads = default_num_threads(args)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    if hasattr(args, "num_threads"):
+        args.num_threads = default_num_threads(args)  # the engine applies it
     try:
         if args.command == "generate":
             return _run_generate(args)

@@ -296,6 +296,54 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method is SpecMethod.DRAFT_MODEL else 0
 
 
+class ExecutorBackend(enum.Enum):
+    """Where the model runner lives (vLLM's ``distributed_executor_backend``)."""
+
+    UNI = "uni"  # in the engine's process (UniProcExecutor)
+    MP = "mp"  # one worker process per rank (MultiprocExecutor)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run the model and where (vLLM's names)."""
+
+    tensor_parallel_size: int = 1  # ranks sharing one model (world size)
+    # None: "uni" for one rank, "mp" for more; "uni" with several ranks is refused
+    distributed_executor_backend: ExecutorBackend | None = None
+    # torch CPU threads of each runner's process, set by the engine (uni) or each worker
+    # (mp) before the model loads; None leaves torch's default (OMP_NUM_THREADS). A resource,
+    # not a result: configs that differ only in it compute the same and compare equal.
+    num_threads: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}."
+            )
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = ExecutorBackend.MP if self.tensor_parallel_size > 1 else ExecutorBackend.UNI
+        try:
+            backend = ExecutorBackend(backend)
+        except ValueError:
+            choices = [b.value for b in ExecutorBackend]
+            raise ValueError(
+                f"distributed_executor_backend must be one of {choices}, got {backend!r}"
+            ) from None
+        if backend is ExecutorBackend.UNI and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one rank in the engine's process; "
+                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
+            )
+        object.__setattr__(self, "distributed_executor_backend", backend)
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -303,3 +351,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"  # torch device string; everything is placed there
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

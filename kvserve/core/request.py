@@ -6,8 +6,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvserve.config import PoolingType
 from kvserve.outputs import PromptLogprobs, RequestMetrics, TokenLogprobs
 from kvserve.pooling_params import PoolingSpec
@@ -52,7 +50,6 @@ class Request:
         max_tokens: int,
         eos_token_ids: list[int],
         arrival_time: float | None = None,
-        device: str | torch.device = "cpu",
         priority: int = 0,
         structured_output: StructuredOutputRequest | None = None,
         pooling: PoolingSpec | None = None,
@@ -76,10 +73,6 @@ class Request:
         self.structured_output = structured_output
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time or time.monotonic())
-        # A seeded generator makes the request reproducible whatever batch it lands in.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self.logprobs: list[TokenLogprobs] = []  # per output token, when asked for
         self.cumulative_logprob = 0.0
         # With params.prompt_logprobs: one entry per prompt token computed so far (the first is

@@ -37,6 +37,7 @@ from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue, pick_victim
+from kvserve.core.runner_views import RunnerViews
 from kvserve.core.scheduler_output import SchedulerOutput, SchedulerStats
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
@@ -72,6 +73,8 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self.grammar_failed: list[Request] = []
         self._finished_ids: set[str] = set()  # finished since the last schedule()
+        # what the runner holds of each request: the step message carries only the changes
+        self.runner_views = RunnerViews()
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -125,6 +128,7 @@ class Scheduler:
                     pending.remove(req)
             self.kv.free(rid)
             self._finished_ids.add(rid)
+            self.runner_views.forget(rid)
             req.status = status
             done.append(req)
         self._refresh_stats()
@@ -151,7 +155,8 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         now = time.monotonic()
         for req in out.scheduled:
-            out.block_tables[req.request_id] = self.kv.block_ids(req.request_id)
+            blocks = out.block_tables[req.request_id] = self.kv.block_ids(req.request_id)
+            self.runner_views.describe(out, req, blocks)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         self._grammar_bitmask(out)
@@ -245,6 +250,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         req.spec_token_ids = []  # proposed for KV that is going away
+        self.runner_views.preempted(req.request_id)
         self.stats.num_preemptions += 1
         req.metrics.num_preemptions += 1
         out.preempted_req_ids.append(req.request_id)
@@ -399,8 +405,16 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.kv.free(req.request_id)
         self._finished_ids.add(req.request_id)
+        self.runner_views.forget(req.request_id)
         req.status = status
         finished.append(req)
+
+    def restate_finished(self, req: Request, status: RequestStatus) -> None:
+        """Change why a request that finished this step finished (a stop string found in
+        the same step as its length limit wins, as in vLLM)."""
+        if not (req.status.finished and status.finished):
+            raise ValueError(f"request {req.request_id}: {req.status} -> {status} is not finished")
+        req.status = status
 
     def truncate_output(self, req: Request, num_output_tokens: int) -> None:
         """Keep the first ``num_output_tokens`` output tokens of a request a stop string

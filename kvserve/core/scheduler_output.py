@@ -1,20 +1,107 @@
-"""What the scheduler hands the runner each step, and the scheduler's plain counters."""
+"""What the scheduler hands the runner each step, and the scheduler's plain counters.
+
+``SchedulerOutput`` is the step message. The runner reads only its plain fields: each request
+it has not seen yet arrives once as a ``NewRequestData`` (prompt, params, blocks), after that
+only what changed arrives, in ``CachedRequestData`` (vLLM v1's shapes; nano-vllm's
+``Sequence.__getstate__`` is the small version). The runner keeps the rest in its own
+``InputBatch`` (``kvserve/worker/input_batch.py``). ``scheduled`` (the live ``Request``s) and
+``block_tables`` (every full table) are the scheduler's own view, for ``update_from_output``
+and tests; pickling leaves them out, so nothing live crosses to a worker process.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvserve.core.request import Request
+from kvserve.pooling_params import PoolingSpec
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: sent once, the first step that schedules it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # empty unless the request had output before (never today)
+    # the request's sampling parameters (seed, penalties, bad_words_token_ids, logprobs...);
+    # an embedding request's are inert placeholders
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]  # masked while output < min_tokens (unless ignore_eos)
+    max_tokens: int  # resolved max_tokens (speculative proposals never reach past it)
+    pooling: PoolingSpec | None  # an embedding request: how to pool; None: generation
+    block_ids: list[int]  # its device block table
+    num_computed_tokens: int  # tokens whose K/V is already there (a prefix-cache hit)
+    # prompt logprob entries the engine already holds ([None] counts 1); None: not asked
+    num_prompt_logprobs: int | None
+
+    @classmethod
+    def from_request(cls, req: Request, block_ids: list[int]) -> NewRequestData:
+        lps = req.prompt_logprobs
+        return cls(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.params,
+            eos_token_ids=req.eos_token_ids,
+            max_tokens=req.max_tokens,
+            pooling=req.pooling,
+            block_ids=list(block_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            num_prompt_logprobs=None if lps is None else len(lps),
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: what changed since it last heard of them, as
+    parallel lists (vLLM's layout; one entry per request)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # back from preemption (recompute, or swap to new device blocks): new_block_ids is its
+    # whole table; its sampling state (seeded generator, history) carries on
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # tokens the scheduler appended since the last message: the scheduler is the source of
+    # truth (a stop, a stop string or a refused grammar token cuts a run the runner sampled)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # block ids to append, after cutting the table to num_block_ids - len(new): blocks that
+    # held only rejected speculative positions may have been released (resumed: the table)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_block_ids: list[int] = field(default_factory=list)  # the table's length afterwards
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def add(
+        self,
+        req_id: str,
+        resumed: bool,
+        new_token_ids: list[int],
+        new_block_ids: list[int],
+        num_block_ids: int,
+        num_computed_tokens: int,
+    ) -> None:
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_block_ids.append(num_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
 class SchedulerOutput:
     """What the runner executes this step."""
 
-    scheduled: list[Request]  # requests computed this step, in batch order
-    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
+    # The scheduler's own view (engine process only; not pickled): the live requests in
+    # batch order and each one's full block table.
+    scheduled: list[Request]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step, in batch order
     block_tables: dict[str, list[int]]  # request id -> its device block ids, in order
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
@@ -29,6 +116,16 @@ class SchedulerOutput:
     propose: bool = False  # speculative decoding: propose the next step's tokens after this one
     # requests that finished or were aborted since the last step (runner-side state goes)
     finished_req_ids: set[str] = field(default_factory=set)
+    # The runner's input: requests it sees for the first time, and the changes of the others
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a worker process: the plain fields only (see the module docstring)."""
+        state = dict(self.__dict__)
+        state["scheduled"] = []
+        state["block_tables"] = {}
+        return state
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -26,6 +26,7 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     auto_dtype,
@@ -218,7 +219,11 @@ class EngineArgs:
     prepack_weights: bool = _opt(True, "CPU bf16: oneDNN-prepacked linear weights (same numbers)")
     warmup: bool = _opt(True, "with prepacked weights: one dummy max-size prefill before serving")
     num_threads: int | None = _opt(
-        None, "torch CPU threads (default: torch's choice; serve: one per core)", type=int
+        None,
+        "torch CPU threads, set by the engine (each worker process with --distributed-"
+        "executor-backend mp) before the model loads (default: torch's choice; serve: one "
+        "per core)",
+        type=int,
     )
     chat_template: str | None = _opt(
         None, "vLLM's flag: a chat template file, or the template itself, for the chat "
@@ -266,6 +271,11 @@ class EngineArgs:
         "ignores the file (vLLM's neutral defaults)",
     )  # fmt: skip
     tensor_parallel_size: int = _opt(1, "vLLM's flag: only 1 (one device per model)")
+    distributed_executor_backend: str | None = _opt(
+        None, "vLLM's flag: where the model runner lives: 'uni' in the engine's process, "
+        "'mp' in worker processes (one per rank); default uni for one rank, mp for more",
+        type=str, choices=("uni", "mp"),
+    )  # fmt: skip
     enforce_eager: bool = _opt(False, "vLLM's flag: no effect, kvserve always runs eagerly")
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
@@ -520,6 +530,11 @@ class EngineArgs:
             ),
             device=self.device,
             speculative=self.speculative(),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,  # type: ignore[arg-type]
+                num_threads=self.num_threads,
+            ),
         )
 
     def _resolve_model(self) -> tuple[Path, str]:

@@ -33,8 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import EngineConfig
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
+from kvserve.executor import WorkerDiedError
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
@@ -157,6 +160,29 @@ class AsyncLLMEngine:
         return self.engine.default_sampling_params
 
     @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The front end: tokenization and every request check (thread-safe reads)."""
+        return self.engine.processor
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds (a request larger than this can never run)."""
+        return self.engine.kv_capacity_tokens
+
+    @property
+    def kv_info(self) -> dict[str, int]:
+        """The KV cache's size: blocks, block size, tokens, bytes, swap blocks."""
+        return self.engine.kv_info
+
+    @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None
 
@@ -237,10 +263,10 @@ class AsyncLLMEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
         if isinstance(params, PoolingParams):
-            text, ids = self.engine.processor.tokenize_for_pooling(prompt, params)
+            text, ids = self.processor.tokenize_for_pooling(prompt, params)
         else:
-            text, ids = self.engine.processor.tokenize_prompt(prompt)
-        self.engine.processor.validate(ids, params, priority)
+            text, ids = self.processor.tokenize_prompt(prompt)
+        self.processor.validate(ids, params, priority)
         # Hand over the tokenized form so the engine thread does not tokenize again.
         resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
         request_id = request_id or uuid.uuid4().hex
@@ -355,6 +381,8 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # worker processes end (mp executor)
 
     def _retry_after(self) -> int:
         """Seconds a rejected client should wait: about one finished request's latency."""
@@ -472,6 +500,8 @@ class AsyncLLMEngine:
         """
         logger.exception("engine step failed (%d in a row); failing in-flight requests", failures)
         error = EngineStepError(f"the engine failed while running this request: {exc!r}")
+        if isinstance(exc, WorkerDiedError):
+            self._dead_reason = str(exc)  # a worker process is gone: no step can succeed
         try:
             self._fail_all(error, aborted)
         except Exception:

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig, SchedulingPolicy
+from kvserve.config import EngineConfig, ExecutorBackend, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.engine.decoding_setup import validate_decoding_fields
 from kvserve.pooling_params import PoolingParams, truncate_prompt
@@ -33,6 +33,10 @@ class InputProcessor:
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
         self.max_model_len = max_model_len
+        # the runner lives in worker processes: what a request carries must pickle
+        self._runner_elsewhere = config.parallel.distributed_executor_backend is (
+            ExecutorBackend.MP
+        )
         self.kv = kv  # read only: its capacity
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -92,6 +96,13 @@ class InputProcessor:
         validate_decoding_fields(params, self.tokenizer, vocab)
         for cls in self.config.model.logits_processors:
             cls.validate_params(params)  # a custom processor may refuse the request
+        if params.logits_processors and self._runner_elsewhere:
+            raise ParamError(
+                "logits_processors",
+                "per-request logits_processors (Python callables) cannot be sent to the "
+                "worker processes of distributed_executor_backend 'mp'; use a batch-level "
+                "processor class (--logits-processors), which each worker builds itself",
+            )
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} "

@@ -6,7 +6,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from kvserve.config import EngineConfig
@@ -34,8 +33,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs(model, **kwargs)
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        # num_threads: the engine sets torch's thread count (each worker its own)
         self.engine = LLMEngine(args.create_engine_config())
         self._ids = itertools.count()
 

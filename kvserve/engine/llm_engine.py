@@ -19,11 +19,11 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig, PreemptionMode, SpecMethod
+from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler
-from kvserve.engine.fault_isolation import EngineFaultError, engine_works, execute_isolating
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.fault_isolation import EngineFaultError, engine_works
 from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import (
@@ -34,22 +34,18 @@ from kvserve.engine.output_processor import (
     token_logprobs,
     update_text,
 )
-from kvserve.model.loader import load_hf_config, load_model, model_max_len
-from kvserve.model.packed_linear import packing_supported
+from kvserve.executor import Executor, create_executor
+from kvserve.model.loader import load_hf_config
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
-from kvserve.quantization.apply import QuantOptions
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.build import SPEC_WITH_PROCESSORS as _SPEC_WITH_PROCESSORS
-from kvserve.spec.build import build_proposer
 from kvserve.structured_output.grammar import GrammarCompiler
-from kvserve.worker.malloc_tuning import keep_freed_memory
-from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_block
-from kvserve.worker.runner_output import ModelRunnerOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_setup import resolve_max_model_len
+from kvserve.worker.runner_output import ModelRunnerOutput, StepTimings
 
 logger = logging.getLogger("kvserve")
 
-DEFAULT_KV_CACHE_MEMORY = 1024**3  # 1 GiB when neither a size nor a block count is given
 # An embedding request's SamplingParams: never read, since it never samples.
 _NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
@@ -83,9 +79,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         path = Path(mc.path)
         self.hf_config = load_hf_config(path)
-        self.max_model_len = min(
-            mc.max_model_len or model_max_len(self.hf_config), model_max_len(self.hf_config)
-        )
+        self.max_model_len = resolve_max_model_len(mc, self.hf_config)
         self.model_name = mc.served_name or path.name
         self.tokenizer = load_tokenizer(path)
         # DecodeStream works on the Rust tokenizer behind the transformers wrapper.
@@ -93,72 +87,41 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
         # The model's sampling defaults (--generation-config auto), vLLM's dict of the same name.
         self.default_sampling_params = sampling_defaults(path, mc.generation_config)
-        t0 = time.perf_counter()
-        quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
-        model = load_model(
-            path, mc.dtype, self.device, self.max_model_len, mc.prepack_weights, mc.fused_ops,
-            mc.model_impl, quant,
-        )  # fmt: skip
-        draft = self._load_draft(model)
-        per_block = kv_bytes_per_block(model, cc.block_size, mc.dtype)
-        if draft is not None:  # the draft's K/V lives in the same blocks
-            per_block += kv_bytes_per_block(draft, cc.block_size, mc.dtype)
-        num_blocks = cc.num_kv_blocks or max(
-            1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
+        # The runner(s): in this process or one worker process per rank; each loads the
+        # model, sizes and allocates the KV cache and warms up (ModelRunner(config, rank)).
+        self.executor: Executor = create_executor(config)
+        # The runner itself when it lives in this process (the default), else None.
+        self.runner: ModelRunner | None = self.executor.runner
+        info = self.executor.info
+        self.warmup_tokens = info.warmup_tokens  # tokens of the start-up dummy prefill (0: none)
+        self.kv = KVCacheManager(
+            info.num_blocks, cc.block_size, info.num_swap_blocks, cc.enable_prefix_caching
         )
-        swap = config.scheduler.preemption_mode is PreemptionMode.SWAP
-        # More swap than twice the device cache is never useful here (a full swap space
-        # falls back to recompute), and capping keeps a tiny model from a huge block list.
-        num_swap = min(cc.swap_space // per_block, 2 * num_blocks) if swap else 0
-        self.kv = KVCacheManager(num_blocks, cc.block_size, num_swap, cc.enable_prefix_caching)
-        self.runner = ModelRunner(
-            model,
-            cc.block_size,
-            num_blocks,
-            num_swap,
-            mc.dtype,
-            self.device,
-            mc.seed,
-            mc.attention_backend,
-            [cls(config, self.device, False) for cls in mc.logits_processors],
-        )
-        self.runner.proposer = build_proposer(config, draft, num_blocks, self.runner)
-        if self.device.type == "cpu":
-            # After the weights and KV cache exist, so only step-time buffers are affected.
-            keep_freed_memory()
-        self.warmup_tokens = 0  # tokens of the start-up dummy prefill (0: none)
-        if mc.warmup and mc.prepack_weights and packing_supported(self.device, mc.dtype):
-            # After the malloc tuning, so the warm-up's buffers stay in the heap for reuse.
-            t1 = time.perf_counter()
-            max_tokens = config.scheduler.max_num_batched_tokens
-            self.warmup_tokens = self.runner.warm_up(max_tokens, self.max_model_len)
-            logger.info(
-                "warm-up: %d-token dummy prefill in %.2fs",
-                self.warmup_tokens,
-                time.perf_counter() - t1,
-            )
         self.scheduler = Scheduler(config.scheduler, cc, self.kv, config.speculative)
         self.processor = InputProcessor(
             config, self.tokenizer, self.hf_config, self.max_model_len, self.kv
         )
+        self.timings = StepTimings()  # the engine's phases plus the runner's, per step
         self.kv_info = {
-            "num_blocks": num_blocks,
+            "num_blocks": info.num_blocks,
             "block_size": cc.block_size,
-            "num_tokens": num_blocks * cc.block_size,
-            "bytes": num_blocks * per_block,
-            "num_swap_blocks": num_swap,
+            "num_tokens": info.num_blocks * cc.block_size,
+            "bytes": info.num_blocks * info.bytes_per_block,
+            "num_swap_blocks": info.num_swap_blocks,
         }
         logger.info(
-            "loaded %s in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; "
-            "decode attention: %s; fused ops: %s",
+            "loaded %s in %.1fs (%s executor, %d rank(s)); KV cache: %d blocks x %d tokens = "
+            "%d tokens, %.1f MiB; decode attention: %s; fused ops: %s",
             self.model_name,
-            time.perf_counter() - t0,
-            num_blocks,
+            info.load_seconds,
+            config.parallel.distributed_executor_backend.value,  # type: ignore[union-attr]
+            config.parallel.world_size,
+            info.num_blocks,
             cc.block_size,
-            num_blocks * cc.block_size,
-            num_blocks * per_block / 2**20,
-            "cpu_kernel" if self.runner.use_decode_kernel else "sdpa",
-            "on" if model.fused_ops_enabled else "off",
+            info.num_blocks * cc.block_size,
+            info.num_blocks * info.bytes_per_block / 2**20,
+            "cpu_kernel" if info.use_decode_kernel else "sdpa",
+            "on" if info.fused_ops else "off",
         )
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
@@ -170,32 +133,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-    def _load_draft(self, target: Any) -> Any:
-        """The draft model of ``speculative_config`` method draft_model, else None."""
-        spec = self.config.speculative
-        if spec is None or spec.method is not SpecMethod.DRAFT_MODEL:
-            return None
-        if self.config.model.logits_processors:
-            raise ValueError(_SPEC_WITH_PROCESSORS)
-        assert spec.model is not None  # checked by SpeculativeConfig
-        mc = self.config.model
-        draft_path = Path(spec.model)
-        draft_config = load_hf_config(draft_path)
-        if int(draft_config.vocab_size) != int(self.hf_config.vocab_size):
-            raise ValueError(
-                f"the draft model {spec.model} has a vocabulary of {draft_config.vocab_size} "
-                f"tokens, the target {self.hf_config.vocab_size}: a draft must share the "
-                "target's tokenizer"
-            )
-        return load_model(
-            draft_path,
-            mc.dtype,
-            self.device,
-            self.max_model_len,
-            mc.prepack_weights,
-            mc.fused_ops,
-            mc.model_impl,
-        )
+    def close(self) -> None:
+        """Stop the runner(s): worker processes end (idempotent; also at exit)."""
+        self.executor.shutdown()
+        self.runner = None
 
     # -- requests -----------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
@@ -235,16 +176,9 @@ class LLMEngine:
             grammar = None if so is None else self.grammar_compiler.new_request(so)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
-                cid,
-                ids,
-                child_params,
-                max_tokens,
-                self.eos_token_ids,
-                arrival_time,
-                self.device,
-                priority,
+                cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, priority,
                 grammar,
-            )
+            )  # fmt: skip
             stream = None
             if self.tokenizer is not None and params.detokenize:
                 stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
@@ -271,8 +205,8 @@ class LLMEngine:
         samples; its SamplingParams are inert placeholders)."""
         spec = PoolingSpec(self.config.model.pooling, params.normalize)
         req = Request(
-            request_id, ids, _NO_SAMPLING, 0, self.eos_token_ids, arrival_time, self.device,
-            priority, pooling=spec,
+            request_id, ids, _NO_SAMPLING, 0, self.eos_token_ids, arrival_time, priority,
+            pooling=spec,
         )  # fmt: skip
         parent = ParentRequest(request_id, text, ids, _NO_SAMPLING, pooling=params)
         state = CompletionState(0, req, None)
@@ -342,13 +276,13 @@ class LLMEngine:
         (finish reason ``error``, ``RequestOutput.error`` says why); the others continue with
         the outputs they would have had. Raises ``EngineFaultError`` only when the engine
         itself is broken (see ``fault_isolation``)."""
-        timings = self.runner.timings
+        timings = self.timings
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         timings.schedule += time.perf_counter() - t0
         if not sched.scheduled and self.scheduler.waiting_for_grammar:
             self._wait_for_grammars()
-        out = execute_isolating(self.runner, sched)
+        out = self._execute(sched)
         t1 = time.perf_counter()
         grammar_failed = {
             r.request_id: r.structured_output.error or "grammar failed"
@@ -358,7 +292,7 @@ class LLMEngine:
         failed_parents = self._fail_requests(grammar_failed)
         failed_parents += self._fail_requests(out.failed)
         all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
-        if all_failed and not engine_works(self.runner, self.kv):
+        if all_failed and not engine_works(self.executor, self.kv):
             raise EngineFaultError(f"every request of the step failed: {out.failed}")
         updated, finished = self.scheduler.update_from_output(
             sched, out.sampled, out.spec_token_ids
@@ -388,7 +322,7 @@ class LLMEngine:
                 continue
             if hit:
                 if req.status.finished:
-                    req.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
+                    self.scheduler.restate_finished(req, RequestStatus.FINISHED_STOPPED)
                 else:
                     stopped.append(rid)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -406,6 +340,14 @@ class LLMEngine:
         outputs = self._collect(parent_ids)
         timings.output += time.perf_counter() - t1
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step on the runner(s); their phase times join the engine's."""
+        out = self.executor.execute_model(sched)
+        self.timings.add(out.timings)
+        if out.timings:
+            self.timings.steps += 1
+        return out
 
     def _add_logprobs(self, req: Request, out: ModelRunnerOutput) -> None:
         """Logprobs of the request's new tokens (one entry each), when it asked for them."""
@@ -507,5 +449,5 @@ class LLMEngine:
         s = dataclasses.asdict(self.scheduler.stats)
         s["num_kv_blocks"] = self.kv.pool.num_blocks
         s["num_free_kv_blocks"] = self.kv.pool.num_free_blocks
-        s["step_time"] = self.runner.timings.as_dict()
+        s["step_time"] = self.timings.as_dict()
         return s

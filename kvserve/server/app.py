@@ -305,7 +305,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.engine_for(req.model)
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer", "model")
-        vocab = engine.engine.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(

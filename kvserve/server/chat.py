@@ -82,7 +82,7 @@ async def chat_prompt(
             tools=args.tools,
             documents=args.documents,
             # the request's (trusted), else --chat-template, else the tokenizer's own
-            chat_template=args.chat_template or engine.engine.config.model.chat_template,
+            chat_template=args.chat_template or engine.config.model.chat_template,
             **args.kwargs,
         )
         # The template already holds the special tokens: do not add BOS again.

@@ -354,11 +354,10 @@ class ServerMetrics:
 def cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
     """vLLM's cache_config_info labels (CacheConfig's fields as strings, vLLM's names where
     they carry over: num_gpu_blocks is the device's block count, num_cpu_blocks swap's)."""
-    llm = engine.engine
-    cache, kv = llm.config.cache, llm.kv_info
+    cache, kv = engine.config.cache, engine.kv_info
     return {
         "block_size": str(cache.block_size),
-        "cache_dtype": str(llm.config.model.dtype).removeprefix("torch."),
+        "cache_dtype": str(engine.config.model.dtype).removeprefix("torch."),
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "num_gpu_blocks": str(kv["num_blocks"]),
         "num_cpu_blocks": str(kv["num_swap_blocks"]),

@@ -174,7 +174,7 @@ def resolve_max_tokens(
     if requested is None:
         if limits.max_tokens_limit is None and default is None:
             return None  # the engine fills the room left in the context and the KV cache
-        room = min(max_len, engine.engine.kv_capacity_tokens) - num_prompt
+        room = min(max_len, engine.kv_capacity_tokens) - num_prompt
         caps = [c for c in (limits.max_tokens_limit, default) if c is not None]
         return max(1, min(*caps, room))
     if limits.max_tokens_limit is not None and requested > limits.max_tokens_limit:

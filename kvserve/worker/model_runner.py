@@ -1,42 +1,56 @@
-"""Turns a ``SchedulerOutput`` into one forward pass and the new tokens of each finishing row.
+"""Turns a step message (``SchedulerOutput``) into one forward pass and the new tokens of
+each finishing row.
 
-The runner owns the physical KV tensors (device and CPU swap) and the model. It flattens
-the scheduled tokens of all requests into one batch (no padding between requests), builds
-slot mappings and block tables, runs the model, and samples on the rows that reached the end
-of their tokens. With speculative decoding a row also computes the request's proposed tokens:
-its last k + 1 positions give logits, the rejection sampler keeps the accepted run
-(``sample/rejection.py``), and the proposer (``kvserve/spec``) proposes the next step's tokens.
-Embedding requests share the batch but never sample: their final hidden states are pooled
-(``pooling.py``) when their prompt is complete.
+``ModelRunner(config, rank)`` builds everything it runs from the engine's config (nano-vllm's
+``ModelRunner(config, rank, event)``): the model (its rank's share under tensor
+parallelism), the draft proposer, the KV cache and swap space, and warms up; the engine
+gets the sizes back (``info``). It lives in the engine's process (``UniProcExecutor``) or in
+a worker process per rank (``MultiprocExecutor``): its input is plain data, and it keeps its
+own state of every request (``input_batch.py``). Each step it applies the message, does the
+swap copies, flattens the scheduled tokens of all requests into one batch (no padding
+between requests), builds slot mappings and block tables, runs the model, and samples the
+rows that reached the end of their tokens. With speculative decoding a row also computes the
+request's proposed tokens: its last k + 1 positions give logits, the rejection sampler keeps
+the accepted run (``sample/rejection.py``), and the proposer (``kvserve/spec``) proposes the
+next step's tokens. Embedding requests share the batch but never sample: their final hidden
+states are pooled (``pooling.py``) when their prompt is complete. A batch whose forward
+raises is run again request by request, so a fault stays with its request
+(``engine/fault_isolation.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 import torch
 
-from kvserve.config import AttentionBackend
-from kvserve.core.request import Request
+from kvserve.config import AttentionBackend, EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.base import CausalLM
-from kvserve.sample.custom_processors import BatchProcessors, LogitsProcessor
-from kvserve.sample.rejection import expand_for_verification, rejection_sample
-from kvserve.sample.sampler import NoTokenAllowedError, SamplingMetadata, sample
-from kvserve.spec.proposer import ProposalInput, Proposer
+from kvserve.model.loader import load_hf_config
+from kvserve.model.packed_linear import packing_supported
+from kvserve.spec.build import build_proposer
+from kvserve.spec.proposer import ProposalInput
+from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
-from kvserve.worker.pooling import Pooler, SumUpdates
-from kvserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
-from kvserve.worker.runner_output import (
-    ModelRunnerOutput,
-    StepTimings,
-    sampler_output_to_runner,
-    spec_output_to_runner,
+from kvserve.worker.malloc_tuning import keep_freed_memory
+from kvserve.worker.model_setup import (
+    kv_cache_size,
+    load_draft,
+    load_target,
+    resolve_max_model_len,
 )
+from kvserve.worker.pooling import Pooler
+from kvserve.worker.prompt_logprobs import (
+    commit_prompt_logprobs,
+    compute_prompt_logprobs,
+    prompt_logprob_rows,
+)
+from kvserve.worker.row_sampling import RowSampler
+from kvserve.worker.runner_output import ModelRunnerOutput, RunnerInfo, StepTimings
 
 __all__ = [
     "ModelRunner",
@@ -72,43 +86,60 @@ def _use_decode_kernel(
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: CausalLM,
-        block_size: int,
-        num_blocks: int,
-        num_swap_blocks: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        seed: int,
-        attention_backend: AttentionBackend = AttentionBackend.AUTO,
-        logits_processors: Sequence[LogitsProcessor] = (),
-        proposer: Proposer | None = None,
-    ) -> None:
-        self.model = model
-        self.proposer = proposer  # speculative decoding: proposes each row's next tokens
-        # custom batch-level logits processors (vLLM v1's interface), built by the engine
-        self.batch_processors = BatchProcessors(logits_processors)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = device
-        shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
-        swap_shape = (num_swap_blocks, *shape[1:])
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int | None = None) -> None:
+        """Build the runner of ``rank`` (of ``world_size``, default the config's): load the
+        model and draft, allocate the KV cache and swap space, warm up."""
+        t0 = time.perf_counter()
+        mc, cc = config.model, config.cache
+        self.config = config
+        self.rank = rank
+        self.world_size = config.parallel.world_size if world_size is None else world_size
+        self.device = device = torch.device(config.device)
+        self.block_size = cc.block_size
+        hf_config = load_hf_config(mc.path)
+        self.max_model_len = resolve_max_model_len(mc, hf_config)
+        self.model: CausalLM = load_target(config, self.max_model_len, rank, self.world_size)
+        draft = load_draft(config, hf_config, self.max_model_len)
+        size = kv_cache_size(config, self.model, draft)
+        self.num_blocks = size.num_blocks
+        self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, cc.block_size,
+                                            mc.dtype, device)  # fmt: skip
         # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
-        self.swap_caches = (
-            [
-                (torch.empty(swap_shape, dtype=dtype), torch.empty(swap_shape, dtype=dtype))
-                for _ in range(model.num_layers)
-            ]
-            if num_swap_blocks > 0
-            else []
-        )
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.swap_caches = allocate_kv_caches(
+            self.model, size.num_swap_blocks, cc.block_size, mc.dtype, torch.device("cpu")
+        ) if size.num_swap_blocks > 0 else []  # fmt: skip
         self.timings = StepTimings()
         self.workspace = GatherWorkspace()  # decode K/V gather buffers, reused every step
-        self.use_decode_kernel = _use_decode_kernel(attention_backend, device, dtype, model)
+        self.use_decode_kernel = _use_decode_kernel(
+            mc.attention_backend, device, mc.dtype, self.model
+        )
         self.pooler = Pooler()  # embedding requests: mean-pooling sums across prefill chunks
+        self.input_batch = InputBatch(device)  # the runner's state of each request
+        # custom batch-level logits processors (vLLM v1's interface), one instance each
+        processors = [cls(config, device, False) for cls in mc.logits_processors]
+        self.sampler = RowSampler(processors, torch.Generator(device=device).manual_seed(mc.seed))
+        # speculative decoding: proposes each row's next tokens
+        self.proposer = build_proposer(config, draft, size.num_blocks, self)
+        if device.type == "cpu":
+            # After the weights and KV cache exist, so only step-time buffers are affected.
+            keep_freed_memory()
+        warmup_tokens = 0
+        if mc.warmup and mc.prepack_weights and packing_supported(device, mc.dtype):
+            # After the malloc tuning, so the warm-up's buffers stay in the heap for reuse.
+            t1 = time.perf_counter()
+            max_tokens = config.scheduler.max_num_batched_tokens
+            warmup_tokens = self.warm_up(max_tokens, self.max_model_len)
+            logger.info("warm-up: %d-token dummy prefill in %.2fs", warmup_tokens,
+                        time.perf_counter() - t1)  # fmt: skip
+        self.info = RunnerInfo(
+            num_blocks=size.num_blocks,
+            num_swap_blocks=size.num_swap_blocks,
+            bytes_per_block=size.bytes_per_block,
+            use_decode_kernel=self.use_decode_kernel,
+            fused_ops=bool(getattr(self.model, "fused_ops_enabled", False)),
+            warmup_tokens=warmup_tokens,
+            load_seconds=time.perf_counter() - t0,
+        )
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, max_len: int) -> int:
@@ -160,129 +191,114 @@ class ModelRunner:
                 v[dst] = sv[src].to(self.device)
 
     def _prepare(
-        self, sched: SchedulerOutput
+        self, rows: StepRows
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids and positions, the attention metadata, and the flat rows whose
         logits are sampled (a verification row's last k + 1, one for any other finishing row)."""
         ids: list[int] = []
-        rows: list[tuple[list[int], int, int]] = []
+        meta_rows: list[tuple[list[int], int, int]] = []
         logits_idx: list[int] = []
         spec_rows: list[int] = []
         offset = 0
-        for i, req in enumerate(sched.scheduled):
+        for i, req in enumerate(rows.scheduled):
             rid = req.request_id
-            n = sched.num_scheduled_tokens[rid]
+            n = rows.num_scheduled_tokens[rid]
             start = req.num_computed_tokens
-            spec = sched.scheduled_spec_decode_tokens.get(rid, [])
+            spec = rows.scheduled_spec_decode_tokens.get(rid, [])
             ids.extend(req.all_token_ids[start : start + n])
             ids.extend(spec)  # the proposals follow the request's own tokens
-            rows.append((sched.block_tables[rid], start, n))
+            meta_rows.append((req.block_ids, start, n))
             offset += n
-            if sched.samples(req):
+            if rows.samples(req):
                 logits_idx.extend(range(offset - 1 - len(spec), offset))
             if spec:
                 spec_rows.append(i)
-        md, positions = build_metadata(rows, self.block_size, self.device, frozenset(spec_rows))
+        md, positions = build_metadata(meta_rows, self.block_size, self.device,
+                                       frozenset(spec_rows))  # fmt: skip
         md.split_rows(self.workspace, self.use_decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         return input_ids, positions, md, logits_idx
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, swap: bool = True) -> ModelRunnerOutput:
-        """Run one step. ``swap=False`` skips the swap copies: a retry of a failed step must
-        not redo them (a swapped-out block may already hold another request's new K/V)."""
+        """Run one step message: apply it to the runner's requests, do the swap copies
+        (``swap=False``: the caller did them), then the batch. If the batch raises, each
+        request runs again alone (nothing advanced: its K/V slots are simply written again)
+        and those that fail alone are reported in ``failed``; a failed swap copy raises (K/V
+        is lost: the engine's fault)."""
         t0 = time.perf_counter()
-        if swap:
-            self.swap(sched)
+        rows = self.input_batch.update(sched)
         if self.proposer is not None:
             self.proposer.forget(sched.finished_req_ids, sched.preempted_req_ids)
         if len(self.pooler):
             self.pooler.forget(sched.finished_req_ids)
-        if not sched.scheduled:
+        if swap:
+            self.swap(sched)
+        if not rows.scheduled:
             return ModelRunnerOutput({})
-        input_ids, positions, md, logits_idx = self._prepare(sched)
+        seeded = [r for r in rows.scheduled if r.generator is not None]
+        states = [r.generator.get_state() for r in seeded if r.generator is not None]
+        phases = {"prepare": time.perf_counter() - t0}
+        try:
+            out = self._run(rows, sched, phases)
+        except Exception:
+            logger.exception(
+                "a step of %d requests failed; retrying each request alone", len(rows.scheduled)
+            )
+            for r, state in zip(seeded, states, strict=True):
+                if r.generator is not None:
+                    r.generator.set_state(state)  # the retry draws what the batch would have
+            out = ModelRunnerOutput({})
+            for req in rows.scheduled:
+                try:
+                    out.update(self._run(rows.only(req), sched, phases))
+                except Exception as exc:
+                    out.failed[req.request_id] = f"the forward pass failed: {exc!r}"
+        out.timings = phases
+        self.timings.add(phases)
+        self.timings.steps += 1
+        return out
+
+    def _run(
+        self, rows: StepRows, sched: SchedulerOutput, phases: dict[str, float]
+    ) -> ModelRunnerOutput:
+        """Forward, logits, prompt logprobs, pooling, sampling and proposals of ``rows``
+        (the step's, or one request of them); the runner's per-request results are committed
+        only when all of it succeeded. Reads only plain fields of ``sched``."""
+        t0 = time.perf_counter()
+        input_ids, positions, md, logits_idx = self._prepare(rows)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, md)  # [T, hidden]
-        reqs = [r for r in sched.scheduled if sched.samples(r)]
+        reqs = [r for r in rows.scheduled if rows.samples(r)]
         logits = self.model.compute_logits(hidden[logits_idx]) if reqs else None  # [N, V]
         t2 = time.perf_counter()
         # Before sampling: if this raises, the step is retried per request and no seeded
         # generator has advanced yet.
-        rows = prompt_logprob_rows(sched)
-        prompt_lps = compute_prompt_logprobs(self.model, rows, hidden) if rows else {}
-        pooled: dict[str, list[float]] = {}
-        sums: SumUpdates = {}
-        if any(r.pooling is not None for r in sched.scheduled):
-            pooled, sums = self.pooler.step(sched, hidden)
+        lp_rows = prompt_logprob_rows(rows)
+        prompt_lps = compute_prompt_logprobs(self.model, lp_rows, hidden) if lp_rows else {}
+        pooled, sums = {}, {}
+        if any(r.pooling is not None for r in rows.scheduled):
+            pooled, sums = self.pooler.step(rows, hidden)
         out = ModelRunnerOutput({})
         if logits is not None:
-            out = self._sample_all(reqs, logits, sched)
+            grammar = (sched.grammar_bitmask, sched.structured_output_rows)
+            out = self.sampler.sample_all(reqs, logits, rows, grammar)
         out.prompt_logprobs.update(prompt_lps)
         out.pooled = pooled
         t3 = time.perf_counter()
         if self.proposer is not None and sched.propose and out.sampled:
-            out.spec_token_ids = self._propose(reqs, out, sched)
-        self.pooler.commit(sums)  # last: nothing after it can fail the step and retry it
+            out.spec_token_ids = self._propose(reqs, out)
+        # last: nothing after this can fail the step and retry it
+        self.pooler.commit(sums)
+        commit_prompt_logprobs(lp_rows, prompt_lps)
         t4 = time.perf_counter()
-        self.timings.prepare += t1 - t0
-        self.timings.forward += t2 - t1
-        self.timings.sample += t3 - t2
-        self.timings.propose += t4 - t3
-        self.timings.steps += 1
-        return out
-
-    def _sample_all(
-        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
-    ) -> ModelRunnerOutput:
-        """Rows without proposals go through the sampler, verification rows (k + 1 logits
-        rows each, in batch order) through the rejection sampler."""
-        if not sched.scheduled_spec_decode_tokens:
-            return self._sample(reqs, logits, sched)
-        plain_reqs: list[Request] = []
-        plain_rows: list[int] = []
-        spec_reqs: list[Request] = []
-        spec_rows: list[int] = []
-        row = 0
-        for r in reqs:
-            k = sched.num_spec_tokens(r)
-            (spec_reqs if k else plain_reqs).append(r)
-            (spec_rows if k else plain_rows).extend(range(row, row + k + 1))
-            row += k + 1
-        out = ModelRunnerOutput({})
-        if plain_reqs:
-            out.update(self._sample(plain_reqs, logits[plain_rows], sched))
-        if spec_reqs:
-            out.update(self._verify(spec_reqs, logits[spec_rows], sched))
-        return out
-
-    def _verify(
-        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
-    ) -> ModelRunnerOutput:
-        """Accept or reject each request's proposals; a failure is narrowed to one request."""
-        drafts = [sched.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
-        md = expand_for_verification(self._sampling_metadata(reqs, sched), drafts)
-        states = [None if r.generator is None else r.generator.get_state() for r in reqs]
-        try:
-            return spec_output_to_runner(reqs, rejection_sample(logits, md, drafts))
-        except Exception:
-            logger.exception("verifying %d requests failed; retrying one by one", len(reqs))
-        out = ModelRunnerOutput({})
-        row = 0
-        for r, draft, state in zip(reqs, drafts, states, strict=True):
-            one = expand_for_verification(self._sampling_metadata([r], sched), [draft])
-            if r.generator is not None and state is not None:
-                r.generator.set_state(state)
-            try:
-                res = rejection_sample(logits[row : row + len(draft) + 1], one, [draft])
-                out.update(spec_output_to_runner([r], res))
-            except Exception as exc:
-                why = str(exc) if isinstance(exc, NoTokenAllowedError) else repr(exc)
-                out.failed[r.request_id] = f"sampling failed: {why}"
-            row += len(draft) + 1
+        for k, v in (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2),
+                     ("propose", t4 - t3)):  # fmt: skip
+            phases[k] = phases.get(k, 0.0) + v
         return out
 
     def _propose(
-        self, reqs: list[Request], out: ModelRunnerOutput, sched: SchedulerOutput
+        self, reqs: list[CachedRequestState], out: ModelRunnerOutput
     ) -> dict[str, list[int]]:
         """The next step's proposals for the requests that got tokens and may speculate."""
         assert self.proposer is not None
@@ -291,71 +307,10 @@ class ModelRunner:
             new = out.sampled.get(r.request_id)
             # Grammar-constrained requests do not speculate (their matcher would have to
             # check each proposal); the scheduler caps the rest by max_tokens.
-            if not new or r.structured_output is not None:
+            if not new or r.structured:
                 continue
             room = r.max_tokens - r.num_output_tokens - len(new) - 1
             if room > 0:
                 tokens = [*r.all_token_ids, *new]
-                batch.append(ProposalInput(r.request_id, tokens, sched.block_tables[r.request_id],
-                                           room))  # fmt: skip
+                batch.append(ProposalInput(r.request_id, tokens, r.block_ids, room))
         return self.proposer.propose(batch) if batch else {}
-
-    def _sample(
-        self, reqs: list[Request], logits: torch.Tensor, sched: SchedulerOutput
-    ) -> ModelRunnerOutput:
-        """Sample one token per row; a failure is narrowed to the rows that cause it."""
-        md = self._sampling_metadata(reqs, sched)
-        md.batch_processors = self._tell_processors(reqs)
-        # Seeded rows: keep their generator states, so that a retry draws the same noise.
-        states = [None if g is None else g.get_state() for g in md.generators]
-        try:
-            return sampler_output_to_runner(reqs, sample(logits, md))
-        except Exception:
-            logger.exception("sampling a batch of %d rows failed; retrying row by row", len(reqs))
-        out = ModelRunnerOutput({})
-        for i, r in enumerate(reqs):
-            gen, state = md.generators[i], states[i]
-            if gen is not None and state is not None:
-                gen.set_state(state)
-            try:
-                row = md.row(i)
-                row.batch_processors = self._tell_processors([r])
-                res = sample(logits[i : i + 1], row)  # [1, V]
-            except Exception as exc:
-                why = str(exc) if isinstance(exc, NoTokenAllowedError) else repr(exc)
-                out.failed[r.request_id] = f"sampling failed: {why}"
-                continue
-            out.update(sampler_output_to_runner([r], res))
-        return out
-
-    def _tell_processors(self, reqs: list[Request]) -> list[LogitsProcessor]:
-        """Report the rows to the custom batch processors; returns them (none: [])."""
-        added = [(r.params, r.prompt_token_ids, r.output_token_ids) for r in reqs]
-        return self.batch_processors.update([r.request_id for r in reqs], added)
-
-    def _sampling_metadata(self, reqs: list[Request], sched: SchedulerOutput) -> SamplingMetadata:
-        # Structured outputs: the bitmask rows of the constrained requests, in logits-row order.
-        grammar = sched.structured_output_rows
-        mask_rows = [i for i, r in enumerate(reqs) if r.request_id in grammar]
-        bitmask = None
-        if mask_rows and sched.grammar_bitmask is not None:
-            picks = [grammar[reqs[i].request_id] for i in mask_rows]
-            bitmask = sched.grammar_bitmask[picks]  # [G, W]
-        return SamplingMetadata(
-            params=[r.params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
-            min_tokens_stop_ids=[
-                [
-                    *([] if r.params.ignore_eos else r.eos_token_ids),
-                    *(r.params.stop_token_ids or []),
-                ]
-                if r.num_output_tokens < r.params.min_tokens
-                else []
-                for r in reqs
-            ],
-            default_generator=self.generator,
-            token_bitmask=bitmask,
-            token_bitmask_rows=mask_rows if bitmask is not None else [],
-        )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from kvserve.config import PoolingType
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.worker.input_batch import StepRows
 
 # request id -> (sum of its hidden states so far [H] float32, positions covered), or None:
 # the request's sum is done with
@@ -60,11 +61,12 @@ class Pooler:
             self._sums.pop(rid, None)
 
     def step(
-        self, sched: SchedulerOutput, hidden: torch.Tensor
+        self, sched: StepRows | SchedulerOutput, hidden: torch.Tensor
     ) -> tuple[dict[str, list[float]], SumUpdates]:
         """This step's embeddings (request id -> vector) and the mean-pooling sums to
         ``commit`` once the step has succeeded. ``hidden``: ``[T, H]``, the step's flat
-        batch (each scheduled request's rows in order)."""
+        batch (each scheduled request's rows in order). ``sched``: the runner's rows (or the
+        scheduler's view: the same fields)."""
         pooled: dict[str, list[float]] = {}
         updates: SumUpdates = {}
         offset = 0

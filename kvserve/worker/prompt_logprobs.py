@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.core.request import Request
-from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.base import CausalLM
 from kvserve.outputs import Logprob, TokenLogprobs
+from kvserve.worker.input_batch import CachedRequestState, StepRows
 
 # Prompt logprobs are computed this many positions at a time: a [rows, V] float32 block
 # (512 x 49152 x 4 bytes = 96 MiB) instead of one as large as a whole prefill chunk.
 PROMPT_LOGPROB_ROWS = 512
 
 
-def prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+Rows = list[tuple[CachedRequestState, int, int, int]]
+
+
+def prompt_logprob_rows(sched: StepRows) -> Rows:
     """(request, its first row in the flat batch, first position, number of positions) of the
     positions whose logits give prompt logprobs this step. Position p predicts prompt token
     p + 1, so the last prompt position (it predicts the first output token) is not one; the
@@ -23,10 +25,10 @@ def prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int,
     offset = 0
     for req in sched.scheduled:
         n = sched.num_scheduled_tokens[req.request_id]
-        lps = req.prompt_logprobs
-        if lps is not None:
+        have = req.num_prompt_logprobs  # entries the engine holds
+        if have is not None:
             start = req.num_computed_tokens
-            first = max(start, len(lps) - 1)
+            first = max(start, have - 1)
             end = min(start + n, req.num_prompt_tokens - 1)
             if end > first:
                 rows.append((req, offset + first - start, first, end - first))
@@ -35,7 +37,7 @@ def prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int,
 
 
 def compute_prompt_logprobs(
-    model: CausalLM, rows: list[tuple[Request, int, int, int]], hidden: torch.Tensor
+    model: CausalLM, rows: Rows, hidden: torch.Tensor
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """Prompt logprobs from the hidden states of this step's prompt positions (vLLM's
     semantics: log_softmax of the raw logits in float32; each entry holds the prompt's
@@ -66,3 +68,14 @@ def compute_prompt_logprobs(
                 entries.append(entry)
         out[req.request_id] = (pos + 1, entries)
     return out
+
+
+def commit_prompt_logprobs(
+    rows: Rows, computed: dict[str, tuple[int, list[TokenLogprobs]]]
+) -> None:
+    """The step succeeded: the engine now holds these entries too (a recompute after
+    preemption computes none of them again)."""
+    for req, _, _, _ in rows:
+        if (got := computed.get(req.request_id)) is not None and req.num_prompt_logprobs:
+            first, entries = got
+            req.num_prompt_logprobs = max(req.num_prompt_logprobs, first + len(entries))

@@ -1,13 +1,15 @@
-"""What one runner step returns to the engine, and the runner's step timings."""
+"""What a runner returns to the engine: one step's ``ModelRunnerOutput``, the runner's step
+timings, and at start-up its ``RunnerInfo``. All plain data: they cross back from a worker
+process as they are."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.core.request import Request
 from kvserve.outputs import TokenLogprobs
 from kvserve.sample.rejection import SpecSamplerOutput
 from kvserve.sample.sampler import SamplerOutput
+from kvserve.worker.input_batch import CachedRequestState
 
 
 @dataclass
@@ -27,6 +29,24 @@ class StepTimings:
             k: getattr(self, k)
             for k in ("schedule", "prepare", "forward", "sample", "propose", "output", "steps")
         }
+
+    def add(self, phases: dict[str, float]) -> None:
+        """Add one runner call's seconds per phase (``ModelRunnerOutput.timings``)."""
+        for k, v in phases.items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What a runner built from the config, for the engine's block pool, logs and stats."""
+
+    num_blocks: int  # device KV blocks
+    num_swap_blocks: int  # CPU swap blocks
+    bytes_per_block: int  # K and V of every layer (and the draft's) per block
+    use_decode_kernel: bool  # decode attention on the C++ kernel (else gather + SDPA)
+    fused_ops: bool  # the model runs the fused C++ ops
+    warmup_tokens: int  # tokens of the start-up dummy prefill (0: none)
+    load_seconds: float  # loading, KV allocation and warm-up
 
 
 @dataclass
@@ -49,6 +69,9 @@ class ModelRunnerOutput:
     # request id -> its embedding (float32 values, normalised unless asked not to): the
     # embedding requests whose prompt this step finished computing
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # seconds of this call per phase (prepare, forward, sample, propose), for the engine's
+    # StepTimings (the runner may live in another process)
+    timings: dict[str, float] = field(default_factory=dict)
 
     def update(self, other: ModelRunnerOutput) -> None:
         """Merge the output of a part of the batch (per-request retries)."""
@@ -62,7 +85,9 @@ class ModelRunnerOutput:
         self.pooled.update(other.pooled)
 
 
-def sampler_output_to_runner(reqs: list[Request], res: SamplerOutput) -> ModelRunnerOutput:
+def sampler_output_to_runner(
+    reqs: list[CachedRequestState], res: SamplerOutput
+) -> ModelRunnerOutput:
     out = ModelRunnerOutput(
         {r.request_id: [t] for r, t in zip(reqs, res.sampled_token_ids, strict=True)}
     )
@@ -77,7 +102,9 @@ def sampler_output_to_runner(reqs: list[Request], res: SamplerOutput) -> ModelRu
     return out
 
 
-def spec_output_to_runner(reqs: list[Request], res: SpecSamplerOutput) -> ModelRunnerOutput:
+def spec_output_to_runner(
+    reqs: list[CachedRequestState], res: SpecSamplerOutput
+) -> ModelRunnerOutput:
     out = ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, res.token_ids, strict=True)})
     if res.logprobs is not None and res.top_logprobs is not None and res.ranks is not None:
         for i, r in enumerate(reqs):

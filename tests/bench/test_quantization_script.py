@@ -69,6 +69,10 @@ def test_server_commands() -> None:
     assert cmd[cmd.index("-np") + 1] == "64" and cmd[cmd.index("-c") + 1] == str(64 * 320)
     assert cmd[cmd.index("--threads") + 1] == "2" and cmd[cmd.index("-ngl") + 1] == "0"
     assert "--cont-batching" in cmd
+    bench = quantization.bench_args(args, model, 8, 16, 3)
+    assert (bench.max_concurrency, bench.num_prompts, bench.seed) == (8, 16, 3)
+    assert (bench.ignore_eos, bench.random_input_len, bench.random_output_len) == (True, 128, 128)
+    assert bench.header == ["Connection=close"] and bench.temperature == 0
 
 
 def test_weight_bytes_and_floor() -> None:

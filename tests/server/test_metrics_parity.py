@@ -198,12 +198,12 @@ def test_request_metrics_count_requests_not_choices(kv_server: Server) -> None:
 
 def fake_engine(callbacks: list[Any]) -> Any:
     """What ``ServerMetrics.attach`` reads of an AsyncLLMEngine."""
-    llm = SimpleNamespace(
+    return SimpleNamespace(
         config=SimpleNamespace(cache=CacheConfig(block_size=16), model=SimpleNamespace(dtype="x")),
         kv_info={"num_blocks": 10, "num_swap_blocks": 0},
-    )
-    return SimpleNamespace(
-        engine=llm, max_model_len=100, stats=lambda: {}, add_step_callback=callbacks.append
+        max_model_len=100,
+        stats=lambda: {},
+        add_step_callback=callbacks.append,
     )
 
 
