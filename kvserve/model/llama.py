@@ -2,7 +2,9 @@
 
 Tokens of all requests in a step arrive flat (``[T]``, no padding between requests); the
 attention metadata says which tokens belong to which request and where their K/V live.
-Q/K/V and gate/up projections are fused into single matmuls at load time. With
+Q/K/V and gate/up projections are fused into single matmuls at load time. Given a ``TPGroup``
+of several ranks, the layers are this rank's shards (``kvserve/distributed/layers.py``): its
+query and K/V heads, its slice of the MLP and the vocabulary. With
 ``enable_fused_ops`` (CPU, bf16) RMSNorm, SiLU*up and RoPE + KV write each run as one C++
 kernel (``cpu_kernels``) that rounds like the PyTorch op chain it replaces.
 """
@@ -16,6 +18,15 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvserve.distributed.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_weight,
+)
+from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -101,15 +112,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, kv_heads, bias, tp
+        )
+        # This rank's heads (all of them at world_size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, False, tp)
         self.scale = self.head_dim**-0.5
         self.fused = False  # RoPE + KV write as one C++ kernel
 
@@ -139,11 +153,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        divide(intermediate, tp, "intermediate_size")  # the error names the config field
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp)
+        self.intermediate = self.gate_up_proj.local_sizes[0]  # this rank's features
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
         self.fused = False  # silu(gate) * up as one C++ kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,12 +169,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, bias)
+        self.self_attn = Attention(config, bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
         self,
@@ -182,10 +197,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here."""
+    """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here.
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    ``tp``: this process's tensor-parallel rank (None: the whole model in one process)."""
+
+    supports_tensor_parallel = True  # the loader refuses tp > 1 for classes without it
+
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or SINGLE
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -197,16 +219,18 @@ class LlamaForCausalLM(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.head_dim = head_dim
-        self.num_kv_heads = int(config.num_key_value_heads)
+        self.tp = tp
         self.num_layers = int(config.num_hidden_layers)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, bias, tp) for _ in range(config.num_hidden_layers)
         )
+        # This rank's K/V heads: its KV cache's second dimension.
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -248,14 +272,17 @@ class LlamaForCausalLM(nn.Module):
                 m.fused = True
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in the model dtype (the sampler widens
-        them to float32 where it computes; greedy argmax reads them as they are)."""
+        them to float32 where it computes; greedy argmax reads them as they are). Under
+        tensor parallelism every rank calls it with the same rows and only rank 0 gets the
+        logits (the others get None)."""
         return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive; each
+        layer's weight loader copies this rank's slice of the full tensor."""
         params = dict(self.named_parameters())
         fused = {
             "q_proj": ("qkv_proj", 0),
@@ -275,23 +302,14 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join([*parts[:-2], target, parts[-1]])
-                self._fused_slice(params[pname], target, shard).copy_(tensor)
+                load_weight(self, pname, params[pname], tensor, shard)
                 loaded.add(f"{pname}#{shard}")
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].copy_(tensor)
+            load_weight(self, name, params[name], tensor)
             loaded.add(name)
         self._check_all_loaded(params, loaded)
-
-    def _fused_slice(self, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
-        if target == "qkv_proj":
-            attn = self.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return param.narrow(0, start, sizes[shard])
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
