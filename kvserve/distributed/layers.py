@@ -32,6 +32,7 @@ from kvserve.distributed.parallel_state import (
 from kvserve.model.packed_linear import DEFAULT_BATCH_HINT, PackedLinear
 
 
+@torch.no_grad()
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy a replicated (unsharded) tensor, refusing a shape that is not the parameter's."""
     if tuple(loaded.shape) != tuple(param.shape):
@@ -188,6 +189,7 @@ class _VocabShard:
         self.start = tp.rank * self.rows
         self.valid = max(0, min(self.rows, vocab_size - self.start))  # rows before padding
 
+    @torch.no_grad()
     def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         _check_full(loaded, 0, self.vocab_size, "vocabulary-parallel weight")
         default_weight_loader(param[: self.valid], loaded.narrow(0, self.start, self.valid))
