@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.distributed.parallel_state import TPGroup
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import GatherWorkspace
 from kvserve.model.base import CausalLM
 from kvserve.model.loader import load_model
@@ -52,6 +53,8 @@ def run_script(model: CausalLM, script: Script, tp: TPGroup | None) -> list[torc
     tables = [[1 + r + n * j for j in range(per_req)] for r in range(n)]
     kv = allocate_kv_caches(model, 1 + n * per_req, bs, script.dtype, torch.device("cpu"))
     workspace = GatherWorkspace()
+    # Loads the C++ kernels (built once into $TORCH_EXTENSIONS_DIR), as the runner does.
+    assert not script.use_kernel or cpu_kernels.available(), "the C++ CPU kernels did not build"
     driver = tp is None or tp.is_driver
     steps: list[torch.Tensor] = []
     lens = [len(p) for p in script.prompts]

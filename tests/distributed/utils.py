@@ -6,6 +6,7 @@ transformers alone costs seconds per process on this machine."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import socket
 import traceback
@@ -43,7 +44,9 @@ def _rank_main(
     try:
         tp = init_process_group(rank, world_size, port, "cpu")
         try:
-            results.put((rank, True, fn(tp, *args)))
+            # Plain pickle: tensors travel as bytes. Put through the queue as they are, torch
+            # would share their storage through a socket of this process, gone once it exits.
+            results.put((rank, True, pickle.dumps(fn(tp, *args))))
         finally:
             destroy_process_group(tp)
     except BaseException:  # reported to the parent, which raises it
@@ -76,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
                 ) from None
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
