@@ -34,12 +34,14 @@ def assert_same_run(got: list[torch.Tensor], want: list[torch.Tensor], atol: flo
         assert torch.equal(g.argmax(-1), w.argmax(-1)), f"greedy tokens differ at step {step}"
 
 
-def check_against_tp1(path: Path, scripts: list[Script], world_size: int) -> list[int]:
+def check_against_tp1(
+    path: Path, scripts: list[Script], world_size: int, atol: float = 1e-5
+) -> list[int]:
     """Each script's rank-0 logits equal TP=1's; returns each rank's K/V head count."""
     runs = run_ranks(sharded_runs, world_size, path, scripts)
     for i, script in enumerate(scripts):
         want = run_script(load(path, script, None), script, None)
-        assert_same_run(runs[0][i]["logits"], want, atol=1e-5)
+        assert_same_run(runs[0][i]["logits"], want, atol=atol)
         assert all(r[i]["logits"] == [] for r in runs[1:])  # only rank 0 gets logits
     return [r[0]["num_kv_heads"] for r in runs]
 
@@ -105,6 +107,10 @@ def test_tp2_refusals(tiny_paths: dict[str, Path], tmp_path: Path) -> None:
 def test_builtin_model_tp3_equals_tp1(builtin_model_dir: Path) -> None:
     """SmolLM2-135M has 9 query heads and 3 K/V heads: 2 ranks cannot split them (refused,
     see test_tp2_refusals), so the built-in model runs on 3 ranks (3 heads, 1 K/V head each;
-    vocabulary 49152 and MLP 1536 divide by 3)."""
+    vocabulary 49152 and MLP 1536 divide by 3).
+
+    Its logits (|logit| up to 35, 30 layers) move by float32 summation order alone: measured
+    TP=3 vs TP=1 at most 6.0e-5 over these steps, and TP=1's own decode kernel vs SDPA up to
+    4.0e-5. Hence 2e-4 here; the greedy tokens must be equal exactly."""
     scripts = [Script(PROMPTS, DECODE_STEPS, use_kernel=True)]
-    assert check_against_tp1(builtin_model_dir, scripts, 3) == [1, 1, 1]
+    assert check_against_tp1(builtin_model_dir, scripts, 3, atol=2e-4) == [1, 1, 1]
