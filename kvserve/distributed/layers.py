@@ -192,7 +192,8 @@ class _VocabShard:
     @torch.no_grad()
     def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         _check_full(loaded, 0, self.vocab_size, "vocabulary-parallel weight")
-        default_weight_loader(param[: self.valid], loaded.narrow(0, self.start, self.valid))
+        start = min(self.start, self.vocab_size)  # past the vocabulary: all padding
+        default_weight_loader(param[: self.valid], loaded.narrow(0, start, self.valid))
         param[self.valid :].zero_()
 
 

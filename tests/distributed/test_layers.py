@@ -188,6 +188,8 @@ def test_world_size_one_is_the_plain_layer() -> None:
     emb.weight_loader(emb.weight, ref.weight.detach())
     ids = torch.tensor([0, 11, 4])
     assert torch.equal(emb(ids), ref.weight.detach()[ids])
+    with pytest.raises(ValueError, match=r"shape \(12, 15\) for a parameter of shape"):
+        head.weight_loader(head.weight, torch.zeros(12, 15))
     y = torch.ones(3)
     assert all_reduce(y, SINGLE) is y and all_gather(y, SINGLE) is y
     assert gather_to_driver(y, SINGLE) is y

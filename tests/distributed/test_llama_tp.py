@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve.config import Quantization
-from kvserve.distributed.parallel_state import TPGroup
+from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.model.loader import load_model
 from kvserve.quantization.apply import QuantOptions
 from tests.distributed.scripts import Script, load, run_script, sharded_logits
@@ -114,3 +114,15 @@ def test_builtin_model_tp3_equals_tp1(builtin_model_dir: Path) -> None:
     4.0e-5. Hence 2e-4 here; the greedy tokens must be equal exactly."""
     scripts = [Script(PROMPTS, DECODE_STEPS, use_kernel=True)]
     assert check_against_tp1(builtin_model_dir, scripts, 3, atol=2e-4) == [1, 1, 1]
+
+
+def test_single_group_is_the_unsharded_model(tiny_paths: dict[str, Path]) -> None:
+    """``tp=SINGLE`` (world size 1) builds the model ``tp=None`` builds: same logits, bit
+    for bit, and the full K/V head count."""
+    script = Script(PROMPTS, DECODE_STEPS)
+    path = tiny_paths["qwen2"]
+    single = load(path, script, SINGLE)
+    assert single.num_kv_heads == 2
+    got = run_script(single, script, SINGLE)
+    want = run_script(load(path, script, None), script, None)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
