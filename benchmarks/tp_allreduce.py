@@ -9,8 +9,11 @@ each layer, plus the embedding) and one gather:
     per step = (2 L + 1) * all_reduce(rows, hidden) + gather(rows, vocab / world_size)
 
 computed for SmolLM2-135M (the built-in model: hidden 576, 30 layers, vocabulary 49152) and
-TinyLlama-1.1B (hidden 2048, 22 layers, vocabulary 32000). Prints medians in microseconds
-(rank 0's clock, ranks aligned by a barrier before each call).
+TinyLlama-1.1B (hidden 2048, 22 layers, vocabulary 32000). Prints, in microseconds on rank
+0's clock, the median of single calls with the ranks aligned by a barrier before each (the
+cost when both ranks are on a core) and the mean of back-to-back all-reduces (as a forward
+makes them: on a machine with more runnable threads than cores, a rank that is descheduled
+stalls the other, and this column shows it).
 
     python benchmarks/tp_allreduce.py
     python benchmarks/tp_allreduce.py --rows 1,8,64 --repeats 300
@@ -55,6 +58,14 @@ def median_us(tp: TPGroup, fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def loop_us(tp: TPGroup, fn: Callable[[], object], repeats: int) -> float:
+    dist.barrier(group=tp.group)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats * 1e6
+
+
 def bench(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     tp = init_process_group(rank, world_size, port, "cpu")
@@ -68,16 +79,17 @@ def bench(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
                 logits = torch.randn(rows, vocab // world_size).to(dtype)  # [rows, V / tp]
                 ar = median_us(tp, lambda x=x: all_reduce(x, tp), args.repeats)
                 ga = median_us(tp, lambda lg=logits: gather_to_driver(lg, tp), args.repeats)
+                loop = loop_us(tp, lambda x=x: all_reduce(x, tp), args.repeats)
                 step = (2 * layers + 1) * ar + ga
                 lines.append(
-                    f"{name:15s} {hidden:6d} {dname:5s} {rows:5d} {ar:11.1f} {ga:11.1f} "
-                    f"{step / 1000:12.2f}"
+                    f"{name:15s} {hidden:6d} {dname:5s} {rows:5d} {ar:11.1f} {loop:11.1f} "
+                    f"{ga:11.1f} {step / 1000:12.2f}"
                 )
     if rank == 0:
         print(f"gloo, world size {world_size}, {args.threads} thread(s) per rank, "
               f"median of {args.repeats}")  # fmt: skip
-        print(f"{'model':15s} {'hidden':>6s} {'dtype':5s} {'rows':>5s} {'allreduce us':>11s} "
-              f"{'gather us':>11s} {'per step ms':>12s}")  # fmt: skip
+        print(f"{'model':15s} {'hidden':>6s} {'dtype':5s} {'rows':>5s} {'allreduce':>11s} "
+              f"{'back2back':>11s} {'gather':>11s} {'per step ms':>12s}")  # fmt: skip
         print("\n".join(lines))
     destroy_process_group(tp)
 
