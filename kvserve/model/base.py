@@ -30,7 +30,8 @@ class CausalLM(Protocol):
 
     @property
     def num_kv_heads(self) -> int:
-        """K/V heads per layer (the KV cache's second dimension)."""
+        """K/V heads per layer (the KV cache's second dimension): this rank's share of them
+        under tensor parallelism."""
         ...
 
     @property
@@ -54,8 +55,10 @@ class CausalLM(Protocol):
         states ``[T, hidden]`` (after the last norm: what pooling reads)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]``, with the model's own post-processing."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[N, hidden]`` -> ``[N, vocab]``, with the model's own post-processing. A
+        tensor-parallel shard (``kvserve.distributed``) gathers the logits on rank 0 and
+        returns None on the other ranks, which must call it with the same rows."""
         ...
 
     def enable_fused_ops(self) -> bool:

@@ -2,7 +2,9 @@
 
 Tokens of all requests in a step arrive flat (``[T]``, no padding between requests); the
 attention metadata says which tokens belong to which request and where their K/V live.
-Q/K/V and gate/up projections are fused into single matmuls at load time. With
+Q/K/V and gate/up projections are fused into single matmuls at load time. Given a ``TPGroup``
+of several ranks, the layers are this rank's shards (``kvserve/distributed/layers.py``): its
+query and K/V heads, its slice of the MLP and the vocabulary. With
 ``enable_fused_ops`` (CPU, bf16) RMSNorm, SiLU*up and RoPE + KV write each run as one C++
 kernel (``cpu_kernels``) that rounds like the PyTorch op chain it replaces.
 
@@ -21,6 +23,15 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvserve.distributed.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_weight,
+)
+from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -163,18 +174,23 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """``qk_norm``: a per-head norm on q and k before RoPE (Qwen3, Gemma3); ``scale``:
         the softmax scale (default head_dim ** -0.5); ``sliding_window``: this layer attends
-        to its last ``sliding_window`` keys; ``soft_cap``: scores -> cap * tanh(scores / cap)."""
+        to its last ``sliding_window`` keys; ``soft_cap``: scores -> cap * tanh(scores / cap);
+        ``tp``: this rank's share of the heads."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, kv_heads, bias, tp
+        )
+        # This rank's heads (all of them at world_size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -230,16 +246,19 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, act: str = "silu", tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(
                 f"unsupported hidden activation {act!r}; kvserve runs {tuple(ACTIVATIONS)}"
             )
         self.act, self.act_and_mul = ACTIVATIONS[act]
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        divide(intermediate, tp, "intermediate_size")  # the error names the config field
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp)
+        self.intermediate = self.gate_up_proj.local_sizes[0]  # this rank's features
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
         self.fused = False  # act(gate) * up as one C++ kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,14 +269,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, attn: Attention) -> None:
+    def __init__(self, config: PretrainedConfig, attn: Attention, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu")
-        )
+        act = getattr(config, "hidden_act", "silu")
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, act, tp)
 
     def forward(
         self,
@@ -279,7 +297,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def _llama_attention(config: PretrainedConfig, arch: str, layer: int) -> Attention:
+def _llama_attention(
+    config: PretrainedConfig, arch: str, layer: int, tp: TPGroup = SINGLE
+) -> Attention:
     """Qwen2 has q/k/v bias; Qwen3 q/k norms and (with attention_bias) an o_proj bias too;
     Llama and Mistral follow ``attention_bias``. Windows as transformers applies them:
     Qwen2/3 per layer (``layer_types``), Mistral ``sliding_window`` on every layer."""
@@ -291,42 +311,51 @@ def _llama_attention(config: PretrainedConfig, arch: str, layer: int) -> Attenti
         window = layer_window(config, layer)
     if arch == "Qwen3ForCausalLM":
         return Attention(
-            config, attention_bias, o_bias=attention_bias, qk_norm=RMSNorm, sliding_window=window
-        )
-    return Attention(config, arch == "Qwen2ForCausalLM" or attention_bias, sliding_window=window)
+            config, attention_bias, o_bias=attention_bias, qk_norm=RMSNorm,
+            sliding_window=window, tp=tp,
+        )  # fmt: skip
+    bias = arch == "Qwen2ForCausalLM" or attention_bias
+    return Attention(config, bias, sliding_window=window, tp=tp)
 
 
 class LlamaForCausalLM(nn.Module):
     """The Llama-family decoder; Qwen2 differs only by q/k/v bias, Mistral not at all here,
-    Qwen3 by its q/k norms (and windows)."""
+    Qwen3 by its q/k norms (and windows).
+
+    ``tp``: this process's tensor-parallel rank (None: the whole model in one process)."""
 
     architectures = SUPPORTED_ARCHITECTURES  # what this class runs (config.architectures[0])
     norm_class: type[RMSNorm] = RMSNorm
+    supports_tensor_parallel = True  # the loader refuses tp > 1 for classes without it
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         arch = model_architecture(config, self.architectures)
         self.config = config
+        self.tp = tp or SINGLE
         self.head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self.num_kv_heads = int(config.num_key_value_heads)
         self.num_layers = int(config.num_hidden_layers)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
         self.layers = nn.ModuleList(
             self.make_layer(config, arch, i) for i in range(config.num_hidden_layers)
         )
+        # This rank's K/V heads: its KV cache's second dimension.
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary = self.make_rotary(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, self.tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # logits -> cap * tanh(logits / cap) (Gemma 2/3's final_logit_softcapping)
         self.final_logit_softcapping: float | None = None
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
-        return DecoderLayer(config, _llama_attention(config, arch, layer))
+        return DecoderLayer(config, _llama_attention(config, arch, layer, self.tp), self.tp)
 
     def make_rotary(self, config: PretrainedConfig, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(config, self.head_dim, max_positions)
@@ -369,18 +398,23 @@ class LlamaForCausalLM(nn.Module):
                 m.fused = True  # q/k norms then run inside the attention's RoPE kernel
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in the model dtype (the sampler widens
-        them to float32 where it computes; greedy argmax reads them as they are)."""
+        them to float32 where it computes; greedy argmax reads them as they are). Under
+        tensor parallelism every rank calls it with the same rows and only rank 0 gets the
+        logits (the others get None)."""
         logits = self.lm_head(hidden)
         cap = self.final_logit_softcapping
+        if logits is None:
+            return None
         if cap is not None:  # in the model dtype, op by op, as transformers computes it
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive; each
+        layer's weight loader copies this rank's slice of the full tensor."""
         params = dict(self.named_parameters())
         fused = {
             "q_proj": ("qkv_proj", 0),
@@ -400,23 +434,14 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join([*parts[:-2], target, parts[-1]])
-                self._fused_slice(params[pname], target, shard).copy_(tensor)
+                load_weight(self, pname, params[pname], tensor, shard)
                 loaded.add(f"{pname}#{shard}")
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].copy_(tensor)
+            load_weight(self, name, params[name], tensor)
             loaded.add(name)
         self._check_all_loaded(params, loaded)
-
-    def _fused_slice(self, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
-        if target == "qkv_proj":
-            attn = self.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return param.narrow(0, start, sizes[shard])
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from kvserve.config import ModelImpl, Quantization
+from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.base import CausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 from kvserve.model.registry import resolve_model_class
@@ -71,15 +72,19 @@ def load_model(
     fused_ops: bool = False,
     model_impl: ModelImpl | str = ModelImpl.AUTO,
     quant: QuantOptions | None = None,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights: the
     native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
-    ``quant`` swaps the linear layers (but the LM head) for quantized ones."""
+    ``quant`` swaps the linear layers (but the LM head) for quantized ones. ``tp``: this
+    process's tensor-parallel rank; the model is then this rank's shard (every rank calls
+    ``load_model`` with the same arguments but ``tp``)."""
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
     scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
     quant = _checked_quant(path, scheme, quant)
+    _check_tensor_parallel(path, cls, scheme, quant, tp)
     model: CausalLM
     if cls is TransformersForCausalLM:
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
@@ -90,7 +95,7 @@ def load_model(
             )
         model = load_transformers_model(path, config, dtype, device, max_positions)
     else:
-        model = _load_native(cls, path, config, dtype, device, max_positions)
+        model = _load_native(cls, path, config, dtype, device, max_positions, tp)
         if scheme is not None:
             dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
             model.load_weights(dense.items())
@@ -124,6 +129,36 @@ def _checked_quant(
     return quant
 
 
+def _check_tensor_parallel(
+    path: Path,
+    cls: type[Any],
+    scheme: WeightScheme | None,
+    quant: QuantOptions | None,
+    tp: TPGroup | None,
+) -> None:
+    """Refuse what cannot be sharded yet: the transformers backend, quantized layers and
+    native classes that do not take a ``TPGroup``."""
+    if tp is None or tp.world_size == 1:
+        return
+    size = tp.world_size
+    if cls is TransformersForCausalLM:
+        raise ValueError(
+            f"{path}: tensor_parallel_size {size} needs a native kvserve model; the "
+            "transformers backend runs unsharded (tensor_parallel_size 1)"
+        )
+    method = quant.method if quant is not None else None
+    if scheme is not None or method is not None:
+        name = method.value if method is not None else "compressed-tensors"
+        raise ValueError(
+            f"quantization {name!r} does not support tensor parallelism yet "
+            f"(tensor_parallel_size {size}); use tensor_parallel_size 1"
+        )
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size {size})"
+        )
+
+
 def _load_native(
     cls: type[Any],
     path: Path,
@@ -131,13 +166,14 @@ def _load_native(
     dtype: torch.dtype,
     device: str | torch.device,
     max_positions: int,
+    tp: TPGroup | None = None,
 ) -> Any:
     """A native class (``registry.NATIVE_ARCHITECTURES``) with real, uninitialised storage;
     the caller loads its weights."""
     # Build on the meta device: random init of weights that are overwritten anyway costs
     # seconds. Then allocate real (uninitialised) storage and load every weight into it.
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions) if tp is None else cls(config, max_positions, tp=tp)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.rotary.to_device(device)

@@ -98,13 +98,18 @@ def pack_linears(
     """Replace every ``nn.Linear`` in ``model`` (or only those whose attribute name is in
     ``only``) by a ``PackedLinear``; returns how many.
 
-    A tied lm_head gets its own packed copy; the embedding keeps the original weight.
+    A tied lm_head gets its own packed copy; the embedding keeps the original weight. A layer
+    with a ``packed(batch_hint)`` method (``kvserve.distributed.layers``) builds its own.
     """
     count = 0
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if only is None or name in only:
-                setattr(model, name, PackedLinear(child, batch_hint))
+                # A tensor-parallel layer packs its own way (keeping its all-reduce/gather).
+                packed = getattr(child, "packed", None)
+                setattr(
+                    model, name, packed(batch_hint) if packed else PackedLinear(child, batch_hint)
+                )
                 count += 1
         else:
             count += pack_linears(child, batch_hint, only)

@@ -70,6 +70,10 @@ def quantize_model(
     """Replace the model's linear layers in place; returns the report (also logged)."""
     method = quant.method
     assert method is not None
+    tp = getattr(model, "tp", None)  # a tensor-parallel shard's TPGroup (kvserve.distributed)
+    if tp is not None and tp.world_size > 1:
+        raise ValueError(f"quantization {method.value!r} does not support tensor parallelism "
+                         f"yet (tensor_parallel_size {tp.world_size})")  # fmt: skip
     report = QuantReport(method.value)
     loaded = quant.loaded
     if method is Quantization.GGUF:

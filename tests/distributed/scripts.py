@@ -1,0 +1,88 @@
+"""A scripted prefill + greedy decode over a paged KV cache that a TP=1 model and every
+tensor-parallel rank run alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.distributed.parallel_state import TPGroup
+from kvserve.model import cpu_kernels
+from kvserve.model.attention import GatherWorkspace
+from kvserve.model.base import CausalLM
+from kvserve.model.loader import load_model
+from kvserve.worker.inputs import allocate_kv_caches, build_metadata
+
+
+@dataclass(frozen=True)
+class Script:
+    """A batch of prompts prefilled together, then ``decode_steps`` greedy steps."""
+
+    prompts: list[list[int]]
+    decode_steps: int
+    block_size: int = 4  # small: every prompt spans several blocks
+    dtype: torch.dtype = torch.float32
+    use_kernel: bool = False  # decode attention through the C++ kernel (else SDPA)
+    prepack: bool = False
+    fused_ops: bool = False
+
+
+def load(path: Path, script: Script, tp: TPGroup | None) -> CausalLM:
+    return load_model(
+        path,
+        script.dtype,
+        "cpu",
+        max_positions=256,
+        prepack=script.prepack,
+        fused_ops=script.fused_ops,
+        tp=tp,
+    )
+
+
+def run_script(model: CausalLM, script: Script, tp: TPGroup | None) -> list[torch.Tensor]:
+    """The logits (float32, ``[requests, vocab]``) of each step: the prefill's last rows,
+    then each decode step's. Rank 0 picks the greedy tokens and broadcasts them, as the
+    driver of a tensor-parallel engine does; other ranks return an empty list."""
+    n = len(script.prompts)
+    bs = script.block_size
+    per_req = -(-(max(map(len, script.prompts)) + script.decode_steps) // bs)
+    # Interleaved block ids: each request's blocks are scattered through the cache.
+    tables = [[1 + r + n * j for j in range(per_req)] for r in range(n)]
+    kv = allocate_kv_caches(model, 1 + n * per_req, bs, script.dtype, torch.device("cpu"))
+    workspace = GatherWorkspace()
+    # Loads the C++ kernels (built once into $TORCH_EXTENSIONS_DIR), as the runner does.
+    assert not script.use_kernel or cpu_kernels.available(), "the C++ CPU kernels did not build"
+    driver = tp is None or tp.is_driver
+    steps: list[torch.Tensor] = []
+    lens = [len(p) for p in script.prompts]
+    rows = [(tables[r], 0, lens[r]) for r in range(n)]
+    ids = torch.tensor([t for p in script.prompts for t in p])
+    with torch.no_grad():
+        for step in range(script.decode_steps + 1):
+            md, positions = build_metadata(rows, bs, torch.device("cpu"))
+            md.split_rows(workspace, script.use_kernel)
+            hidden = model(ids, positions, kv, md)  # [T, hidden]
+            last = torch.tensor(md.query_start_loc[1:]) - 1
+            logits = model.compute_logits(hidden[last])  # [n, V] on the driver
+            tokens = torch.zeros(n, dtype=torch.long)
+            if driver:
+                assert logits is not None
+                steps.append(logits.float())
+                tokens = logits.argmax(-1)
+            else:
+                assert logits is None
+            if tp is not None and tp.world_size > 1:
+                torch.distributed.broadcast(tokens, src=0, group=tp.group)
+            rows = [(tables[r], lens[r] + step, 1) for r in range(n)]
+            ids = tokens
+    return steps
+
+
+def sharded_logits(tp: TPGroup, path: Path, script: Script) -> dict[str, Any]:
+    """What one rank reports: its KV cache's head count and (rank 0) the logits."""
+    model = load(path, script, tp)
+    steps = run_script(model, script, tp)
+    return {"num_kv_heads": model.num_kv_heads, "logits": steps}
