@@ -36,7 +36,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def default_num_threads(args: argparse.Namespace) -> int | None:
-    """torch CPU threads for this command: ``--num-threads``, else one per core for ``serve``.
+    """torch CPU threads for this command: ``--num-threads``, else for ``serve`` one per core
+    (per rank: cores // tensor_parallel_size).
 
     A server loads its model in one thread and steps it in another. Left to torch's lazy
     default, that layout ran decode steps ~20x slower on 2 cores (~300 ms instead of ~15 ms
@@ -48,7 +49,10 @@ def default_num_threads(args: argparse.Namespace) -> int | None:
     if getattr(args, "num_threads", None):
         return int(args.num_threads)
     if getattr(args, "command", None) == "serve" and str(getattr(args, "device", "cpu")) == "cpu":
-        return os.cpu_count() or 1
+        # Tensor parallelism: one worker process per rank, each with its share of the cores
+        # (set in the worker's main thread, the one that runs its model).
+        ranks = max(1, int(getattr(args, "tensor_parallel_size", 1) or 1))
+        return max(1, (os.cpu_count() or 1) // ranks)
     return None
 
 

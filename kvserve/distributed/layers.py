@@ -50,12 +50,17 @@ def _check_full(loaded: torch.Tensor, dim: int, size: int, what: str) -> None:
 def heads_per_rank(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     """Query and K/V heads of one rank. Heads are never split or replicated across ranks,
     so both counts must divide by the world size (else a ``ValueError``)."""
-    if num_heads % tp.world_size or num_kv_heads % tp.world_size:
+    check_heads(num_heads, num_kv_heads, tp.world_size)
+    return num_heads // tp.world_size, num_kv_heads // tp.world_size
+
+
+def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
+    """``heads_per_rank``'s check without a group: the driver runs it before any rank loads."""
+    if num_heads % world_size or num_kv_heads % world_size:
         raise ValueError(
-            f"tensor_parallel_size {tp.world_size} must divide num_attention_heads "
+            f"tensor_parallel_size {world_size} must divide num_attention_heads "
             f"({num_heads}) and num_key_value_heads ({num_kv_heads})"
         )
-    return num_heads // tp.world_size, num_kv_heads // tp.world_size
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -14,6 +14,7 @@ broadcasts the step so that the ranks' forwards match).
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,13 @@ def backend_for(device: str | torch.device) -> str:
     if kind == "cuda":
         return "nccl"
     raise ValueError(f"tensor parallelism supports cpu (gloo) and cuda (nccl), not {kind!r}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now: the ranks' rendezvous, chosen by the driver."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def init_process_group(

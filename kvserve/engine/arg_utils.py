@@ -270,7 +270,12 @@ class EngineArgs:
         "generation_config.json the defaults of requests that do not set them; 'vllm' "
         "ignores the file (vLLM's neutral defaults)",
     )  # fmt: skip
-    tensor_parallel_size: int = _opt(1, "vLLM's flag: only 1 (one device per model)")
+    tensor_parallel_size: int = _opt(
+        1, "vLLM's flag: shard the model over N ranks, one worker process each "
+        "(torch.distributed: gloo on CPU, nccl on CUDA); native Llama/Qwen2/Qwen3/Mistral "
+        "models whose heads divide by N; no quantization or draft model; the KV cache size "
+        "is per rank",
+    )  # fmt: skip
     distributed_executor_backend: str | None = _opt(
         None, "vLLM's flag: where the model runner lives: 'uni' in the engine's process, "
         "'mp' in worker processes (one per rank); default uni for one rank, mp for more",
@@ -306,15 +311,12 @@ class EngineArgs:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         self._check_quantization()
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size (--tensor-parallel-size) must be positive, "
+                             f"got {self.tensor_parallel_size}")  # fmt: skip
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                _refusal("tensor_parallel_size", self.tensor_parallel_size,
-                         "kvserve runs a model on one device (tensor parallelism is a "
-                         "later issue); use 1")
-            )  # fmt: skip
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
                 _refusal("generation_config", self.generation_config,

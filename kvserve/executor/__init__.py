@@ -6,10 +6,9 @@ step across processes")."""
 from __future__ import annotations
 
 from kvserve.config import EngineConfig, ExecutorBackend
-from kvserve.executor.abstract import Executor, WorkerDiedError
-from kvserve.executor.distributed import init_worker_distributed
+from kvserve.executor.abstract import Executor, RankFailedError, WorkerDiedError
 
-__all__ = ["Executor", "WorkerDiedError", "create_executor", "init_worker_distributed"]
+__all__ = ["Executor", "RankFailedError", "WorkerDiedError", "create_executor"]
 
 
 def create_executor(config: EngineConfig) -> Executor:

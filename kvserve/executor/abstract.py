@@ -16,6 +16,12 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited (killed, crashed, out of memory): the engine cannot go on."""
 
 
+class RankFailedError(WorkerDiedError):
+    """A call raised on one rank of a tensor-parallel model. The other ranks may be waiting
+    in a collective that rank never reaches, and retrying would pair the ranks' collectives
+    wrongly, so the workers are stopped: like a dead worker, the engine cannot go on."""
+
+
 class Executor(ABC):
     """Runs each step message on every rank's ``ModelRunner``; rank 0's output comes back."""
 

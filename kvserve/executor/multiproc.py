@@ -4,11 +4,14 @@
 Each step the driver pickles the step message once and writes it to every worker's pipe;
 every rank runs it (with tensor parallelism the ranks meet in the model's collectives) and
 rank 0's ``ModelRunnerOutput`` comes back (the other ranks answer None, so a failure on any
-rank is seen). The driver waits on each pipe together with its process's sentinel, so a
+rank is seen). The driver waits on every pipe together with every process's sentinel, so a
 worker that dies (killed, crashed) turns into a ``WorkerDiedError`` at once instead of a
-hang; after that the executor refuses every call. Workers are daemonic, stopped by
-``shutdown`` (engine ``close``, garbage collection or interpreter exit), and end by
-themselves when the driver's pipe closes.
+hang, whichever rank it is (the others may be blocked in a collective with it). With more
+than one rank an error raised on any rank is fatal too (``RankFailedError``): the other
+ranks may wait forever in a collective it never reaches. After either, the workers are
+stopped and the executor refuses every call. Workers are daemonic, stopped by ``shutdown``
+(engine ``close``, garbage collection or interpreter exit), and end by themselves when the
+driver's pipe closes.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 from kvserve.config import EngineConfig
-from kvserve.executor.abstract import Executor, WorkerDiedError
-from kvserve.executor.distributed import free_port
+from kvserve.distributed.parallel_state import free_port
+from kvserve.executor.abstract import Executor, RankFailedError, WorkerDiedError
 from kvserve.executor.worker import worker_main
+from kvserve.worker.model_setup import check_tensor_parallel
 from kvserve.worker.runner_output import RunnerInfo
 
 logger = logging.getLogger("kvserve.executor")
@@ -39,6 +43,8 @@ SHUTDOWN_TIMEOUT_S = 10.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         world_size = config.parallel.world_size
+        # What cannot be sharded is refused here, before any process starts or loads.
+        check_tensor_parallel(config)
         ctx = mp.get_context("spawn")
         port = free_port() if world_size > 1 else 0
         self._procs: list[BaseProcess] = []
@@ -56,7 +62,7 @@ class MultiprocExecutor(Executor):
             self._conns.append(parent)
         # Workers go when the executor is collected or the interpreter exits, whichever first.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
-        infos = [self._receive(rank, "start-up", STARTUP_TIMEOUT_S) for rank in range(world_size)]
+        infos = self._gather("start-up", STARTUP_TIMEOUT_S)
         self.info: RunnerInfo = infos[0]
         logger.info("%d worker process(es) ready: pids %s", world_size,
                     [p.pid for p in self._procs])  # fmt: skip
@@ -74,27 +80,54 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(data)
             except (BrokenPipeError, OSError):
                 self._died(rank, method)
-        results = [self._receive(rank, method, None) for rank in range(len(self._conns))]
-        return results[0]
+        return self._gather(method, None)[0]
 
-    def _receive(self, rank: int, what: str, timeout: float | None) -> Any:
-        """Rank ``rank``'s answer; raises its error, or ``WorkerDiedError`` if it died."""
-        conn, proc = self._conns[rank], self._procs[rank]
-        ready = wait([conn, proc.sentinel], timeout)
-        if not ready:
-            self._fail(f"worker rank {rank} (pid {proc.pid}) did not answer {what} within "
-                       f"{timeout:.0f}s")  # fmt: skip
-        if conn in ready or conn.poll():
-            try:
-                status, payload = conn.recv()
-            except (EOFError, OSError):
-                self._died(rank, what)
-            if status == "error":
-                if what == "start-up":
-                    self.shutdown()
-                raise payload
-            return payload
-        self._died(rank, what)
+    def _gather(self, what: str, timeout: float | None) -> list[Any]:
+        """Every rank's answer to ``what``, in rank order. Waits on all pipes and all
+        processes at once: the first error or death ends the wait (see the module doc)."""
+        pending = dict(enumerate(self._conns))
+        results: list[Any] = [None] * len(self._conns)
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        while pending:
+            ready = wait([*pending.values(), *sentinels], timeout)
+            if not ready:
+                self._fail(f"worker rank(s) {sorted(pending)} did not answer {what} within "
+                           f"{timeout:.0f}s")  # fmt: skip
+            for rank, conn in list(pending.items()):
+                if conn not in ready and not conn.poll():
+                    continue
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    self._died(rank, what)
+                del pending[rank]
+                if status == "error":
+                    self._raise(rank, what, payload)
+                results[rank] = payload
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready:
+                    self._died(rank, what)  # it exited without (or after) answering
+        return results
+
+    def _raise(self, rank: int, what: str, exc: BaseException) -> NoReturn:
+        """Rank ``rank`` raised ``exc``: at start-up the workers stop and ``exc`` is raised
+        (a config or load error); later, a single rank's error is raised as it is (the
+        executor goes on), and with several ranks it is a ``RankFailedError`` (fatal, see
+        the module doc)."""
+        if what == "start-up":
+            self.shutdown()
+            raise exc
+        if len(self._conns) == 1:
+            raise exc
+        reason = (
+            f"rank {rank} of {len(self._conns)} failed during {what}: {exc!r}; under tensor "
+            "parallelism a failed step is not retried per request (the ranks' collectives "
+            "would fall out of step), so the engine cannot continue and must be restarted"
+        )
+        self._dead = reason
+        logger.error("%s", reason)
+        self.shutdown()
+        raise RankFailedError(reason) from exc
 
     def _died(self, rank: int, what: str) -> NoReturn:
         proc = self._procs[rank]

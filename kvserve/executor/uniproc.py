@@ -18,7 +18,7 @@ from kvserve.worker.model_runner import ModelRunner
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         set_num_threads(config)
-        self.runner: ModelRunner | None = ModelRunner(config, rank=0, world_size=1)
+        self.runner: ModelRunner | None = ModelRunner(config)
         self.info = self.runner.info
 
     def collective_rpc(self, method: str, *args: Any) -> Any:

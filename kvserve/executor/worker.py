@@ -4,7 +4,11 @@ Protocol (one pipe per worker, requests pickled once by the driver): the worker 
 ``("ready", RunnerInfo)`` or ``("error", exception)``; then for each request ``(method,
 args)`` it calls ``ModelRunner.<method>(*args)`` and answers ``("ok", result)`` (rank 0's
 result; other ranks answer None) or ``("error", exception)``. ``("shutdown", ())`` or a
-closed pipe (the driver went away) ends the process.
+closed pipe (the driver went away) ends the process, after leaving the process group.
+
+Everything runs in the process's main thread: torch's thread count is set there, before the
+model loads, and the same thread runs every step (``torch.set_num_threads`` applies to the
+thread that calls it and the threads it starts later).
 """
 
 from __future__ import annotations
@@ -35,19 +39,24 @@ def worker_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
     )
+    tp = None
     try:
-        from kvserve.executor.distributed import init_worker_distributed
+        from kvserve.distributed.parallel_state import destroy_process_group, init_process_group
         from kvserve.executor.uniproc import set_num_threads
         from kvserve.worker.model_runner import ModelRunner
 
         set_num_threads(config)
-        init_worker_distributed(rank, world_size, port, config.device)
-        runner = ModelRunner(config, rank=rank, world_size=world_size)
+        tp = init_process_group(rank, world_size, port, config.device)
+        runner = ModelRunner(config, tp=tp)
     except BaseException as exc:  # reported to the driver, which raises it
         conn.send(("error", _picklable(exc)))
         return
     conn.send(("ready", runner.info))
-    _serve(runner, rank, conn)
+    try:
+        _serve(runner, rank, conn)
+    finally:
+        del runner
+        destroy_process_group(tp)
 
 
 def _serve(runner: Any, rank: int, conn: Connection) -> None:

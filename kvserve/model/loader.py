@@ -84,7 +84,7 @@ def load_model(
     cls = resolve_model_class(config, model_impl)
     scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
     quant = _checked_quant(path, scheme, quant)
-    _check_tensor_parallel(path, cls, scheme, quant, tp)
+    check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
     if cls is TransformersForCausalLM:
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
@@ -129,18 +129,17 @@ def _checked_quant(
     return quant
 
 
-def _check_tensor_parallel(
+def check_shardable(
     path: Path,
     cls: type[Any],
     scheme: WeightScheme | None,
     quant: QuantOptions | None,
-    tp: TPGroup | None,
+    size: int,
 ) -> None:
-    """Refuse what cannot be sharded yet: the transformers backend, quantized layers and
-    native classes that do not take a ``TPGroup``."""
-    if tp is None or tp.world_size == 1:
+    """Refuse what cannot be sharded over ``size`` ranks yet: the transformers backend,
+    quantized layers and native classes that do not take a ``TPGroup``."""
+    if size == 1:
         return
-    size = tp.world_size
     if cls is TransformersForCausalLM:
         raise ValueError(
             f"{path}: tensor_parallel_size {size} needs a native kvserve model; the "

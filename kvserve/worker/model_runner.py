@@ -1,21 +1,29 @@
 """Turns a step message (``SchedulerOutput``) into one forward pass and the new tokens of
 each finishing row.
 
-``ModelRunner(config, rank)`` builds everything it runs from the engine's config (nano-vllm's
-``ModelRunner(config, rank, event)``): the model (its rank's share under tensor
-parallelism), the draft proposer, the KV cache and swap space, and warms up; the engine
-gets the sizes back (``info``). It lives in the engine's process (``UniProcExecutor``) or in
-a worker process per rank (``MultiprocExecutor``): its input is plain data, and it keeps its
-own state of every request (``input_batch.py``). Each step it applies the message, does the
-swap copies, flattens the scheduled tokens of all requests into one batch (no padding
-between requests), builds slot mappings and block tables, runs the model, and samples the
-rows that reached the end of their tokens. With speculative decoding a row also computes the
-request's proposed tokens: its last k + 1 positions give logits, the rejection sampler keeps
-the accepted run (``sample/rejection.py``), and the proposer (``kvserve/spec``) proposes the
-next step's tokens. Embedding requests share the batch but never sample: their final hidden
-states are pooled (``pooling.py``) when their prompt is complete. A batch whose forward
-raises is run again request by request, so a fault stays with its request
-(``engine/fault_isolation.py``).
+``ModelRunner(config, tp)`` builds everything it runs from the engine's config (nano-vllm's
+``ModelRunner(config, rank, event)``): the model (its rank's share under tensor parallelism,
+``tp`` its place among the ranks), the draft proposer, the KV cache and swap space, and
+warms up; the engine gets the sizes back (``info``). It lives in the engine's process
+(``UniProcExecutor``) or in a worker process per rank (``MultiprocExecutor``): its input is
+plain data, and it keeps its own state of every request (``input_batch.py``). Each step it
+applies the message, does the swap copies, flattens the scheduled tokens of all requests
+into one batch (no padding between requests), builds slot mappings and block tables, runs
+the model, and samples the rows that reached the end of their tokens. With speculative
+decoding a row also computes the request's proposed tokens: its last k + 1 positions give
+logits, the rejection sampler keeps the accepted run (``sample/rejection.py``), and the
+proposer (``kvserve/spec``) proposes the next step's tokens. Embedding requests share the
+batch but never sample: their final hidden states are pooled (``pooling.py``) when their
+prompt is complete. A batch whose forward raises is run again request by request, so a fault
+stays with its request (``engine/fault_isolation.py``).
+
+Under tensor parallelism every rank runs every step: the same forward and the same
+``compute_logits`` calls (collectives: same rows, same order), so the per-request state
+stays identical on every rank. Only rank 0 gets logits; the other ranks skip sampling,
+prompt logprob post-processing and proposing, and return an empty output (the driver uses
+rank 0's). A failed step is not retried per request there: a retry on one rank would pair
+its collectives with the other ranks' different ones; the step's error is raised and the
+executor stops the engine (``RankFailedError``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 
 from kvserve.config import AttentionBackend, EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, GatherWorkspace
 from kvserve.model.base import CausalLM
@@ -86,19 +95,21 @@ def _use_decode_kernel(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int | None = None) -> None:
-        """Build the runner of ``rank`` (of ``world_size``, default the config's): load the
-        model and draft, allocate the KV cache and swap space, warm up."""
+    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE) -> None:
+        """Build the runner of rank ``tp.rank`` (its process group already joined): load the
+        model (its shard) and draft, allocate the KV cache and swap space, warm up."""
         t0 = time.perf_counter()
         mc, cc = config.model, config.cache
+        if tp.world_size != config.parallel.world_size:
+            raise ValueError(f"a runner of {tp.world_size} rank(s) for tensor_parallel_size "
+                             f"{config.parallel.world_size}")  # fmt: skip
         self.config = config
-        self.rank = rank
-        self.world_size = config.parallel.world_size if world_size is None else world_size
+        self.tp = tp
         self.device = device = torch.device(config.device)
         self.block_size = cc.block_size
         hf_config = load_hf_config(mc.path)
         self.max_model_len = resolve_max_model_len(mc, hf_config)
-        self.model: CausalLM = load_target(config, self.max_model_len, rank, self.world_size)
+        self.model: CausalLM = load_target(config, self.max_model_len, tp)
         draft = load_draft(config, hf_config, self.max_model_len)
         size = kv_cache_size(config, self.model, draft)
         self.num_blocks = size.num_blocks
@@ -149,7 +160,8 @@ class ModelRunner:
         count and the heap grows to the step's buffers (a 3840-token prefill of the 160M model
         took 0.8 s cold, 0.6 s after). The dummy rows fill blocks from 0 up; no request owns
         them yet and every slot is written before it is read, so nothing leaks into a request.
-        Nothing is sampled. Returns the number of tokens run.
+        Nothing is sampled. Every rank runs it (its collectives too). Returns the number of
+        tokens run.
         """
         bs = self.block_size
         row_len = min(bs * max(1, 32 // bs), max_len)  # ~32-token prompts, whole blocks
@@ -242,6 +254,8 @@ class ModelRunner:
         try:
             out = self._run(rows, sched, phases)
         except Exception:
+            if self.tp.world_size > 1:
+                raise  # no per-request retry across ranks (see the module doc)
             logger.exception(
                 "a step of %d requests failed; retrying each request alone", len(rows.scheduled)
             )
@@ -280,17 +294,18 @@ class ModelRunner:
         if any(r.pooling is not None for r in rows.scheduled):
             pooled, sums = self.pooler.step(rows, hidden)
         out = ModelRunnerOutput({})
+        # None on ranks > 0 (tensor parallelism): only rank 0 samples and proposes.
         if logits is not None:
             grammar = (sched.grammar_bitmask, sched.structured_output_rows)
             out = self.sampler.sample_all(reqs, logits, rows, grammar)
         out.prompt_logprobs.update(prompt_lps)
-        out.pooled = pooled
+        out.pooled = pooled if self.tp.is_driver else {}  # ranks > 0: an empty output
         t3 = time.perf_counter()
         if self.proposer is not None and sched.propose and out.sampled:
             out.spec_token_ids = self._propose(reqs, out)
         # last: nothing after this can fail the step and retry it
         self.pooler.commit(sums)
-        commit_prompt_logprobs(lp_rows, prompt_lps)
+        commit_prompt_logprobs(lp_rows)
         t4 = time.perf_counter()
         for k, v in (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2),
                      ("propose", t4 - t3)):  # fmt: skip

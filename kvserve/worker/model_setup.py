@@ -15,9 +15,13 @@ import torch
 from transformers import PretrainedConfig
 
 from kvserve.config import EngineConfig, ModelConfig, PreemptionMode, SpecMethod
+from kvserve.distributed.layers import check_heads
+from kvserve.distributed.parallel_state import SINGLE, TPGroup, backend_for
 from kvserve.model.base import CausalLM
-from kvserve.model.loader import load_hf_config, load_model, model_max_len
+from kvserve.model.loader import check_shardable, load_hf_config, load_model, model_max_len
+from kvserve.model.registry import resolve_model_class
 from kvserve.quantization.apply import QuantOptions
+from kvserve.quantization.compressed_tensors import checkpoint_scheme
 from kvserve.spec.build import SPEC_WITH_PROCESSORS
 from kvserve.worker.inputs import kv_bytes_per_block
 
@@ -30,18 +34,45 @@ def resolve_max_model_len(mc: ModelConfig, hf_config: PretrainedConfig) -> int:
     return min(mc.max_model_len or own, own)
 
 
-def load_target(
-    config: EngineConfig, max_model_len: int, rank: int = 0, world_size: int = 1
-) -> CausalLM:
-    """The served model. ``rank``/``world_size``: this process's share of a tensor-parallel
-    model. The seam for the tensor-parallel loader (issue 17, part 2): until it shards the
-    weights here, every rank loads and runs the whole model and rank 0's tokens are used."""
-    del rank, world_size  # replicated for now
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse, before any rank starts or loads, a model that cannot be sharded over
+    ``tensor_parallel_size`` ranks, with the message the loader would give on each rank:
+    the transformers backend, quantization and Gemma (the loader's ``check_shardable``),
+    heads or MLP width not divisible by the ranks, a draft model, a device without a
+    torch.distributed backend."""
+    size = config.parallel.world_size
+    if size == 1:
+        return
+    backend_for(config.device)
+    spec = config.speculative
+    if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
+        raise ValueError(
+            f"speculative method 'draft_model' does not support tensor parallelism yet "
+            f"(tensor_parallel_size {size}): the draft model is not sharded; use method "
+            "'ngram' or tensor_parallel_size 1"
+        )
+    mc = config.model
+    path = Path(mc.path)
+    hf = load_hf_config(path)
+    quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
+    check_shardable(path, resolve_model_class(hf, mc.model_impl), checkpoint_scheme(hf),
+                    quant, size)  # fmt: skip
+    heads = int(hf.num_attention_heads)
+    check_heads(heads, int(getattr(hf, "num_key_value_heads", None) or heads), size)
+    inter = int(getattr(hf, "intermediate_size", 0) or 0)
+    if inter % size:
+        raise ValueError(
+            f"intermediate_size ({inter}) is not divisible by tensor_parallel_size ({size})"
+        )
+
+
+def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) -> CausalLM:
+    """The served model: with ``tp`` of several ranks, this rank's shard of it."""
     mc = config.model
     quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file)
     return load_model(
         mc.path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
-        mc.fused_ops, mc.model_impl, quant,
+        mc.fused_ops, mc.model_impl, quant, tp if tp.world_size > 1 else None,
     )  # fmt: skip
 
 

@@ -41,7 +41,10 @@ def compute_prompt_logprobs(
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """Prompt logprobs from the hidden states of this step's prompt positions (vLLM's
     semantics: log_softmax of the raw logits in float32; each entry holds the prompt's
-    own token first, with its rank, then the top ``prompt_logprobs`` with ranks 1..k)."""
+    own token first, with its rank, then the top ``prompt_logprobs`` with ranks 1..k).
+
+    Under tensor parallelism every rank calls this (``compute_logits`` is a collective);
+    ranks > 0 get no logits and return {}."""
     out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
     for req, row, pos, count in rows:
         targets = req.all_token_ids[pos + 1 : pos + 1 + count]
@@ -49,6 +52,8 @@ def compute_prompt_logprobs(
         for s in range(0, count, PROMPT_LOGPROB_ROWS):
             e = min(count, s + PROMPT_LOGPROB_ROWS)
             logits = model.compute_logits(hidden[row + s : row + e])  # [R, V]
+            if logits is None:  # a rank > 0: its part of the collective is done
+                continue
             lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V] float32
             k = min(req.params.prompt_logprobs or 0, lp.shape[1])
             tgt = torch.tensor(targets[s:e], dtype=torch.long, device=lp.device)  # [R]
@@ -66,16 +71,16 @@ def compute_prompt_logprobs(
                 for r, (v, i) in enumerate(zip(top_v[j], top_i[j], strict=True)):
                     entry[i] = Logprob(v, r + 1)
                 entries.append(entry)
-        out[req.request_id] = (pos + 1, entries)
+        if len(entries) == count:
+            out[req.request_id] = (pos + 1, entries)
     return out
 
 
-def commit_prompt_logprobs(
-    rows: Rows, computed: dict[str, tuple[int, list[TokenLogprobs]]]
-) -> None:
+def commit_prompt_logprobs(rows: Rows) -> None:
     """The step succeeded: the engine now holds these entries too (a recompute after
-    preemption computes none of them again)."""
-    for req, _, _, _ in rows:
-        if (got := computed.get(req.request_id)) is not None and req.num_prompt_logprobs:
-            first, entries = got
-            req.num_prompt_logprobs = max(req.num_prompt_logprobs, first + len(entries))
+    preemption computes none of them again). Counted from ``rows``, not from the entries,
+    so that every tensor-parallel rank (only rank 0 has entries) keeps the same count and
+    so makes the same ``compute_logits`` calls later."""
+    for req, _, pos, count in rows:
+        if req.num_prompt_logprobs:
+            req.num_prompt_logprobs = max(req.num_prompt_logprobs, pos + 1 + count)

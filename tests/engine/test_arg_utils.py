@@ -171,9 +171,8 @@ def test_gpu_memory_utilization_refusals() -> None:
 def test_vllm_refusals_name_the_option(tmp_path: Path) -> None:
     parse = engine_parser().parse_args
     cases = {
-        ("--tensor-parallel-size", "2"): "tensor_parallel_size=2 (--tensor-parallel-size 2) is "
-        "not supported: kvserve runs a model on one device (tensor parallelism is a later "
-        "issue); use 1",
+        ("--tensor-parallel-size", "0"): "tensor_parallel_size (--tensor-parallel-size) must "
+        "be positive, got 0",
         ("--trust-remote-code",): "trust_remote_code=True (--trust-remote-code) is not "
         "supported: kvserve never runs a model's own Python code",
         ("--generation-config", "/m"): "generation_config='/m' (--generation-config /m) is not "
@@ -203,8 +202,8 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
         LLM(uvicorn_log_level="warning")  # a server option, as in vLLM's LLM
     assert str(e.value) == "unknown engine argument 'uvicorn_log_level'"
     with pytest.raises(ValueError) as e:
-        LLM(tensor_parallel_size=2)
-    assert str(e.value).startswith("tensor_parallel_size=2 (--tensor-parallel-size 2) is not")
+        LLM(tensor_parallel_size=0)
+    assert str(e.value).startswith("tensor_parallel_size (--tensor-parallel-size) must be")
     with pytest.raises(ValueError) as e:
         LLM(enable_lora=True)
     assert str(e.value) == (
@@ -253,8 +252,8 @@ def test_serve_takes_the_vllm_names(tmp_path: Path) -> None:
         f"--model {model!r} and the positional models ['/a'] disagree; give the model one way"
     )
     # An engine option is checked before the server starts (exit code 2 through main).
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 \(--tensor-parallel-size 2\)"):
-        run_serve(serve_args(model, "--tensor-parallel-size", "2"))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size \(--tensor-parallel-size\)"):
+        run_serve(serve_args(model, "--tensor-parallel-size", "0"))
 
 
 def test_llm_takes_the_vllm_keywords(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
