@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -191,6 +190,20 @@ def test_builtin_model_tp3_equals_tp1_and_tp2_is_refused(builtin_model_dir: Path
         e.close()
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned child processes of ``pid`` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(stat.parent.name))
+    return out
+
+
 @pytest.mark.slow
 def test_serve_tensor_parallel_answers_openai(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``kvserve serve --tensor-parallel-size 2`` answers the official client, plain and
@@ -217,8 +230,6 @@ def test_serve_tensor_parallel_answers_openai(tiny_model_dir: Path, tmp_path: Pa
             c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices
         )
         assert streamed == expected_text
-        workers = [c for c in psutil.Process(srv.proc.pid).children()
-                   if "spawn_main" in " ".join(c.cmdline())]  # fmt: skip
-        assert len(workers) == 2  # one worker process per rank served it
+        assert len(_spawned_children(srv.proc.pid)) == 2  # one worker process per rank
     finally:
         srv.stop()
