@@ -11,7 +11,9 @@ kill every other client's stream, and a few such steps would take the engine dow
    request's K/V slots are simply written again, seeded generators are rewound, and the
    runner commits its per-request results (pooling sums, prompt logprob counts) only for a
    run that succeeded. The retry lives in the runner, beside the batch it retries, so it
-   works the same when the runner is in a worker process.
+   works the same when the runner is in a worker process. Not under tensor parallelism:
+   the ranks' collectives must pair up, so a step that raises on any rank is an engine
+   fault (``RankFailedError``, the workers are stopped) instead of a per-request retry.
 3. The sampler narrows its own failures to rows (``worker/row_sampling.py``).
 4. Requests that fail alone are failed by the engine with finish reason ``error``. When every
    request of the step failed, a one-token probe (``engine_works``) tells a broken engine (out
