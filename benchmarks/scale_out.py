@@ -10,6 +10,11 @@ concurrency 1 and 64:
   behind Serve's HTTP proxy and the kvserve ingress (two extra hops per request).
 * ``ray-2x``  — ``--num-replicas 2``: two engines of T threads each, requests spread by the
   router (``--routing-policy``, least_loaded here: random prompts share no prefix).
+* ``tp2`` / ``tp3`` — ``kvserve serve --tensor-parallel-size 2`` (3): one engine whose model
+  is sharded over 2 (3) worker processes of T threads each; its ITL minus ``plain``'s is the
+  all-reduce cost per step. Not in the default ``--setups``: the built-in SmolLM2-135M
+  (9 query / 3 K/V heads) shards over 3 ranks only, so ``tp2`` needs ``--model`` with heads
+  divisible by 2.
 
 Reported per (setup, concurrency), medians over ``--repeats``: output tokens/s, requests/s,
 TTFT and ITL (mean/median/p99, ms), and the CPU the server used (every process of the
@@ -45,6 +50,7 @@ from kvserve.bench import serve  # noqa: E402
 from kvserve.bench.sweep import ServerProcess, free_port  # noqa: E402
 
 SETUPS = {"plain": None, "ray-1x": 1, "ray-2x": 2}  # name -> Ray replicas (None: no Ray)
+TP_SETUPS = {"tp2": 2, "tp3": 3}  # name -> tensor_parallel_size (no Ray)
 CONCURRENCIES = (1, 64)
 METRICS = (
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
@@ -55,7 +61,7 @@ WARMUP_SEED = 10_000
 
 
 def server_command(args: argparse.Namespace, setup: str, port: int) -> list[str]:
-    replicas = SETUPS[setup]
+    replicas = SETUPS.get(setup)
     cmd = [
         sys.executable, "-m", "kvserve.cli", "serve", args.model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
@@ -63,6 +69,8 @@ def server_command(args: argparse.Namespace, setup: str, port: int) -> list[str]
         "--kv-cache-memory", args.kv_cache_memory, "--no-access-log",
         "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if setup in TP_SETUPS:  # --num-threads is per rank
+        cmd += ["--tensor-parallel-size", str(TP_SETUPS[setup])]
     if replicas is not None:
         cmd += ["--ray", "--num-replicas", str(replicas), "--routing-policy", "least_loaded",
                 "--stream-batching-interval-ms", str(args.stream_batching_interval_ms)]  # fmt: skip
@@ -206,7 +214,8 @@ def markdown(summary: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the built-in)")
-    ap.add_argument("--setups", default=",".join(SETUPS), help=f"of {list(SETUPS)}")
+    ap.add_argument("--setups", default=",".join(SETUPS),
+                    help=f"of {[*SETUPS, *TP_SETUPS]}")  # fmt: skip
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
@@ -231,9 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.c1_requests, args.c64_requests, args.repeats = 2, 16, 1
         args.input_len, args.output_len, args.warmup_requests = 32, 16, 4
     setups = [s for s in args.setups.split(",") if s]
-    unknown = [s for s in setups if s not in SETUPS]
+    unknown = [s for s in setups if s not in SETUPS and s not in TP_SETUPS]
     if unknown:
-        raise SystemExit(f"unknown setups {unknown}; choose from {list(SETUPS)}")
+        raise SystemExit(f"unknown setups {unknown}; choose from {[*SETUPS, *TP_SETUPS]}")
     if args.model is None:
         from kvserve.model.builtin import resolve_model
 
