@@ -1,0 +1,573 @@
+"""Quantized weights side by side (issue 16): kvserve bf16 / int8 / int4 / GGUF kept quantized
+and llama.cpp's llama-server on Q8_0 / Q4_0 GGUFs of the same model, over HTTP.
+
+One model per run (``--model``): ``builtin`` (SmolLM2-135M-Instruct, the float32 folder kvserve
+converts from its Q4_1 GGUF), ``tinyllama`` (a random-weight Llama of TinyLlama-1.1B's shape,
+bf16, seeded, SmolLM2's BPE cut to 32000 tokens; built once under
+``~/.cache/kvserve/bench-models/tinyllama-random``) or a model folder. The GGUFs are converted
+from that folder once by ``benchmarks/peers/llamacpp.py`` (llama-quantize's default recipes).
+
+For each repeat the settings take turns (the order reversed every other repeat); each one's
+server runs alone: started, warmed up, probed (one request checks the server's own prompt and
+completion token counts), driven by ``kvserve bench serve`` at every concurrency (random
+prompts of ``--input-len`` tokens, exactly ``--output-len`` tokens out via ``ignore_eos``,
+greedy, closed loop), its peak RSS read (``VmHWM``), then stopped. Every setting gets the same
+prompts in a repeat, and both engines the same KV room: one slot of input + output + 64
+tokens per concurrent request (llama-server ``-np``/``-c``; kvserve ``--kv-cache-memory`` for
+as many bf16 tokens, ``--max-model-len`` one slot). Prints one markdown table (medians over
+repeats; output tok/s, TTFT, TPOT, the roofline floor of a decode step beside the TPOT, peak
+RSS, ratios to kvserve bf16 and to llama.cpp of the same bits) and the issue's targets; writes
+everything to ``benchmarks/results/quantization-<model>-<date>.json``.
+
+    bash benchmarks/peers/setup_llamacpp.sh                    # once: .peers/llamacpp
+    python benchmarks/quantization.py --model tinyllama        # all settings, c = 1, 8, 64
+    python benchmarks/quantization.py --model builtin --settings kvserve-bf16,llamacpp-q4_0 \\
+        --concurrency 1,8 --repeats 1 --output-len 32 --out /tmp/q.json   # a quick check
+
+llama-server quirks met here: it takes the client's body as is (``ignore_eos``, ``max_tokens``,
+``stream_options.include_usage`` give exact counts in a final usage chunk), but it drops a
+kept-alive connection after a streamed answer (hence ``Connection: close``, see
+:func:`bench_args`), and its own BPE splits some random-token texts one token shorter than the
+Hugging Face tokenizer (the probe records it: 127 of 128 on the built-in model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # benchmarks.*; roofline's `peers.*`
+
+from benchmarks.peers import llamacpp  # noqa: E402
+
+SERVED_NAME = "m"
+WARMUP_SEED, PROBE_SEED = 10_000, 20_000  # measured runs use 1000 * concurrency + repeat
+TINYLLAMA = {
+    "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "max_position_embeddings": 2048, "seed": 0,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One server configuration of the side by side."""
+
+    key: str
+    engine: str  # "kvserve" or "llamacpp"
+    quantization: str | None = None  # kvserve serve --quantization (None: bf16 weights)
+    gguf_type: str | None = None  # the GGUF served (llama.cpp; kvserve --quantization gguf)
+
+
+SETTINGS = (
+    Setting("kvserve-bf16", "kvserve"),
+    Setting("kvserve-int8", "kvserve", "int8"),
+    Setting("kvserve-int4", "kvserve", "int4"),
+    Setting("kvserve-gguf-q8_0", "kvserve", "gguf", "Q8_0"),
+    Setting("kvserve-gguf-q4_0", "kvserve", "gguf", "Q4_0"),
+    Setting("llamacpp-q8_0", "llamacpp", None, "Q8_0"),
+    Setting("llamacpp-q4_0", "llamacpp", None, "Q4_0"),
+)
+BASELINE = "kvserve-bf16"
+PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
+    "kvserve-int8": "llamacpp-q8_0", "kvserve-gguf-q8_0": "llamacpp-q8_0",
+    "kvserve-int4": "llamacpp-q4_0", "kvserve-gguf-q4_0": "llamacpp-q4_0",
+}  # fmt: skip
+# The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
+TARGETS = (
+    ("kvserve-int8", "kvserve-bf16", 1, 1.7),
+    ("kvserve-int4", "kvserve-bf16", 1, 2.5),
+    ("kvserve-int4", "llamacpp-q4_0", 1, 1.0),
+    ("kvserve-int4", "llamacpp-q4_0", 64, 3.0),
+    ("kvserve-int8", "kvserve-bf16", 64, 1.0),
+    ("kvserve-int4", "kvserve-bf16", 64, 1.0),
+)
+
+
+def parse_settings(text: str) -> list[Setting]:
+    """``all`` or a comma list of setting keys, in the given order."""
+    by_key = {s.key: s for s in SETTINGS}
+    if text == "all":
+        return list(SETTINGS)
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in by_key]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown settings {unknown or [text]}; choose from {', '.join(by_key)} or all"
+        )
+    return [by_key[k] for k in dict.fromkeys(keys)]
+
+
+def check_tokens(record: dict[str, Any], output_len: int) -> bool:
+    """Every request answered with exactly ``output_len`` tokens."""
+    done = record.get("completed") or 0
+    return (
+        record.get("failed") == 0
+        and done == record.get("num_prompts")
+        and record.get("total_output_tokens") == done * output_len
+    )
+
+
+def linear_params(cfg: Any) -> tuple[int, int]:
+    """(parameters of the decoder layers' linears, of the LM head), as roofline.step_floor."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * (heads * d + 2 * kv_heads * d) + heads * d * h + 3 * h * inter
+    return layers * per_layer, h * cfg.vocab_size
+
+
+def setting_weight_bytes(
+    setting: Setting, cfg: Any, ggufs: dict[str, Path], group_size: int | None = None
+) -> int:
+    """Weight bytes one decode step streams. GGUF settings: the file's own tensors. kvserve
+    int8/int4 (symmetric, a float16 scale per output channel or per ``group_size`` weights;
+    kvserve's defaults: int8 per channel, int4 groups of 32): the LM head stays bf16."""
+    if setting.gguf_type:
+        return llamacpp.streamed_weight_bytes(ggufs[setting.gguf_type])
+    body, head = linear_params(cfg)
+    if setting.quantization is None:
+        return 2 * (body + head)
+    bits = {"int8": 8, "int4": 4}[setting.quantization]
+    group = group_size or (32 if bits == 4 else cfg.hidden_size)  # per channel: K weights
+    return int(body * (bits / 8 + 2 / group) + 2 * head)
+
+
+def step_floor_ms(
+    cfg: Any, batch: int, context: int, roof: dict[str, Any], weight_bytes: int
+) -> float:
+    """roofline.step_floor with ``weight_bytes`` in place of the bf16 weights (KV stays 16-bit;
+    the compute floor uses the bf16 matmul rate for every setting)."""
+    from roofline import step_floor
+
+    bw, mm = roof["bandwidth_bytes_s"], roof["bf16_matmul_flop_s"]
+    mem_bf16, compute, bf16_bytes = step_floor(cfg, batch, context, bw, mm, 2)
+    return max(mem_bf16 + (weight_bytes - bf16_bytes) / bw, compute) * 1e3
+
+
+def _median(values: Sequence[Any]) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(
+    runs: Sequence[dict[str, Any]],
+    servers: Sequence[dict[str, Any]],
+    settings: Sequence[Setting],
+    concurrency: Sequence[int],
+) -> list[dict[str, Any]]:
+    """One row per (concurrency, setting) measured: medians over repeats, ratios, peak RSS."""
+    rows = []
+    for c in concurrency:
+        for s in settings:
+            mine = [r for r in runs if r["setting"] == s.key and r["concurrency"] == c]
+            if not mine:
+                continue
+            peaks = [v["peak_rss_mib"] for v in servers if v["setting"] == s.key]
+            rows.append({
+                "concurrency": c, "setting": s.key, "repeats": len(mine),
+                "output_tok_s": _median([r["output_throughput"] for r in mine]),
+                "median_ttft_ms": _median([r["median_ttft_ms"] for r in mine]),
+                "median_tpot_ms": _median([r["median_tpot_ms"] for r in mine]),
+                "failed": sum(r["failed"] or 0 for r in mine),
+                "tokens_ok": all(r["tokens_ok"] for r in mine),
+                "peak_rss_mib": max((p for p in peaks if p is not None), default=None),
+            })  # fmt: skip
+    tput = {(r["setting"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    for row in rows:
+        for name, other in (("x_bf16", BASELINE), ("x_llamacpp", PEER_OF.get(row["setting"]))):
+            den = tput.get((other, row["concurrency"])) if other else None
+            ok = den and row["output_tok_s"] is not None and other != row["setting"]
+            row[name] = row["output_tok_s"] / den if ok else None
+    return rows
+
+
+def markdown(
+    rows: Sequence[dict[str, Any]], roof: dict[str, Any] | None, cfg: Any, context: int
+) -> str:
+    """The result table; the floor is the roofline's least decode step at the mean context."""
+    lines = [
+        "| c | setting | output tok/s | x bf16 | x llama.cpp | TTFT p50 ms | TPOT p50 ms "
+        "| floor ms | floor / TPOT | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for r in rows:
+        floor = None
+        if roof is not None:
+            floor = step_floor_ms(cfg, r["concurrency"], context, roof,
+                                  roof["weight_bytes"][r["setting"]])  # fmt: skip
+        tpot = r["median_tpot_ms"]
+        share = floor / tpot if floor is not None and tpot else None
+        flag = "" if r["tokens_ok"] else " (!)"
+        lines.append(
+            f"| {r['concurrency']} | {r['setting']}{flag} | {f(r['output_tok_s'], '.1f')} | "
+            f"{f(r['x_bf16'], '.2f')} | {f(r['x_llamacpp'], '.2f')} | "
+            f"{f(r['median_ttft_ms'], '.0f')} | {f(tpot, '.1f')} | {f(floor, '.1f')} | "
+            f"{f(share, '.0%')} | {f(r['peak_rss_mib'], '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's speed targets that this run can judge, each with its measured ratio."""
+    tput = {(r["setting"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    out = []
+    for num, den, c, least in TARGETS:
+        a, b = tput.get((num, c)), tput.get((den, c))
+        if a is None or not b:
+            continue
+        ratio = a / b
+        met = ratio >= least
+        verdict = "met" if met else "NOT met"
+        text = f"{num} / {den} at c={c}: {ratio:.2f}x (target >= {least}x): {verdict}"
+        out.append({"numerator": num, "denominator": den, "concurrency": c, "target": least,
+                    "ratio": ratio, "met": met, "text": text})  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model under test: its HF folder, a short tag, the converter's pre-tokenizer name."""
+
+    tag: str
+    path: Path
+    pre_tokenizer: str | None = None
+
+
+def ensure_tinyllama() -> Path:
+    """The TinyLlama-shaped random Llama with a tokenizer, built once (about 2 minutes)."""
+    from benchmarks.peers.run_peers import add_truncated_tokenizer
+    from benchmarks.study.workloads import RandomLlamaSpec, build_random_llama
+
+    folder = llamacpp.bench_models_dir() / "tinyllama-random"
+    build_random_llama(RandomLlamaSpec(**TINYLLAMA), folder)
+    if not (folder / "tokenizer.json").is_file():
+        add_truncated_tokenizer(folder, TINYLLAMA["vocab_size"])
+    return folder
+
+
+def resolve_model(name: str, pre_tokenizer: str | None) -> Model:
+    if name == "builtin":
+        from kvserve.model.builtin import builtin_model_path
+
+        return Model("builtin", builtin_model_path())
+    if name == "tinyllama":
+        # The cut vocabulary hides SmolLM2's BPE from the converter's hash (see llamacpp.py).
+        return Model("tinyllama", ensure_tinyllama(), "smollm")
+    path = Path(name).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name!r}: expected builtin, tinyllama or a model folder")
+    return Model(path.name, path, pre_tokenizer)
+
+
+def slot_tokens(args: argparse.Namespace) -> int:
+    """KV tokens each concurrent request gets on both engines: its prompt, its answer and a
+    margin (the probe and warm-up fit too)."""
+    return args.input_len + args.output_len + 64
+
+
+def kv_cache_bytes(cfg: Any, tokens: int) -> int:
+    """Bytes of a 16-bit KV cache holding ``tokens`` tokens (K and V of every layer)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+
+
+def server_command(
+    args: argparse.Namespace, setting: Setting, model: Model, ggufs: dict[str, Path], port: int
+) -> list[str]:
+    """The command line of one setting's server on ``port``. Both engines get one KV slot of
+    :func:`slot_tokens` per concurrent request (llama.cpp: ``-np`` slots sharing ``-c``;
+    kvserve: ``--kv-cache-memory`` for as many tokens unless given), so the peak RSS compares
+    weights and runtimes, not KV pools of different sizes."""
+    slots, tokens = max(args.concurrency), slot_tokens(args)
+    if setting.engine == "llamacpp":
+        assert setting.gguf_type is not None
+        cmd = llamacpp.server_command(
+            args.build, ggufs[setting.gguf_type], port, args.threads, slots, slots * tokens,
+            SERVED_NAME,
+        )  # fmt: skip
+        return [*cmd, *shlex.split(args.llamacpp_args)]
+    served = str(ggufs[setting.gguf_type]) if setting.gguf_type else str(model.path)
+    kv = args.kv_cache_memory or str(kv_cache_bytes(args.model_cfg, slots * tokens))
+    size = args.quantization_group_size
+    group = ["--quantization-group-size", str(size)] if size else []
+    return [
+        sys.executable, "-m", "kvserve.cli", "serve", served,
+        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--num-threads", str(args.threads),
+        "--max-num-seqs", str(slots), "--max-model-len", str(tokens),
+        "--kv-cache-memory", kv, "--no-access-log",
+        *(["--quantization", setting.quantization] if setting.quantization else []),
+        *(group if setting.quantization in ("int8", "int4") else []),
+        *shlex.split(args.kvserve_args),
+    ]  # fmt: skip
+
+
+def bench_args(
+    args: argparse.Namespace, model: Model, concurrency: int, num_prompts: int, seed: int
+) -> argparse.Namespace:
+    """``kvserve bench serve``'s options for one run (the URL is added by ``run_bench``).
+
+    ``Connection: close`` on every request, for every server alike: llama-server drops a
+    kept-alive connection after a streamed answer, and the client's next request on it failed
+    with ServerDisconnectedError (1-2 of 6 sequential requests, every time); a new loopback
+    connection per request costs about 0.1 ms."""
+    from kvserve.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_serve_args(parser)
+    return parser.parse_args([
+        "--backend", "openai", "--tokenizer", str(model.path),
+        "--served-model-name", SERVED_NAME, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+        "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+        "--metrics-interval", "5", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--header", "Connection=close",
+    ])  # fmt: skip
+
+
+def run_bench(bench: argparse.Namespace, url: str) -> dict[str, Any]:
+    import asyncio
+
+    from kvserve.bench import serve
+
+    bench.base_url = url
+    samples, tokenizer = serve.prepare(bench)
+    return asyncio.run(serve.benchmark(bench, samples, tokenizer))
+
+
+def probe(args: argparse.Namespace, model: Model, url: str) -> dict[str, Any]:
+    """One streamed completion of a workload-like prompt (another seed: nothing measured is
+    cached by it), read as the benchmark reads it: the server's own usage counts beside the
+    benchmark tokenizer's, so a server that tokenizes differently or stops early shows."""
+    import json
+
+    import httpx
+
+    from kvserve.bench import serve
+
+    bench = bench_args(args, model, 1, 1, PROBE_SEED)
+    samples, _ = serve.prepare(bench)
+    want = min(16, args.output_len)
+    body = {
+        "model": SERVED_NAME, "prompt": samples[0].prompt, "max_tokens": want,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    usage: dict[str, Any] = {}
+    url = f"{url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=600, trust_env=False) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            data = line.removeprefix("data:").strip()
+            if line.startswith("data:") and data != "[DONE]":
+                usage = json.loads(data).get("usage") or usage
+    return {
+        "expected_prompt_tokens": samples[0].prompt_len,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "expected_completion_tokens": want,
+        "completion_tokens": usage.get("completion_tokens"),
+    }
+
+
+def memory_mib(pid: int) -> dict[str, float | None]:
+    """Peak (VmHWM) and current (VmRSS) resident memory of ``pid`` in MiB."""
+    out: dict[str, float | None] = {"peak_rss_mib": None, "rss_mib": None}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                name = "peak_rss_mib" if key == "VmHWM" else "rss_mib"
+                out[name] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def serve_setting(
+    args: argparse.Namespace, key: str, command: Callable[[int], list[str]], model: Model, rep: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Start one setting's server (``command(port)``) alone, measure every concurrency, read
+    its peak RSS, stop it. A server that does not start is recorded, not fatal."""
+    import httpx
+
+    from kvserve.bench.sweep import ServerProcess, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = command(port)
+    log = args.log_dir / f"{key}-rep{rep}.log"
+    server: dict[str, Any] = {"setting": key, "repeat": rep, "command": cmd}
+    server["log"] = str(log)
+    proc = ServerProcess(cmd, log)
+    runs: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    proc.start()
+    try:
+        proc.wait_healthy(url, args.start_timeout)
+        server["start_s"] = time.monotonic() - t0
+        run_bench(bench_args(args, model, 2, 2, WARMUP_SEED), url)  # first kernels, slots
+        server["probe"] = probe(args, model, url)
+        for c in args.concurrency:
+            n = max(args.min_prompts, args.waves * c)
+            load = os.getloadavg()[0]
+            result = run_bench(bench_args(args, model, c, n, 1000 * c + rep), url)
+            record = {"setting": key, "repeat": rep, "concurrency": c}
+            record.update(loadavg_1min=[load, os.getloadavg()[0]])
+            record.update({k: result.get(k) for k in RESULT_KEYS})
+            record["tokens_ok"] = check_tokens(record, args.output_len)
+            runs.append(record)
+            print(
+                f"  rep={rep} {key:<18} c={c:<3} {record['output_throughput']:8.1f} "
+                f"tok/s  TTFT p50 {record['median_ttft_ms'] or 0:7.0f} ms  TPOT p50 "
+                f"{record['median_tpot_ms'] or 0:6.1f} ms  failed {record['failed']}"
+                + ("" if record["tokens_ok"] else "  TOKEN COUNT MISMATCH"),
+                flush=True,
+            )
+        server.update(memory_mib(proc.proc.pid) if proc.proc else {})
+    except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as e:
+        server["error"] = f"{e}"
+        print(f"  rep={rep} {key}: failed: {e}", flush=True)
+    finally:
+        proc.stop()
+    return server, runs
+
+
+RESULT_KEYS = (
+    "completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
+    "duration", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
+    "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+    "median_e2el_ms",
+)  # fmt: skip
+
+
+def roofline(args: argparse.Namespace, model: Model, ggufs: dict[str, Path]) -> dict[str, Any]:
+    """The machine's read bandwidth and bf16 matmul rate, and each setting's streamed weight
+    bytes (what a decode step must read at least once)."""
+    from roofline import measure_bandwidth, measure_matmul
+
+    bw, mm = measure_bandwidth(), measure_matmul()
+    weights = {
+        s.key: setting_weight_bytes(s, args.model_cfg, ggufs, args.quantization_group_size)
+        for s in args.settings
+    }
+    print(f"roofline: read bandwidth {bw / 1e9:.1f} GB/s, bf16 matmul {mm / 1e12:.2f} TFLOP/s")
+    return {"bandwidth_bytes_s": bw, "bf16_matmul_flop_s": mm, "weight_bytes": weights}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="builtin", help="builtin, tinyllama or a model folder")
+    ap.add_argument(
+        "--settings",
+        type=parse_settings,
+        default=parse_settings("all"),
+        help="comma list of setting keys (see SETTINGS) or all",
+    )
+    ap.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64]
+    )
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=2, help="requests per run = waves x c ...")
+    ap.add_argument("--min-prompts", type=int, default=4, help="... but at least this many")
+    ap.add_argument("--threads", type=int, default=2, help="server threads, both engines")
+    ap.add_argument(
+        "--kv-cache-memory", default=None, help="kvserve's KV cache (default: llama.cpp's tokens)"
+    )
+    ap.add_argument("--kvserve-args", default="", help="extra kvserve serve flags")
+    ap.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
+    ap.add_argument("--llamacpp-dir", type=Path, default=llamacpp.DEFAULT_ROOT)
+    ap.add_argument(
+        "--pure-gguf",
+        action="store_true",
+        help="every GGUF matrix in the named type (llama-quantize --pure)",
+    )
+    ap.add_argument("--pre-tokenizer", default=None, help="converter's BPE name, PATH models")
+    ap.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="kvserve int8/int4 group (default: kvserve's, int8 per channel, int4 32)",
+    )
+    ap.add_argument("--no-roofline", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="server start, s")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from benchmarks.machine import machine_info
+    from kvserve.bench.serve import save_result
+    from kvserve.model.loader import load_hf_config
+
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    model = resolve_model(args.model, args.pre_tokenizer)
+    args.model_cfg = load_hf_config(model.path)
+    args.build = llamacpp.LlamaCppBuild(args.llamacpp_dir)
+    types = tuple(sorted({s.gguf_type for s in args.settings if s.gguf_type}))
+    ggufs = llamacpp.ensure_ggufs(args.build, model.path, types, args.pure_gguf,
+                                  pre_tokenizer=model.pre_tokenizer) if types else {}  # fmt: skip
+    date = datetime.date.today().isoformat()
+    out = args.out or REPO / "benchmarks" / "results" / f"quantization-{model.tag}-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.log_dir = Path(tempfile.gettempdir()) / "kvserve-quantization" / out.stem  # server logs
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"benchmark": "quantization", "machine": machine_info()}
+    doc["model"] = {"tag": model.tag, "path": str(model.path), "pre_tokenizer": model.pre_tokenizer}
+    doc["ggufs"] = {
+        k: {"path": str(p), "tensor_types": llamacpp.tensor_types(p)} for k, p in ggufs.items()
+    }
+    if any(s.engine == "llamacpp" for s in args.settings):
+        doc["llamacpp_version"] = args.build.version()
+    roof = None if args.no_roofline else roofline(args, model, ggufs)
+    servers, runs = [], []
+    for rep in range(args.repeats):
+        order = args.settings if rep % 2 == 0 else args.settings[::-1]
+        for setting in order:
+            command = partial(server_command, args, setting, model, ggufs)
+            server, mine = serve_setting(args, setting.key, command, model, rep)
+            servers.append(server)
+            runs.extend(mine)
+    summary = summarize(runs, servers, args.settings, args.concurrency)
+    context = args.input_len + args.output_len // 2  # mean tokens per request while decoding
+    table = markdown(summary, roof, args.model_cfg, context)
+    goals = targets(summary)
+    print(f"\n{model.tag}: {args.input_len} in / {args.output_len} out, {args.threads} threads\n")
+    print(table)
+    for goal in goals:
+        print(f"- {goal['text']}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("model_cfg", "build")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
+    settings["settings"] = [asdict(s) for s in args.settings]
+    doc.update(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        wall_time_s=time.monotonic() - t0, settings=settings, roofline=roof,
+        servers=servers, runs=runs, summary=summary, targets=goals, markdown=table,
+    )  # fmt: skip
+    save_result(doc, out)
+    print(f"\nSaved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
