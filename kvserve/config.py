@@ -125,13 +125,13 @@ class Quantization(enum.Enum):
     """Weight-only quantization of the linear layers (vLLM's ``--quantization``)."""
 
     INT8 = "int8"  # round-to-nearest at load: int8 codes, a scale per channel (or group)
-    INT4 = "int4"  # round-to-nearest at load: int4 codes, a scale per group of 32 (default)
+    INT4 = "int4"  # round-to-nearest at load: int4 codes, a scale and zero per group of 32
     GGUF = "gguf"  # a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept as they are
     # a pre-quantized checkpoint's own weights (found from its config.json, as vLLM does)
     COMPRESSED_TENSORS = "compressed-tensors"
 
 
-# int4's default group: llama.cpp's Q4_0 block; 4.5 bits a weight with float16 scales
+# int4's default group: llama.cpp's Q4_1 block; 5 bits a weight with float16 scale and zero
 DEFAULT_INT4_GROUP_SIZE = 32
 
 

@@ -70,34 +70,48 @@ def check_group_size(group_size: int, k: int) -> None:
         )
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int | None) -> QuantizedWeight:
-    """Symmetric round-to-nearest quantization of ``w [N, K]`` (no zero point).
+def quantize_rtn(
+    w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool | None = None
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of ``w [N, K]``, scales (and zeros) stored as float16
+    (as GGUF stores them), the codes computed with the rounded values.
 
-    int8: scale = max|w| / 127 per group, codes in [-127, 127]. int4: llama.cpp's Q4_0 rule,
-    scale = (the value of largest magnitude) / -8, codes clamped to [-8, 7], which uses the
-    whole 16-code range. ``group_size`` None is one group per output channel. Scales are
-    stored as float16 (as GGUF stores them) and the codes are computed with the rounded scale.
+    int8 (symmetric by default): scale = max|w| / 127 per group, codes in [-127, 127]. int4
+    (asymmetric by default): llama.cpp's Q4_1 rule, scale = (max - min) / 15 and zero = min per
+    group, codes in [0, 15]; measured on the built-in model, this keeps perplexity where the
+    symmetric Q4_0 rule (``symmetric=True``: scale = the value of largest magnitude / -8,
+    codes clamped to [-8, 7]) lost 23% (benchmarks/quant_quality.py). ``group_size`` None is
+    one group per output channel.
     """
     n, k = w.shape
     g = k if group_size is None else group_size
     check_group_size(g, k)
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_rtn takes 8 or 4 bits, got {bits}")
+    sym = (bits == 8) if symmetric is None else symmetric
     groups = w.detach().float().reshape(n, k // g, g)  # [N, K/g, g]
-    if bits == 8:
+    zero = None
+    if sym and bits == 8:
         scale = groups.abs().amax(dim=-1) / 127.0
         lo, hi = -127, 127
-    elif bits == 4:
+    elif sym:
         idx = groups.abs().argmax(dim=-1, keepdim=True)
         scale = groups.gather(-1, idx).squeeze(-1) / -8.0
         lo, hi = -8, 7
     else:
-        raise ValueError(f"quantize_rtn takes 8 or 4 bits, got {bits}")
+        top = 2**bits - 1
+        low = groups.amin(dim=-1)
+        scale = (groups.amax(dim=-1) - low) / top
+        zero = low.to(torch.float16)
+        lo, hi = 0, top
     scale = scale.to(torch.float16)
-    if not torch.isfinite(scale).all():
-        raise ValueError("weights too large for float16 scales (|w| > 65504 * 127)")
+    if not torch.isfinite(scale).all() or (zero is not None and not torch.isfinite(zero).all()):
+        raise ValueError("weights too large for float16 scales (|w| > 65504)")
     s = scale.float().unsqueeze(-1)  # [N, K/g, 1]
     inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
-    codes = torch.clamp(torch.round(groups * inv), lo, hi).to(torch.int8).reshape(n, k)
-    return QuantizedWeight(codes, scale, None, bits, g)
+    shifted = groups if zero is None else groups - zero.float().unsqueeze(-1)
+    codes = torch.clamp(torch.round(shifted * inv), lo, hi).to(torch.int8).reshape(n, k)
+    return QuantizedWeight(codes, scale, zero, bits, g)
 
 
 def relative_error(w: torch.Tensor, qw: QuantizedWeight) -> float:

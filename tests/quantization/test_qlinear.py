@@ -131,8 +131,8 @@ def test_quantize_model_replaces_all_but_the_lm_head() -> None:
     assert isinstance(model.block[0], QuantLinear)
     assert isinstance(model.lm_head, nn.Linear)
     assert report.layers == 2 and set(report.errors) == {"proj", "block.0"}
-    # 64*32 + 32*48 int4 weights + one float16 scale per 32
-    assert report.weight_bytes == (64 * 32 + 32 * 48) // 2 + (64 * 32 + 32 * 48) // 32 * 2
+    # 64*32 + 32*48 int4 weights + a float16 scale and zero per 32
+    assert report.weight_bytes == (64 * 32 + 32 * 48) // 2 + (64 * 32 + 32 * 48) // 32 * 4
     assert all(0 < e < 0.2 for e in report.errors.values())
 
 
