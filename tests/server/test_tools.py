@@ -162,7 +162,7 @@ def test_named(tool_server: Server) -> None:
 
 def test_stream_chunks_are_openais_deltas(tool_server: Server) -> None:
     body = {
-        "model": BUILTIN, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 120,
+        "model": BUILTIN, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 400,
         "tool_choice": "required", "temperature": 0.8, "seed": 3, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
