@@ -9,7 +9,7 @@ from torch import nn
 from kvserve.config import Quantization
 from kvserve.model import cpu_kernels
 from kvserve.quantization.apply import QuantOptions, quantize_model
-from kvserve.quantization.qlinear import QuantLinear, pack_codes, reference_linear
+from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear, pack_codes, reference_linear
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def test_float32_kernel_equals_reference(
 
 @pytest.mark.skipif(not _bf16_kernel(), reason="bf16 kernel needs AVX512-BF16")
 @pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
-@pytest.mark.parametrize("rows", [1, 2, 16, 17, 64, 130])  # direct path up to 16, then batched
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 130])  # direct up to DIRECT_ROWS
 def test_bf16_kernel_equals_reference(
     bits: int, group: int, zeros: bool, half: bool, rows: int
 ) -> None:
@@ -70,14 +70,14 @@ def test_bf16_kernel_equals_reference(
     layer = QuantLinear(qw, None, CPU, torch.bfloat16)
     out = layer(x).float()
     # The reference rounds each weight to bf16 before the product, as the batched kernel
-    # does; the direct path (<= 16 rows) keeps float32 weights. Both sum in float32: the
+    # does; the direct path (<= DIRECT_ROWS rows) keeps float32 weights. Both sum in float32: the
     # difference is the rounding of the weights (2^-9 relative each) and of the output.
     exact = x.double() @ qw.dequantize(torch.float64).t()
     ref = reference_linear(x, qw).float()
     scale = float(exact.abs().max())
     assert float((out - exact).abs().max()) < 6e-3 * scale
     assert float((ref - exact).abs().max()) < 6e-3 * scale
-    if rows > 16:  # batched path: the reference's bf16 weights, float32 sums, bf16 output
+    if rows > DIRECT_ROWS:  # batched path: the reference's bf16 weights, float32 sums, bf16 output
         assert float((out - ref).abs().max()) <= 2**-7 * scale
 
 
