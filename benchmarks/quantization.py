@@ -133,8 +133,8 @@ def setting_weight_bytes(
     setting: Setting, cfg: Any, ggufs: dict[str, Path], group_size: int | None = None
 ) -> int:
     """Weight bytes one decode step streams. GGUF settings: the file's own tensors. kvserve
-    int8/int4 (symmetric, a float16 scale per output channel or per ``group_size`` weights;
-    kvserve's defaults: int8 per channel, int4 groups of 32): the LM head stays bf16."""
+    int8 (symmetric: a float16 scale per output channel or per ``group_size`` weights) and int4
+    (a float16 scale and zero per group, 32 by default): the LM head stays bf16."""
     if setting.gguf_type:
         return llamacpp.streamed_weight_bytes(ggufs[setting.gguf_type])
     body, head = linear_params(cfg)
@@ -142,7 +142,8 @@ def setting_weight_bytes(
         return 2 * (body + head)
     bits = {"int8": 8, "int4": 4}[setting.quantization]
     group = group_size or (32 if bits == 4 else cfg.hidden_size)  # per channel: K weights
-    return int(body * (bits / 8 + 2 / group) + 2 * head)
+    per_group = 2 if bits == 8 else 4  # int4 has a zero point beside its scale
+    return int(body * (bits / 8 + per_group / group) + 2 * head)
 
 
 def step_floor_ms(

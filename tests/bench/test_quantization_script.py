@@ -84,9 +84,9 @@ def test_weight_bytes_and_floor() -> None:
     int8 = quantization.setting_weight_bytes(by_key["kvserve-int8"], CFG, {})
     assert int8 == int(body * (1 + 2 / 64) + 2 * head)  # a float16 scale per row of K = 64
     int4 = quantization.setting_weight_bytes(by_key["kvserve-int4"], CFG, {})
-    assert int4 == int(body * (0.5 + 2 / 32) + 2 * head)  # groups of 32 by default
+    assert int4 == int(body * (0.5 + 4 / 32) + 2 * head)  # scale and zero per 32 by default
     assert quantization.setting_weight_bytes(by_key["kvserve-int4"], CFG, {}, 64) == int(
-        body * (0.5 + 2 / 64) + 2 * head
+        body * (0.5 + 4 / 64) + 2 * head
     )
     roof = {"bandwidth_bytes_s": 1e9, "bf16_matmul_flop_s": 1e15}  # memory-bound
     kv = 1 * 10 * 2 * 2 * 2 * 16 * 2  # batch x context x (K, V) x layers x KV heads x dim x 2 B
