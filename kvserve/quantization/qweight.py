@@ -78,9 +78,10 @@ def quantize_rtn(
 
     int8 (symmetric by default): scale = max|w| / 127 per group, codes in [-127, 127]. int4
     (asymmetric by default): llama.cpp's Q4_1 rule, scale = (max - min) / 15 and zero = min per
-    group, codes in [0, 15]; measured on the built-in model, this keeps perplexity where the
-    symmetric Q4_0 rule (``symmetric=True``: scale = the value of largest magnitude / -8,
-    codes clamped to [-8, 7]) lost 23% (benchmarks/quant_quality.py). ``group_size`` None is
+    group, codes in [0, 15]. The symmetric Q4_0 rule (``symmetric=True``: scale = the value
+    of largest magnitude / -8, codes clamped to [-8, 7]) raised the built-in model's
+    perplexity 23% (benchmarks/quant_quality.py); that model's weights are Q4_1 values, which
+    this rule gives back. ``group_size`` None is
     one group per output channel.
     """
     n, k = w.shape
