@@ -131,6 +131,17 @@ class Quantization(enum.Enum):
     COMPRESSED_TENSORS = "compressed-tensors"
 
 
+class QuantizedActivations(enum.Enum):
+    """What quantized linear layers multiply their weights with (``--quantization-activations``)."""
+
+    # int8 where the kernel has it (a bf16 model on a CPU with AVX512-VNNI), else the dtype
+    AUTO = "auto"
+    # x quantized per row in blocks of 32 (int8, a float scale each: llama.cpp's Q8_0), then
+    # integer dot products; without the kernel, the (slow) pure-PyTorch reference
+    INT8 = "int8"
+    NONE = "none"  # the model dtype: exact products with the dequantized weights
+
+
 # int4's default group: llama.cpp's Q4_1 block; 5 bits a weight with float16 scale and zero
 DEFAULT_INT4_GROUP_SIZE = 32
 
@@ -161,6 +172,8 @@ class ModelConfig:
     quantization: Quantization | None = None  # weight-only quantized linears; None: dtype
     # weights per scale along K for int8/int4; None: int8 per channel, int4 32
     quantization_group_size: int | None = None
+    # how quantized linears take activations (int8 per 32 on CPUs with VNNI, or the dtype)
+    quantization_activations: QuantizedActivations = QuantizedActivations.AUTO
     gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
     # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)
@@ -174,6 +187,8 @@ class ModelConfig:
         object.__setattr__(self, "pooling", PoolingType(self.pooling))
         if self.quantization is not None:
             object.__setattr__(self, "quantization", Quantization(self.quantization))
+        acts = QuantizedActivations(self.quantization_activations)
+        object.__setattr__(self, "quantization_activations", acts)
         if self.quantization_group_size is not None and self.quantization not in (
             Quantization.INT8,
             Quantization.INT4,

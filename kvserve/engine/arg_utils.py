@@ -253,6 +253,13 @@ class EngineArgs:
         "(even, dividing every layer's input size; default: int8 one scale per output "
         "channel, int4 32)", type=int,
     )  # fmt: skip
+    quantization_activations: str = _opt(
+        "auto", "with --quantization: int8 quantizes each linear's input per row in blocks of "
+        "32 (a scale each, as llama.cpp does) and multiplies with integer dot products "
+        "(AVX512-VNNI); none keeps --dtype (exact products with the dequantized weights, "
+        "slower); auto is int8 where the kernel runs (bf16 on a CPU with VNNI), else none",
+        choices=("auto", "int8", "none"),
+    )  # fmt: skip
     pooling: str = _opt(
         "last", "embeddings (LLM.embed, /v1/embeddings): the last prompt token's final hidden "
         "state, or the mean over the prompt's (vLLM's pooling_type LAST / MEAN)",
@@ -509,6 +516,7 @@ class EngineArgs:
                 pooling=self.pooling,  # type: ignore[arg-type]
                 quantization=self.quantization,  # type: ignore[arg-type]
                 quantization_group_size=self.quantization_group_size,
+                quantization_activations=self.quantization_activations,  # type: ignore[arg-type]
                 gguf_file=self._gguf_file(),
                 model_impl=self.model_impl,  # type: ignore[arg-type]
                 generation_config=self.generation_config,  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ _SOURCES = [
     _CSRC / "fused_ops.cpp",
     _CSRC / "sampling_ops.cpp",
     _CSRC / "quant_linear.cpp",
+    _CSRC / "quant_linear_a8.cpp",
 ]
 
 # Compile the kernels with the vector width torch itself dispatches to on this CPU, so

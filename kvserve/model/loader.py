@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from kvserve.config import ModelImpl, Quantization
+from kvserve.config import ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.base import CausalLM
 from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
@@ -99,7 +99,8 @@ def load_model(
         if scheme is not None:
             dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
             model.load_weights(dense.items())
-            quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded)
+            acts = quant.activations if quant is not None else QuantizedActivations.AUTO
+            quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded, activations=acts)
         else:
             model.load_weights(_iter_safetensors(path))
     if quant is not None and quant.method is not None:

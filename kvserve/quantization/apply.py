@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.config import DEFAULT_INT4_GROUP_SIZE, Quantization
+from kvserve.config import DEFAULT_INT4_GROUP_SIZE, Quantization, QuantizedActivations
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn, relative_error
 
@@ -32,6 +32,7 @@ class QuantOptions:
     gguf_file: str | None = None
     # pre-quantized layers by module name (a compressed-tensors checkpoint), else None
     loaded: dict[str, QuantizedWeight] | None = None
+    activations: QuantizedActivations = QuantizedActivations.AUTO  # int8 or the model dtype
 
 
 @dataclass
@@ -44,13 +45,15 @@ class QuantReport:
     dense_bytes: int = 0  # the same layers in the model dtype
     errors: dict[str, float] = field(default_factory=dict)  # layer -> ||W - Q(W)|| / ||W||
     kernel: bool = True  # every layer runs the C++ kernel
+    int8_activations: bool = False  # the layers quantize their inputs to int8 (blocks of 32)
 
     def summary(self) -> str:
         errs = list(self.errors.values())
         err = f", RTN error mean {sum(errs) / len(errs):.4f} max {max(errs):.4f}" if errs else ""
         return (
             f"{self.method}: {self.layers} layers, {self.weight_bytes / 2**20:.1f} MiB "
-            f"(from {self.dense_bytes / 2**20:.1f} MiB){err}; kernel: {self.kernel}"
+            f"(from {self.dense_bytes / 2**20:.1f} MiB){err}; kernel: {self.kernel}; "
+            f"activations: {'int8' if self.int8_activations else 'model dtype'}"
         )
 
 
@@ -98,11 +101,15 @@ def quantize_model(
         else:
             qw = _rtn(linear.weight, method, quant.group_size, name)
             report.errors[name] = relative_error(linear.weight, qw)
-        layer = QuantLinear(qw, linear.bias, device, dtype)
+        try:
+            layer = QuantLinear(qw, linear.bias, device, dtype, quant.activations)
+        except ValueError as e:
+            raise ValueError(f"cannot quantize {name}: {e}") from e
         report.layers += 1
         report.weight_bytes += qw.nbytes()
         report.dense_bytes += linear.weight.numel() * linear.weight.element_size()
         report.kernel &= layer.use_kernel
+        report.int8_activations = layer.int8_activations
         setattr(parent, attr, layer)
     logger.info("quantized %s", report.summary())
     return report

@@ -1,10 +1,17 @@
 """``QuantLinear``: a weight-only quantized linear layer behind ``nn.Linear``'s interface.
 
-Activations stay in the model dtype (bf16 or float32); the weight is int8 or int4 codes with
-group scales (``QuantizedWeight``). On a CPU the C++ kernel (``csrc/quant_linear.cpp``) reads
-the codes in a tile layout made once here (``pack_codes``); elsewhere, or where the kernel
-cannot run, the layer dequantizes and calls ``F.linear`` (``reference_linear``, the reference
-the kernel is tested against: slow, since it rebuilds the full weight every call).
+The weight is int8 or int4 codes with group scales (``QuantizedWeight``). Two ways to take
+the activations (``QuantizedActivations``):
+
+* int8 (the default for bf16 on CPUs with AVX512-VNNI): each row of x is quantized in blocks
+  of 32, then integer dot products (``csrc/quant_linear_a8.cpp``, codes packed by
+  ``pack_codes_a8``); the reference is ``reference_linear_a8``.
+* the model dtype (bf16 or float32): ``csrc/quant_linear.cpp`` (codes packed by
+  ``pack_codes``), exact products with the dequantized weight; the reference is
+  ``reference_linear``.
+
+Where no kernel runs, the layer calls its reference: slow, since it rebuilds the full weight
+every call.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.config import QuantizedActivations
 from kvserve.model import cpu_kernels
 from kvserve.quantization.qweight import INT4_RANGES, QuantizedWeight
 
@@ -60,6 +68,58 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     return packed.permute(0, 2, 1).contiguous(), off
 
 
+def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    """Codes ``[N, K]`` in the int8-activation kernel's layout, and the offset ``o`` added to
+    them (128 for int8, 8 or 0 for int4): vpdpbusd multiplies unsigned bytes by signed ones.
+
+    int8: ``[N/16, K/32, 8, 16, 4]`` bytes ``c + o``; quad t of a block of 32 holds k = 4t..4t+3
+    of 16 channels. int4: ``[N/16, K/32, 4, 16, 4]``, quad t in the low nibbles and quad t + 4
+    in the high ones. See ``csrc/quant_linear_a8.cpp``.
+    """
+    n, k = codes.shape
+    off = 128 if bits == 8 else int4_offset(codes)
+    u = (codes.to(torch.int16) + off).to(torch.uint8)  # [N, K]
+    blocks = u.reshape(n // 16, 16, k // 32, 2, 4, 4)  # [N/16, ch, K/32, half, t, i]
+    quads = blocks.permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, t, ch, i]
+    if bits == 8:
+        return quads.contiguous(), off
+    return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous(), off
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` as int8 blocks of 32: ``(q [M, K] int8, d [M, K/32] float32)``, x ~= d * q.
+
+    d = max|x| / 127 and q = round(x * (127 / max|x|)), half to even, in float32: the same
+    operations as the kernel's, so the same q and d.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)  # [M, K/32, 32]
+    amax = xb.abs().amax(dim=-1)  # [M, K/32]
+    # torch.div, not 127.0 / amax: Tensor.__rtruediv__ multiplies by the reciprocal, which
+    # rounds differently from the kernel's division.
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), 0.0)
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8).reshape(m, k)
+    return q, amax / 127.0
+
+
+def reference_linear_a8(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The int8-activation kernel's reference: ``x`` quantized as ``quantize_activations``
+    does, times the dequantized weight, exactly (float64), rounded to ``x``'s dtype."""
+    shape = x.shape
+    q, d = quantize_activations(x.reshape(-1, shape[-1]))
+    xq = (q.double().reshape(q.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(q.shape)
+    g = qw.group_size
+    w = qw.codes.double() * qw.scales.double().repeat_interleave(g, dim=1)  # [N, K]
+    if qw.zeros is not None:
+        w = w + qw.zeros.double().repeat_interleave(g, dim=1)
+    out = xq @ w.t()  # [M, N]
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*shape[:-1], qw.shape[0])
+
+
 def kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the C++ kernel can run this weight for activations of ``dtype`` on ``device``."""
     n, _ = qw.shape
@@ -70,14 +130,45 @@ def kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtyp
     return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
+def a8_kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the int8-activation kernel runs this weight: bf16 on a CPU with AVX512-VNNI,
+    N a multiple of 16, K of 32, groups of 16 or a multiple of 32."""
+    n, k = qw.shape
+    g = qw.group_size
+    shape_ok = n % 16 == 0 and k % 32 == 0 and (g == 16 or g % 32 == 0)
+    return device.type == "cpu" and dtype == torch.bfloat16 and shape_ok and _a8_kernel()
+
+
 @functools.cache
 def _bf16_kernel() -> bool:
     """bf16 activations need AVX512-BF16 (vdpbf16ps), known once the kernels are built."""
     return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_bf16_supported())
 
 
+@functools.cache
+def _a8_kernel() -> bool:
+    """int8 activations need AVX512-VNNI (vpdpbusd) and AVX512-BF16 in the build."""
+    return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_a8_supported())
+
+
+def wants_int8_activations(
+    activations: QuantizedActivations, qw: QuantizedWeight, device: torch.device,
+    dtype: torch.dtype,
+) -> bool:  # fmt: skip
+    """``activations`` resolved for one layer: auto is int8 exactly where the kernel runs."""
+    if activations is QuantizedActivations.AUTO:
+        return a8_kernel_supports(qw, device, dtype)
+    if activations is QuantizedActivations.INT8 and qw.shape[1] % 32:
+        raise ValueError(
+            f"int8 activations are quantized in blocks of 32, and the input size {qw.shape[1]} "
+            "is not a multiple of 32 (use quantization_activations 'none')"
+        )
+    return activations is QuantizedActivations.INT8
+
+
 class QuantLinear(nn.Module):
-    """``y = x @ dequant(W)^T + b`` for a ``QuantizedWeight`` W; activations in ``dtype``."""
+    """``y = x @ dequant(W)^T + b`` for a ``QuantizedWeight`` W; activations in ``dtype``, or
+    quantized to int8 first (``activations``, see ``QuantizedActivations``)."""
 
     def __init__(
         self,
@@ -85,6 +176,7 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         device: torch.device,
         dtype: torch.dtype,
+        activations: QuantizedActivations = QuantizedActivations.NONE,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qw.shape
@@ -94,10 +186,16 @@ class QuantLinear(nn.Module):
         # Plain attributes, not parameters or buffers: model.to(dtype) must not cast scales,
         # and the codes are opaque to everything but this layer.
         self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
-        self.use_kernel = kernel_supports(qw, device, dtype)
+        self.int8_activations = wants_int8_activations(activations, qw, device, dtype)
+        if self.int8_activations:
+            self.path = "a8" if a8_kernel_supports(qw, device, dtype) else "reference"
+        else:
+            self.path = "kernel" if kernel_supports(qw, device, dtype) else "reference"
+        self.use_kernel = self.path != "reference"
         self.qweight: QuantizedWeight | None = None
         if self.use_kernel:
-            self.codes, self.offset = pack_codes(qw.codes, qw.bits)
+            pack = pack_codes_a8 if self.path == "a8" else pack_codes
+            self.codes, self.offset = pack(qw.codes, qw.bits)
             self.scales_t = qw.scales.t().contiguous()  # [K/g, N]
             self.zeros_t = (
                 torch.empty(0, dtype=qw.scales.dtype)
@@ -117,14 +215,21 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return reference_linear(x, self.qweight, self.bias)
+            ref = reference_linear_a8 if self.int8_activations else reference_linear
+            return ref(x, self.qweight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         out = x2.new_empty(x2.shape[0], self.out_features)  # [M, N]
-        torch.ops.kvserve.quant_linear(
-            out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
-            self.offset, DIRECT_ROWS,
-        )  # fmt: skip
+        if self.path == "a8":
+            torch.ops.kvserve.quant_linear_a8(
+                out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
+                self.offset,
+            )  # fmt: skip
+        else:
+            torch.ops.kvserve.quant_linear(
+                out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
+                self.offset, DIRECT_ROWS,
+            )  # fmt: skip
         if self.bias is not None:
             out += self.bias
         return out.view(*shape[:-1], self.out_features)
@@ -132,5 +237,5 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bits={self.bits}, group_size={self.group_size}, kernel={self.use_kernel}"
+            f"bits={self.bits}, group_size={self.group_size}, path={self.path}"
         )

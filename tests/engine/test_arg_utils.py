@@ -24,6 +24,7 @@ from kvserve.config import (
     ModelConfig,
     PoolingType,
     PreemptionMode,
+    QuantizedActivations,
     SchedulerConfig,
     SchedulingPolicy,
     auto_dtype,
@@ -88,7 +89,7 @@ ALL_FLAGS = [
     "--attention-backend", "sdpa", "--no-fused-ops", "--no-prepack-weights", "--no-warmup",
     "--num-threads", "1", "--chat-template", "<{{ messages[0]['content'] }}>",
     "--generation-config", "auto", "--tensor-parallel-size", "1", "--enforce-eager",
-    "--disable-log-requests", "--pooling", "mean",
+    "--disable-log-requests", "--pooling", "mean", "--quantization-activations", "none",
 ]  # fmt: skip
 
 
@@ -107,12 +108,14 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         attention_backend="sdpa", fused_ops=False, prepack_weights=False, warmup=False,
         num_threads=1, chat_template=template, generation_config="auto",
         tensor_parallel_size=1, enforce_eager=True, disable_log_requests=True, pooling="mean",
+        quantization_activations="none",
     )  # fmt: skip
     expected = EngineConfig(
         model=ModelConfig(
             path=model, dtype=torch.float32, max_model_len=64, seed=7, served_name="m1",
             prepack_weights=False, fused_ops=False, attention_backend=AttentionBackend.SDPA,
             warmup=False, chat_template=template, pooling=PoolingType.MEAN,
+            quantization_activations=QuantizedActivations.NONE,
         ),
         cache=CacheConfig(block_size=8, kv_cache_memory=8 * MiB, num_kv_blocks=None,
                           swap_space=2 * GiB, enable_prefix_caching=False),

@@ -3,6 +3,7 @@ under preemption and prefix caching, with KV integrity checked after every step.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.quantization.qlinear import QuantLinear
+from kvserve.quantization.qlinear import QuantLinear, reference_linear_a8
 from kvserve.quantization.qweight import quantize_rtn
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import random_prompts, run_engine_checked
@@ -104,3 +105,45 @@ def test_transformers_backend_quantizes_the_same_weights(tiny_llama: Path) -> No
     e = engine(tiny_llama, num_kv_blocks=200, quantization="int4", model_impl="transformers")
     assert sum(isinstance(m, QuantLinear) for m in e.runner.model.modules()) == 2 * 7
     assert run_engine_checked(e, PROMPTS, PARAMS) == native
+
+
+def _a8_kernel() -> bool:
+    from kvserve.quantization.qlinear import _a8_kernel
+
+    return _a8_kernel()
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.mark.skipif(not _a8_kernel(), reason="needs AVX512-VNNI and AVX512-BF16")
+def test_int8_activation_kernel_gives_its_reference_tokens(tiny_llama: Path) -> None:
+    """bf16 int4 with int8 activations (the default on VNNI CPUs) through the whole engine:
+    the same tokens as the same engine whose quantized layers run the pure-PyTorch reference
+    (quantize x per 32, float64 product) on the checkpoint's weights quantized apart; and
+    --quantization-activations none takes the other kernel."""
+
+    def bf16(**kw: object) -> LLMEngine:
+        cfg = build_engine_config(str(tiny_llama), dtype="bfloat16", block_size=4,
+                                  quantization="int4", num_kv_blocks=200, **kw)  # fmt: skip
+        return LLMEngine(cfg)
+
+    fast = bf16()
+    assert fast.runner.model.quant_report.int8_activations is True
+    want = run_engine_checked(fast, PROMPTS, PARAMS)
+    ref = bf16()
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    patched = 0
+    for name, module in ref.runner.model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert module.path == "a8"
+            prefix, attr = name.rsplit(".", 1)
+            w = torch.cat([state[f"model.{prefix}.{p}.weight"] for p in FUSED.get(attr, (attr,))])
+            qw = quantize_rtn(w.bfloat16(), 4, 32)
+            module.forward = functools.partial(reference_linear_a8, qw=qw)  # type: ignore[method-assign]
+            patched += 1
+    assert patched == 2 * 4
+    assert run_engine_checked(ref, PROMPTS, PARAMS) == want
+    none = bf16(quantization_activations="none")
+    assert none.runner.model.layers[0].mlp.down_proj.path == "kernel"
+    assert none.runner.model.quant_report.int8_activations is False

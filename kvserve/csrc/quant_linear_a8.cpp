@@ -1,0 +1,321 @@
+// Quantized linear layer with int8 activations: y[M, N] = x[M, K] @ W[N, K]^T, W as in
+// quant_linear.cpp (int8 or int4 codes, a float scale and zero per group of g along K), and x
+// quantized per row to int8 in blocks of 32 (x ~= d * q, d = max|x| / 127, q = round(x / d)),
+// as llama.cpp does (its Q8_0 activations). The products are integer dot products
+// (AVX512-VNNI vpdpbusd: 64 u8 x s8 multiply-adds per instruction, twice vdpbf16ps' 32), and
+// the float scales are applied once per block of 32. The pure-PyTorch reference is
+// kvserve.quantization.qlinear.reference_linear_a8 (quantize x the same way, then an exact
+// float64 product); tests hold this kernel to it.
+//
+// Why: on a CPU without AMX the bf16 path is compute-bound for a 1-row decode (about 6 vector
+// ops to turn 32 codes into floats) and, at 64 rows, pays a bf16 tile dequantization per
+// chunk (measured in benchmarks/quant_kernels.py; numbers in docs/performance.md).
+//
+// Arithmetic: the codes are stored unsigned, u = c + o (o = 128 for int8, 8 or 0 for int4),
+// since vpdpbusd multiplies unsigned bytes by signed ones. With W = c * s + z per group,
+//   sum_k W_k x_k = s * sum_k u_k x_k + (z - o * s) * sum_k x_k,
+// and per block of 32, sum_k u_k x_k = d * sum_k u_k q_k: an exact int32 sum (|.| < 2^20).
+//
+// Layout (built by kvserve.quantization.qlinear.pack_codes_a8): blocks of 16 output channels,
+// K in blocks of 32; a 64-byte vector holds 4 consecutive k ("a quad") of the 16 channels,
+// byte 4j + i = channel j, k = 4t + i (vpdpbusd's layout; also AMX's int8 B-tile layout):
+//   int8: [N / 16][K / 32][8 quads][16][4] uint8 (u);
+//   int4: [N / 16][K / 32][4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4.
+// scales / zeros: [K / g, N] float32 or float16 (zeros may be empty: zero 0); g = 16 or a
+// multiple of 32, and 32 divides K.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr int64_t kRowChunk = 64;  // rows whose int8 activations stay in L2 for a tile
+
+struct A8Args {
+  const uint8_t* codes;
+  const void* scales;
+  const void* zeros;  // nullptr: zero 0
+  bool half_scales;   // scales / zeros are float16 (else float32)
+  int64_t group;      // g: 16 or a multiple of 32
+  int64_t n, k;
+  float offset;       // o: stored u = c + o
+  int64_t zgroup;     // granularity of xsum: 16 if g == 16, else g
+};
+
+struct A8Rows {  // x, quantized (quantize_rows)
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, K / 32]
+  const float* xs;  // [M, K / zgroup]: sum of d * q over each zgroup
+};
+
+inline __m512 load16(const A8Args& a, const void* p, int64_t grp, int64_t n) {
+  int64_t i = grp * a.n + n;
+  if (a.half_scales) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + i)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows r0..r1 of x [M, K] bf16 into int8 blocks of 32. inv = 127 / max|x| and round half to
+// even (the MXCSR default): the reference computes the same float32 values.
+void quantize_rows(const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t k, int64_t zg,
+                   int8_t* q, float* d, float* xs) {
+  const int64_t nb = k / 32, nz = k / zg;
+  for (int64_t r = r0; r < r1; ++r) {
+    std::fill(xs + r * nz, xs + (r + 1) * nz, 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const auto* src = reinterpret_cast<const __m256i*>(x + r * k + b * 32);
+      __m512 v0 = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
+      __m512 v1 = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      float dd = amax / 127.0f;
+      __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + b * 32), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + b * 32 + 16),
+                       _mm512_cvtsepi32_epi8(q1));
+      d[r * nb + b] = dd;
+      float h0 = dd * static_cast<float>(_mm512_reduce_add_epi32(q0));
+      float h1 = dd * static_cast<float>(_mm512_reduce_add_epi32(q1));
+      if (zg == 16) {
+        xs[r * nz + 2 * b] = h0;
+        xs[r * nz + 2 * b + 1] = h1;
+      } else {
+        xs[r * nz + b * 32 / zg] += h0 + h1;
+      }
+    }
+  }
+}
+
+// out[MR rows][NV * 16 channels from vector v0] for rows starting at row r0 of `rows`.
+// HALVES: g == 16, so the two halves of a block of 32 have their own scales.
+template <int MR, int NV, bool INT4, bool HALVES>
+void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
+  constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
+  const int64_t nb = a.k / 32, nz = a.k / a.zgroup;
+  const int64_t blocks_per_group = HALVES ? 1 : a.group / 32;
+  const uint8_t* w[NV];
+  for (int v = 0; v < NV; ++v) w[v] = a.codes + (v0 + v) * nb * kBytes;
+  const int8_t* q[MR];
+  for (int r = 0; r < MR; ++r) q[r] = rows.q + (r0 + r) * a.k;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512 off = _mm512_set1_ps(a.offset);
+  __m512 total[MR][NV], s0[NV], s1[NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    // New group: its scales, and the zero term (z - o * s) * sum x for every row.
+    if (HALVES || kb % blocks_per_group == 0) {
+      const int64_t g0 = HALVES ? 2 * kb : kb / blocks_per_group;
+      for (int h = 0; h < (HALVES ? 2 : 1); ++h) {
+        for (int v = 0; v < NV; ++v) {
+          const int64_t ch = (v0 + v) * 16;
+          __m512 s = load16(a, a.scales, g0 + h, ch);
+          __m512 z = a.zeros ? load16(a, a.zeros, g0 + h, ch) : _mm512_setzero_ps();
+          z = _mm512_sub_ps(z, _mm512_mul_ps(off, s));
+          (h ? s1 : s0)[v] = s;
+          for (int r = 0; r < MR; ++r) {
+            __m512 xsum = _mm512_set1_ps(rows.xs[(r0 + r) * nz + g0 + h]);
+            total[r][v] = _mm512_fmadd_ps(z, xsum, total[r][v]);
+          }
+        }
+      }
+    }
+    __m512i acc0[MR][NV], acc1[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) acc0[r][v] = acc1[r][v] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      __m512i lo[NV], hi[NV];
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* p = w[v] + kb * kBytes;
+        if constexpr (INT4) {
+          __m512i packed = _mm512_loadu_si512(p + t * 64);
+          lo[v] = _mm512_and_si512(packed, low4);
+          hi[v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        } else {
+          lo[v] = _mm512_loadu_si512(p + t * 64);
+          hi[v] = _mm512_loadu_si512(p + (t + 4) * 64);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        __m512i xa = bcast4(q[r] + kb * 32 + 4 * t);
+        __m512i xb = bcast4(q[r] + kb * 32 + 16 + 4 * t);
+        for (int v = 0; v < NV; ++v) {
+          // Two chains (the halves of the block): half the dependent-latency of one.
+          acc0[r][v] = _mm512_dpbusd_epi32(acc0[r][v], lo[v], xa);
+          acc1[r][v] = _mm512_dpbusd_epi32(acc1[r][v], hi[v], xb);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      __m512 dr = _mm512_set1_ps(rows.d[(r0 + r) * nb + kb]);
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (HALVES) {
+          total[r][v] = _mm512_add_ps(
+              total[r][v], _mm512_mul_ps(_mm512_cvtepi32_ps(acc0[r][v]), _mm512_mul_ps(s0[v], dr)));
+          total[r][v] = _mm512_add_ps(
+              total[r][v], _mm512_mul_ps(_mm512_cvtepi32_ps(acc1[r][v]), _mm512_mul_ps(s1[v], dr)));
+        } else {
+          __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc0[r][v], acc1[r][v]));
+          total[r][v] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s0[v], dr), total[r][v]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * a.n + (v0 + v) * 16),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[r][v])));
+}
+
+// Rows r0..r0 + mc (mc <= 4) times nv (1, 2 or 4) vectors from v0.
+template <bool INT4, bool HALVES>
+void a8_rows(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t mc, int64_t v0, int64_t nv,
+             c10::BFloat16* out) {
+#define KVSERVE_A8(MR, NV) a8_micro<MR, NV, INT4, HALVES>(a, rows, r0, v0, out)
+  if (nv == 4) {  // one row, four vectors: enough independent chains to hide the latency
+    KVSERVE_A8(1, 4);
+    return;
+  }
+  if (nv == 2) {
+    switch (mc) {
+      case 4: KVSERVE_A8(4, 2); break;
+      case 3: KVSERVE_A8(3, 2); break;
+      case 2: KVSERVE_A8(2, 2); break;
+      default: KVSERVE_A8(1, 2); break;
+    }
+    return;
+  }
+  switch (mc) {
+    case 4: KVSERVE_A8(4, 1); break;
+    case 3: KVSERVE_A8(3, 1); break;
+    case 2: KVSERVE_A8(2, 1); break;
+    default: KVSERVE_A8(1, 1); break;
+  }
+#undef KVSERVE_A8
+}
+
+// One tile of up to 4 vectors (64 channels) for rows m0..m0 + mc.
+template <bool INT4, bool HALVES>
+void a8_tile(const A8Args& a, const A8Rows& rows, int64_t m0, int64_t mc, int64_t v0,
+             int64_t nv, c10::BFloat16* out) {
+  if (mc == 1 && nv == 4) {
+    a8_rows<INT4, HALVES>(a, rows, m0, 1, v0, 4, out);
+    return;
+  }
+  constexpr int64_t kMR = HALVES ? 2 : 4;  // HALVES doubles the accumulators
+  for (int64_t v = v0; v < v0 + nv; v += 2) {
+    const int64_t w = std::min<int64_t>(2, v0 + nv - v);
+    for (int64_t r = m0; r < m0 + mc; r += kMR) {
+      a8_rows<INT4, HALVES>(a, rows, r, std::min(kMR, m0 + mc - r), v, w, out);
+    }
+  }
+}
+
+template <bool INT4, bool HALVES>
+void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) {
+  const int64_t vecs = a.n / 16;
+  const int64_t tiles = (vecs + 3) / 4;
+  // Tiles per task: a small layer runs on the calling thread (waking the pool costs more
+  // than ~64K weights of work).
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 64 * a.k));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t mc = std::min(kRowChunk, m - m0);
+      for (int64_t t = begin; t < end; ++t) {
+        a8_tile<INT4, HALVES>(a, rows, m0, mc, 4 * t, std::min<int64_t>(4, vecs - 4 * t), out);
+      }
+    }
+  });
+}
+#endif
+
+void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
+                     int64_t group, int64_t offset) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              "quant_linear_a8: x and out must be contiguous 2-D tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "quant_linear_a8: x and out must be bfloat16");
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_a8: bits must be 8 or 4");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
+              "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == k / group &&
+                  scales.size(1) == n,
+              "quant_linear_a8: scales must be [K / g, N]");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "quant_linear_a8: scales dtype");
+  const bool has_zeros = zeros.numel() > 0;
+  if (has_zeros) {
+    TORCH_CHECK(zeros.is_contiguous() && zeros.sizes() == scales.sizes() &&
+                    zeros.scalar_type() == scales.scalar_type(),
+                "quant_linear_a8: zeros must match scales");
+  }
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.numel() * (bits == 8 ? 1 : 2) == n * k,
+              "quant_linear_a8: codes do not hold N x K weights");
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (m == 0) return;
+  const int64_t zg = group == 16 ? 16 : group;
+  A8Args a{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_zeros ? zeros.data_ptr() : nullptr,
+           half, group, n, k, static_cast<float>(offset), zg};
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp, r0, r1, k, zg, q.data(), d.data(), xs.data());
+  });
+  A8Rows rows{q.data(), d.data(), xs.data()};
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const bool halves = group == 16;
+  if (bits == 4) {
+    halves ? a8_run<true, true>(a, rows, m, op) : a8_run<true, false>(a, rows, m, op);
+  } else {
+    halves ? a8_run<false, true>(a, rows, m, op) : a8_run<false, false>(a, rows, m, op);
+  }
+#else
+  TORCH_CHECK(false, "quant_linear_a8 needs AVX512-VNNI and AVX512-BF16");
+#endif
+}
+
+bool quant_linear_a8_supported() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def(
+      "quant_linear_a8(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
+      "int bits, int group, int offset) -> ()");
+  m.def("quant_linear_a8_supported() -> bool", &quant_linear_a8_supported);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("quant_linear_a8", &quant_linear_a8); }
