@@ -3,9 +3,11 @@
 For each of a model's projection shapes and each row count, times the prepacked bf16 linear
 (kvserve's unquantized fast path), PyTorch's own weight-only kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) and kvserve's kernel for int8
-(per channel) and int4 (group 32), each of kvserve's two paths forced: ``direct`` (codes times
-float32 activations) and ``tiles`` (dequantize to bf16 tiles, vdpbf16ps). Prints medians in
-microseconds; the crossing of the two paths is what ``qlinear.DIRECT_ROWS`` is set from.
+(per channel) and int4 (group 32): with int8 activations (``a8``: VNNI integer dot products,
+the default on VNNI CPUs), and with bf16 activations, each of that kernel's two paths forced:
+``direct`` (codes times float32 activations) and ``tiles`` (dequantize to bf16 tiles,
+vdpbf16ps). Prints medians in microseconds; the crossing of the two bf16 paths is what
+``qlinear.DIRECT_ROWS`` is set from.
 
     python benchmarks/quant_kernels.py                      # TinyLlama-1.1B's shapes
     python benchmarks/quant_kernels.py --shapes builtin --rows 1,4,16,64
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import torch
 from kernels import timed  # benchmarks/kernels.py: median seconds after warm-up
 
+from kvserve.config import QuantizedActivations
 from kvserve.model import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import quantize_rtn
@@ -50,6 +53,9 @@ def row_times(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
     q8 = QuantLinear(quantize_rtn(w, 8, None), None, cpu, torch.bfloat16)
     q4 = QuantLinear(quantize_rtn(w, 4, 32), None, cpu, torch.bfloat16)
+    a8 = QuantizedActivations.INT8
+    q8a8 = QuantLinear(quantize_rtn(w, 8, None), None, cpu, torch.bfloat16, a8)
+    q4a8 = QuantLinear(quantize_rtn(w, 4, 32), None, cpu, torch.bfloat16, a8)
     # PyTorch's own kernels on the same sizes (random codes: only the time matters)
     w8 = torch.randint(-127, 127, (n, k), dtype=torch.int8)
     s8 = torch.rand(n, dtype=torch.bfloat16)
@@ -63,6 +69,8 @@ def row_times(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
         ),
         "torch int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8),
         "torch int4pack g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w4, 32, sz4),
+        "int8 a8": lambda: q8a8(x),
+        "int4 a8": lambda: q4a8(x),
         "int8 direct": forced(q8, x, True),
         "int8 tiles": forced(q8, x, False),
         "int4 direct": forced(q4, x, True),
@@ -79,8 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_kernels.available() or not torch.ops.kvserve.quant_linear_bf16_supported():
-        raise SystemExit("the bf16 quantized kernel needs the C++ kernels and AVX512-BF16")
+    if not cpu_kernels.available() or not torch.ops.kvserve.quant_linear_a8_supported():
+        raise SystemExit("the quantized kernels need the C++ kernels, AVX512-BF16 and VNNI")
     rows = [int(r) for r in args.rows.split(",")]
     cols = None
     totals: dict[int, dict[str, float]] = {}
@@ -100,8 +108,8 @@ def main() -> None:
     print("| rows | " + " | ".join(cols) + " | int8 best / bf16 | int4 best / bf16 |")
     print("|---|" + "---|" * (len(cols) + 2))
     for m, t in totals.items():
-        i8 = min(t["int8 direct"], t["int8 tiles"]) / t["bf16 prepacked"]
-        i4 = min(t["int4 direct"], t["int4 tiles"]) / t["bf16 prepacked"]
+        i8 = min(t["int8 a8"], t["int8 direct"], t["int8 tiles"]) / t["bf16 prepacked"]
+        i4 = min(t["int4 a8"], t["int4 direct"], t["int4 tiles"]) / t["bf16 prepacked"]
         cells = " | ".join(f"{t[c]:.0f}" for c in cols)
         print(f"| {m} | {cells} | {i8:.2f} | {i4:.2f} |")
 

@@ -5,8 +5,12 @@ configuration:
 
 * ``float32``, ``bfloat16``: the folder's weights in that dtype (the built-in folder holds the
   float32 values of its shipped Q4_1 GGUF, so float32 is that file's exact arithmetic);
-* ``int8``, ``int4``: bf16 activations, linears quantized at load (``quantization=``);
-* ``gguf``: the built-in's Q4_1 GGUF with its tensors kept quantized (built-in model only).
+* ``int8``, ``int4``: linears quantized at load (``quantization=``), their inputs quantized
+  to int8 per 32 values (``quantization_activations="int8"``, the default on VNNI CPUs);
+* ``gguf``: the built-in's Q4_1 GGUF with its tensors kept quantized (built-in model only),
+  int8 activations likewise;
+* ``int8-a16``, ``int4-a16``, ``gguf-a16``: the same weights with bf16 activations
+  (``quantization_activations="none"``).
 
 Perplexity: the English chatterbot corpus' answers (its second lines, each once, in file order,
 joined by newlines), tokenized and cut into ``--window``-token windows, the first
@@ -44,10 +48,14 @@ sys.path.insert(0, str(REPO))  # run as a script: make `benchmarks` importable
 CONFIGS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
-    "int8": {"dtype": "bfloat16", "quantization": "int8"},
-    "int4": {"dtype": "bfloat16", "quantization": "int4"},
-    "gguf": {"dtype": "bfloat16", "quantization": "gguf"},
-}
+    **{
+        f"{method}{suffix}": {
+            "dtype": "bfloat16", "quantization": method, "quantization_activations": acts,
+        }
+        for suffix, acts in (("", "int8"), ("-a16", "none"))
+        for method in ("int8", "int4", "gguf")
+    },
+}  # fmt: skip
 REFERENCE = "bfloat16"
 
 
@@ -207,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvserve.model.builtin import resolve_model
 
     args = build_parser().parse_args(argv)
-    if "gguf" in args.configs and args.model is not None and not args.model.endswith(".gguf"):
+    gguf = any(CONFIGS[c].get("quantization") == "gguf" for c in args.configs)
+    if gguf and args.model is not None and not args.model.endswith(".gguf"):
         raise ValueError("configuration gguf needs a .gguf --model (or the built-in model)")
     from transformers import AutoTokenizer
 

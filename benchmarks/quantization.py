@@ -69,12 +69,16 @@ class Setting:
     engine: str  # "kvserve" or "llamacpp"
     quantization: str | None = None  # kvserve serve --quantization (None: bf16 weights)
     gguf_type: str | None = None  # the GGUF served (llama.cpp; kvserve --quantization gguf)
+    # kvserve --quantization-activations (None: the default, auto: int8 on VNNI CPUs)
+    activations: str | None = None
 
 
 SETTINGS = (
     Setting("kvserve-bf16", "kvserve"),
     Setting("kvserve-int8", "kvserve", "int8"),
     Setting("kvserve-int4", "kvserve", "int4"),
+    Setting("kvserve-int8-a16", "kvserve", "int8", activations="none"),
+    Setting("kvserve-int4-a16", "kvserve", "int4", activations="none"),
     Setting("kvserve-gguf-q8_0", "kvserve", "gguf", "Q8_0"),
     Setting("kvserve-gguf-q4_0", "kvserve", "gguf", "Q4_0"),
     Setting("llamacpp-q8_0", "llamacpp", None, "Q8_0"),
@@ -84,6 +88,7 @@ BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
     "kvserve-int8": "llamacpp-q8_0", "kvserve-gguf-q8_0": "llamacpp-q8_0",
     "kvserve-int4": "llamacpp-q4_0", "kvserve-gguf-q4_0": "llamacpp-q4_0",
+    "kvserve-int8-a16": "llamacpp-q8_0", "kvserve-int4-a16": "llamacpp-q4_0",
 }  # fmt: skip
 # The targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -316,6 +321,7 @@ def server_command(
         "--kv-cache-memory", kv, "--no-access-log",
         *(["--quantization", setting.quantization] if setting.quantization else []),
         *(group if setting.quantization in ("int8", "int4") else []),
+        *(["--quantization-activations", setting.activations] if setting.activations else []),
         *shlex.split(args.kvserve_args),
     ]  # fmt: skip
 

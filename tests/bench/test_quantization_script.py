@@ -56,6 +56,10 @@ def test_server_commands() -> None:
     assert cmd[cmd.index("serve") + 1] == "/models/m"
     assert cmd[cmd.index("--quantization") + 1] == "int4"
     assert cmd[cmd.index("--quantization-group-size") + 1] == "64"
+    assert "--quantization-activations" not in cmd  # the server's default (auto)
+    cmd = quantization.server_command(args, by_key["kvserve-int4-a16"], model, ggufs, 8123)
+    assert cmd[cmd.index("--quantization-activations") + 1] == "none"
+    cmd = quantization.server_command(args, by_key["kvserve-int4"], model, ggufs, 8123)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--dtype" in cmd
     assert cmd[cmd.index("--max-model-len") + 1] == "320"  # 128 in + 128 out + 64
     # llama.cpp's KV tokens, 64 x 320, at 2 x 2 layers x 2 KV heads x 16 x 2 bytes a token
