@@ -94,9 +94,9 @@ def quantize_model(
         linear: nn.Linear = getattr(parent, attr)
         if loaded is not None and name not in loaded:
             continue  # stored as floats in the file: stays an ordinary layer
-        qw = loaded[name] if loaded is not None else None
-        layer = quantized_layer(report, quant, name, linear.weight, linear.bias, qw, device, dtype)
-        setattr(parent, attr, layer)
+        qw, err = layer_weight(quant, name, linear.weight, loaded[name] if loaded else None)
+        setattr(parent, attr, quantized_layer(report, name, linear.weight, linear.bias, qw, err,
+                                              device, dtype))  # fmt: skip
     logger.info("quantized %s", report.summary())
     return report
 
@@ -115,27 +115,36 @@ def check_known(loaded: Iterable[str], targets: list[tuple[nn.Module, str, str]]
         raise ValueError(f"quantized weights for layers the model does not have: {unknown[:3]}")
 
 
+def layer_weight(
+    quant: QuantOptions, name: str, weight: torch.Tensor, qw: QuantizedWeight | None
+) -> tuple[QuantizedWeight, float | None]:
+    """Layer ``name``'s quantized weight and its round-to-nearest error: ``qw`` when
+    pre-quantized (``weight`` then only gives the shape it must have: it may be on the meta
+    device; no error), else ``weight`` rounded to nearest."""
+    assert quant.method is not None
+    if qw is None:
+        return _rtn(weight, quant.method, quant.group_size, name)
+    if qw.shape != tuple(weight.shape):
+        raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
+                         f"expects {tuple(weight.shape)}")  # fmt: skip
+    return qw, None
+
+
 def quantized_layer(
     report: QuantReport,
-    quant: QuantOptions,
     name: str,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    qw: QuantizedWeight | None,
+    qw: QuantizedWeight,
+    error: float | None,
     device: torch.device,
     dtype: torch.dtype,
 ) -> QuantLinear:
-    """The ``QuantLinear`` for layer ``name``: of ``qw`` (pre-quantized; ``weight`` then only
-    gives the shape it must have: it may be on the meta device), else of ``weight`` rounded
-    to nearest (its error recorded). ``report`` counts the layer."""
-    assert quant.method is not None
-    if qw is not None:
-        if qw.shape != tuple(weight.shape):
-            raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
-                             f"expects {tuple(weight.shape)}")  # fmt: skip
-    else:
-        qw, report.errors[name] = _rtn(weight, quant.method, quant.group_size, name)
+    """The ``QuantLinear`` of ``qw`` for layer ``name``, counted in ``report`` (``weight``:
+    the dense layer's, for its shape and size only)."""
     layer = QuantLinear(qw, bias, device, dtype)
+    if error is not None:
+        report.errors[name] = error
     report.layers += 1
     report.weight_bytes += qw.nbytes()
     report.dense_bytes += weight.numel() * weight.element_size()

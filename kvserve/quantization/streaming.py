@@ -35,6 +35,7 @@ from kvserve.quantization.apply import (
     check_known,
     check_rtn_groups,
     check_unsharded,
+    layer_weight,
     linears,
     quantized_layer,
 )
@@ -46,10 +47,14 @@ Loader = Callable[..., None]  # a layer's weight_loader(param, loaded, shard)
 
 class PendingLinear(nn.Module):
     """Stands where the linear layer ``name`` stands while the checkpoint loads: it has the
-    layer's parameter names (``weight``, ``bias``, on the meta device), so ``load_weights``
-    finds them, and calls ``done(self)`` once every part of both is loaded. Each gets storage
-    on ``device`` when its first part arrives; ``keep_dense_on_meta``: the weight is
-    pre-quantized, so it never does."""
+    layer's parameter names (``weight``, ``bias``), so ``load_weights`` finds them, and
+    calls ``done(self)`` once every part of both is loaded.
+
+    The weight is a tensor on ``device`` whose storage is empty (0 bytes) until the layer's
+    first part arrives, and emptied again by ``release`` (as FSDP frees its flat
+    parameters): the parameter object stays the one ``load_weights`` looked up.
+    ``prequantized``: the layer's weight comes quantized from elsewhere, so it stays on the
+    meta device and its checkpoint tensors (meta too) are only shape-checked."""
 
     def __init__(
         self,
@@ -57,16 +62,21 @@ class PendingLinear(nn.Module):
         name: str,
         device: torch.device,
         done: Callable[[PendingLinear], None],
-        keep_dense_on_meta: bool,
+        prequantized: bool,
     ) -> None:
         super().__init__()
         self.name = name
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.device = device
+        w = linear.weight
+        if not prequantized:
+            w = torch.empty_like(w, device=device)
+            w.untyped_storage().resize_(0)  # never touched: no page was resident
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(torch.empty_like(linear.bias, device=device),
+                                     requires_grad=False)  # fmt: skip
         self._inner: Loader | None = getattr(linear, "weight_loader", None)
         self._done = done
-        self.keep_dense_on_meta = keep_dense_on_meta
         # A fused layer (MergedColumnParallelLinear, QKV) loads one part per checkpoint
         # tensor (shard 0, 1, ...), any other layer its whole weight at once (shard None).
         sizes = getattr(linear, "output_sizes", None)
@@ -81,9 +91,9 @@ class PendingLinear(nn.Module):
         which = "weight" if param is self.weight else "bias" if param is self.bias else None
         if which is None or (which, shard) not in self.missing:
             raise ValueError(f"{self.name}: unexpected or repeated checkpoint part {shard}")
-        if param.is_meta and (which == "bias" or not self.keep_dense_on_meta):
-            storage = torch.empty_like(param, device=self.device)
-            torch.utils.swap_tensors(param, nn.Parameter(storage, requires_grad=False))
+        storage = param.untyped_storage()
+        if not param.is_meta and storage.nbytes() == 0:
+            storage.resize_(param.numel() * param.element_size())  # the first part is here
         if self._inner is not None:
             self._inner(param, loaded, shard)
         elif shard is not None:
@@ -95,9 +105,9 @@ class PendingLinear(nn.Module):
             self._done(self)
 
     def release(self) -> None:
-        """Free the dense weight (back to the meta device)."""
-        meta = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
-        torch.utils.swap_tensors(self.weight, meta)
+        """Free the dense weight's storage (its shape stays, for the record)."""
+        if not self.weight.is_meta:
+            self.weight.untyped_storage().resize_(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{self.name} is still loading")
@@ -133,18 +143,18 @@ class StreamingQuantizer:
         self.pending: dict[str, tuple[nn.Module, str]] = {}
         for parent, attr, name in targets:
             stand_in = PendingLinear(getattr(parent, attr), name, device, self._quantize,
-                                     keep_dense_on_meta=self.source is not None)  # fmt: skip
+                                     prequantized=self.source is not None)  # fmt: skip
             setattr(parent, attr, stand_in)
             self.pending[name] = (parent, attr)
 
     def _quantize(self, stand_in: PendingLinear) -> None:
-        name = stand_in.name
-        qw = self.source.take(name) if self.source is not None else None
-        layer = quantized_layer(self.report, self.quant, name, stand_in.weight, stand_in.bias,
-                                qw, self.device, self.dtype)  # fmt: skip
+        name, w = stand_in.name, stand_in.weight
+        qw, err = layer_weight(self.quant, name, w, self.source.take(name) if self.source else None)
+        stand_in.release()  # before the codes are packed for the kernel: less at once
+        layer = quantized_layer(self.report, name, w, stand_in.bias, qw, err, self.device,
+                                self.dtype)  # fmt: skip
         parent, attr = self.pending.pop(name)
         setattr(parent, attr, layer)
-        stand_in.release()
         trim_heap()
 
     def finish(self) -> QuantReport:
@@ -160,9 +170,13 @@ def trim_heap() -> None:
 
     A layer's dense weight and temporaries are freed once it is quantized, but glibc keeps
     freed blocks below its mmap threshold (raised up to 32 MB as large blocks are freed) in
-    the heap, between the quantized layers' long-lived codes, so they are not given back.
-    Measured on the TinyLlama-1.1B-shaped model, int8: 2.78 GB RSS after loading (1.60 GB
-    with a trim per layer), peak 3.11 GB (2.03 GB) (``benchmarks/load_memory.py``)."""
+    the heap, between the quantized layers' long-lived codes, and does not give them back.
+    Measured with ``load_model`` on the TinyLlama-1.1B-shaped model (bf16, prepacked;
+    ``benchmarks/load_memory.py --mode load``), a trim after each layer against none:
+    int4 peak 1.69 GB (1.89), RSS after loading 1.26 GB (1.71); int8 1.92 GB (2.07),
+    1.61 GB (1.95). It costs load time (freed pages are faulted in again: int4 13 s, 10 s
+    without). A fixed 1 MB mmap threshold instead (``mallopt``) peaked lower still (int4
+    1.40 GB) but doubled the load time and would change the process's allocator for good."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
