@@ -31,7 +31,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K
 from transformers import PretrainedConfig
 
-from kvserve.model.gguf_convert import _BLOCK_NAME_RE, _BLOCK_TENSOR_MAP, unpermute_rotary
+from kvserve.model.gguf_convert import (
+    _BLOCK_NAME_RE,
+    _BLOCK_TENSOR_MAP,
+    read_bytes,
+    unpermute_rotary,
+)
 from kvserve.quantization.fusion import fused_modules
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
 
@@ -180,11 +185,7 @@ class GGUFLinears:
         return concat_rows([self._read(self._tensors[p]) for p in self.modules[module]])
 
     def _read(self, t: _Tensor) -> QuantizedWeight:
-        raw = np.empty(t.nbytes, dtype=np.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(t.offset)
-            if f.readinto(memoryview(raw)) != t.nbytes:
-                raise ValueError(f"{self.path}: tensor {t.name!r} is cut short")
+        raw = read_bytes(self.path, t.offset, t.nbytes, t.name)
         qw = tensor_to_qweight(t.name, t.qtype, raw, t.n, t.k)
         return qw if t.heads is None else _unpermute(qw, t.heads)
 
