@@ -3,11 +3,11 @@
 Loading the whole model in the model dtype and then quantizing it (``apply.quantize_model``)
 held every dense weight at once: a TinyLlama-1.1B-shaped model peaked at 4.6 GB of RSS for
 int4 weights of 0.6 GB (``benchmarks/load_memory.py``). Here each linear layer to quantize
-is replaced, before loading, by a ``PendingLinear`` whose weight stays on the meta device
-(no storage) until the checkpoint's first tensor for it arrives; once every part of it
-(fused q/k/v or gate/up) and its bias are in, it is quantized, a ``QuantLinear`` takes its
-place and the dense weight is freed. Checkpoints store a layer's tensors together (safetensors
-orders them by name), so about one layer's dense weights exist at a time.
+is replaced, before loading, by a ``PendingLinear`` whose weight has no storage until the
+checkpoint's first tensor for it arrives; once every part of it (fused q/k/v or gate/up) and
+its bias are in, it is quantized, a ``QuantLinear`` takes its place, the dense weight is freed
+and the C heap trimmed. Checkpoints store a layer's tensors together (safetensors orders them
+by name), so about one layer's dense weights exist at a time (int4: peak 1.6 GB).
 
 The model's own ``load_weights`` runs unchanged: it copies through ``load_weight``, which
 calls the layer's ``weight_loader``; ``PendingLinear.weight_loader`` wraps the original
@@ -23,6 +23,7 @@ import functools
 import logging
 import platform
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from kvserve.quantization.apply import (
     linears,
     quantized_layer,
 )
+
+if TYPE_CHECKING:
+    from kvserve.quantization.gguf_weights import GGUFLinears
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ class StreamingQuantizer:
         check_unsharded(model, quant.method)
         self.quant, self.device, self.dtype = quant, device, dtype
         self.report = QuantReport(quant.method.value)
-        self.source = None
+        self.source: GGUFLinears | None = None
         self.skip: set[str] = set()
         targets = linears(model)
         if quant.method is Quantization.GGUF:
