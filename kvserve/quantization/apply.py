@@ -9,6 +9,8 @@ every logit. Round-to-nearest error is recorded per layer (``QuantReport``).
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +18,12 @@ from torch import nn
 
 from kvserve.config import DEFAULT_INT4_GROUP_SIZE, Quantization, QuantizedActivations
 from kvserve.quantization.qlinear import QuantLinear
-from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn, relative_error
+from kvserve.quantization.qweight import (
+    QuantizedWeight,
+    check_group_size,
+    concat_rows,
+    quantize_rtn,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +64,7 @@ class QuantReport:
         )
 
 
-def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+def linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     """``(parent, attribute, dotted name)`` of every nn.Linear to quantize."""
     found = []
     for name, module in model.named_modules():
@@ -70,13 +77,12 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
 def quantize_model(
     model: nn.Module, quant: QuantOptions, device: torch.device, dtype: torch.dtype
 ) -> QuantReport:
-    """Replace the model's linear layers in place; returns the report (also logged)."""
+    """Replace a loaded model's linear layers in place; returns the report (also logged).
+    (The loader quantizes native models while their weights load instead:
+    ``streaming.StreamingQuantizer``.)"""
     method = quant.method
     assert method is not None
-    tp = getattr(model, "tp", None)  # a tensor-parallel shard's TPGroup (kvserve.distributed)
-    if tp is not None and tp.world_size > 1:
-        raise ValueError(f"quantization {method.value!r} does not support tensor parallelism "
-                         f"yet (tensor_parallel_size {tp.world_size})")  # fmt: skip
+    check_unsharded(model, method)
     report = QuantReport(method.value)
     loaded = quant.loaded
     if method is Quantization.GGUF:
@@ -84,43 +90,118 @@ def quantize_model(
 
         assert quant.gguf_file is not None  # ModelConfig checks it
         loaded = load_gguf_linears(quant.gguf_file, model.config)  # type: ignore[arg-type]
-    targets = _linears(model)
+    targets = linears(model)
     if loaded is not None:
-        unknown = sorted(set(loaded) - {name for _, _, name in targets})
-        if unknown:
-            raise ValueError(f"quantized weights for layers the model does not have: {unknown[:3]}")
+        check_known(loaded, targets)
     for parent, attr, name in targets:
         linear: nn.Linear = getattr(parent, attr)
-        if loaded is not None:
-            if name not in loaded:
-                continue  # stored as floats in the file: stays an ordinary layer
-            qw = loaded[name]
-            if qw.shape != tuple(linear.weight.shape):
-                raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
-                                 f"expects {tuple(linear.weight.shape)}")  # fmt: skip
-        else:
-            qw = _rtn(linear.weight, method, quant.group_size, name)
-            report.errors[name] = relative_error(linear.weight, qw)
-        try:
-            layer = QuantLinear(qw, linear.bias, device, dtype, quant.activations)
-        except ValueError as e:
-            raise ValueError(f"cannot quantize {name}: {e}") from e
-        report.layers += 1
-        report.weight_bytes += qw.nbytes()
-        report.dense_bytes += linear.weight.numel() * linear.weight.element_size()
-        report.kernel &= layer.use_kernel
-        report.int8_activations = layer.int8_activations
-        setattr(parent, attr, layer)
+        if loaded is not None and name not in loaded:
+            continue  # stored as floats in the file: stays an ordinary layer
+        qw, err = layer_weight(quant, name, linear.weight, loaded[name] if loaded else None)
+        setattr(parent, attr, quantized_layer(report, name, linear.weight, linear.bias, qw, err,
+                                              device, dtype, quant.activations))  # fmt: skip
     logger.info("quantized %s", report.summary())
     return report
 
 
-def _rtn(
-    w: torch.Tensor, method: Quantization, group_size: int | None, name: str
-) -> QuantizedWeight:
-    bits = 8 if method is Quantization.INT8 else 4
-    g = group_size if group_size is not None or bits == 8 else DEFAULT_INT4_GROUP_SIZE
+def check_unsharded(model: nn.Module, method: Quantization) -> None:
+    tp = getattr(model, "tp", None)  # a tensor-parallel shard's TPGroup (kvserve.distributed)
+    if tp is not None and tp.world_size > 1:
+        raise ValueError(f"quantization {method.value!r} does not support tensor parallelism "
+                         f"yet (tensor_parallel_size {tp.world_size})")  # fmt: skip
+
+
+def check_known(loaded: Iterable[str], targets: list[tuple[nn.Module, str, str]]) -> None:
+    """Refuse quantized weights for layers the model does not have."""
+    unknown = sorted(set(loaded) - {name for _, _, name in targets})
+    if unknown:
+        raise ValueError(f"quantized weights for layers the model does not have: {unknown[:3]}")
+
+
+def layer_weight(
+    quant: QuantOptions, name: str, weight: torch.Tensor, qw: QuantizedWeight | None
+) -> tuple[QuantizedWeight, float | None]:
+    """Layer ``name``'s quantized weight and its round-to-nearest error: ``qw`` when
+    pre-quantized (``weight`` then only gives the shape it must have: it may be on the meta
+    device; no error), else ``weight`` rounded to nearest."""
+    assert quant.method is not None
+    if qw is None:
+        return _rtn(weight, quant.method, quant.group_size, name)
+    if qw.shape != tuple(weight.shape):
+        raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
+                         f"expects {tuple(weight.shape)}")  # fmt: skip
+    return qw, None
+
+
+def quantized_layer(
+    report: QuantReport,
+    name: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    qw: QuantizedWeight,
+    error: float | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    activations: QuantizedActivations,
+) -> QuantLinear:
+    """The ``QuantLinear`` of ``qw`` for layer ``name``, counted in ``report`` (``weight``:
+    the dense layer's, for its shape and size only)."""
     try:
-        return quantize_rtn(w, bits, g)
+        layer = QuantLinear(qw, bias, device, dtype, activations)
     except ValueError as e:
         raise ValueError(f"cannot quantize {name}: {e}") from e
+    report.int8_activations = layer.int8_activations
+    if error is not None:
+        report.errors[name] = error
+    report.layers += 1
+    report.weight_bytes += qw.nbytes()
+    report.dense_bytes += weight.numel() * weight.element_size()
+    report.kernel &= layer.use_kernel
+    return layer
+
+
+# Round-to-nearest works row by row (groups run along K), so quantizing a few rows at a time
+# gives the very codes and scales of the whole matrix while its float32 temporaries stay
+# small. Whole, a TinyLlama-1.1B gate/up weight ([11264, 2048]) took ~400 MB of them, which
+# was most of the int8 load's peak above its final RSS (benchmarks/load_memory.py).
+RTN_CHUNK_BYTES = 16 * 2**20  # float32 bytes of the rows quantized at once
+
+
+def _rtn(
+    w: torch.Tensor, method: Quantization, group_size: int | None, name: str
+) -> tuple[QuantizedWeight, float]:
+    """``w`` rounded to nearest, a chunk of rows at a time, and its relative error
+    ``||W - Q(W)|| / ||W||`` (``relative_error``'s figure, summed over the chunks)."""
+    bits, g = _rtn_scheme(method, group_size)
+    rows = max(1, RTN_CHUNK_BYTES // (4 * w.shape[1]))
+    parts, err2, ref2 = [], 0.0, 0.0
+    for chunk in w.detach().split(rows):
+        try:
+            qw = quantize_rtn(chunk, bits, g)
+        except ValueError as e:
+            raise ValueError(f"cannot quantize {name}: {e}") from e
+        ref = chunk.float()
+        err2 += float((ref - qw.dequantize()).norm()) ** 2
+        ref2 += float(ref.norm()) ** 2
+        parts.append(qw)
+    # the chunks share group size and code range: concatenated exactly as they are
+    return concat_rows(parts), math.sqrt(err2 / ref2) if ref2 else 0.0
+
+
+def _rtn_scheme(method: Quantization, group_size: int | None) -> tuple[int, int | None]:
+    """(bits, group size; None: per output channel) of kvserve's round-to-nearest."""
+    bits = 8 if method is Quantization.INT8 else 4
+    return bits, group_size if group_size is not None or bits == 8 else DEFAULT_INT4_GROUP_SIZE
+
+
+def check_rtn_groups(quant: QuantOptions, targets: list[tuple[nn.Module, str, str]]) -> None:
+    """Refuse, before any weight loads, a group size that does not fit a layer to quantize
+    with round-to-nearest (the error ``_rtn`` would raise on the first such layer)."""
+    assert quant.method is not None
+    _, g = _rtn_scheme(quant.method, quant.group_size)
+    for parent, attr, name in targets:
+        k = getattr(parent, attr).weight.shape[1]
+        try:
+            check_group_size(k if g is None else g, k)
+        except ValueError as e:
+            raise ValueError(f"cannot quantize {name}: {e}") from e

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
 
 # Hugging Face projection -> (kvserve's module, its place in the fusion, parts in the fusion)
@@ -16,24 +18,25 @@ FUSED = {
 }
 
 
-def fuse_projections(
-    found: dict[str, QuantizedWeight],
+def fused_modules(
+    quantized: Iterable[str],
     dense: set[str] = frozenset(),  # type: ignore[assignment]
-) -> dict[str, QuantizedWeight]:
-    """``layers.3.self_attn.q_proj``-style weights -> ``layers.3.self_attn.qkv_proj`` ones.
+) -> dict[str, list[str]]:
+    """``layers.3.self_attn.q_proj``-style projection names -> kvserve's module
+    (``layers.3.self_attn.qkv_proj``) -> its parts' names in fusion order.
 
     ``dense`` names projections the checkpoint stores unquantized: a fusion must be all
     quantized or all dense, since one layer holds one kind of weight.
     """
-    parts: dict[str, dict[int, QuantizedWeight]] = {}
+    parts: dict[str, dict[int, str]] = {}
     want: dict[str, int] = {}
-    for name, qw in found.items():
+    for name in quantized:
         prefix, proj = name.rsplit(".", 1)
         if proj not in FUSED:
             raise ValueError(f"quantized weight {name!r} is not a projection kvserve knows")
         target, index, count = FUSED[proj]
         module = f"{prefix}.{target}"
-        parts.setdefault(module, {})[index] = qw
+        parts.setdefault(module, {})[index] = name
         want[module] = count
     dense_fused = {f"{n.rsplit('.', 1)[0]}.{FUSED[n.rsplit('.', 1)[1]][0]}" for n in dense
                    if n.rsplit(".", 1)[1] in FUSED}  # fmt: skip
@@ -44,5 +47,17 @@ def fuse_projections(
                 f"the checkpoint stores the parts of {module} with a mix of float and quantized "
                 "weights; kvserve needs all of them quantized"
             )
-        out[module] = concat_rows([pieces[i] for i in range(want[module])])
+        out[module] = [pieces[i] for i in range(want[module])]
     return out
+
+
+def fuse_projections(
+    found: dict[str, QuantizedWeight],
+    dense: set[str] = frozenset(),  # type: ignore[assignment]
+) -> dict[str, QuantizedWeight]:
+    """``layers.3.self_attn.q_proj``-style weights -> ``layers.3.self_attn.qkv_proj`` ones
+    (``fused_modules`` checks the parts)."""
+    return {
+        module: concat_rows([found[p] for p in parts])
+        for module, parts in fused_modules(found, dense).items()
+    }

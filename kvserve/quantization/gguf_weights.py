@@ -13,10 +13,16 @@ way ``gguf.quants.dequantize`` computes it (tests check the values are identical
 
 llama.cpp stores ``attn_q``/``attn_k`` rows in its rotary order; rows are unpermuted as the
 float converter does (``gguf_convert.unpermute_rotary``), codes and scales alike.
+
+``GGUFLinears`` decodes one fused module at a time (``take``), reading its tensors with plain
+reads: the loader builds each quantized layer as its turn comes, so neither the whole set of
+decoded weights nor the file's pages (a memory map's touched pages count in the process's RSS
+until it is unmapped) are ever held at once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +31,14 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K
 from transformers import PretrainedConfig
 
-from kvserve.model.gguf_convert import _BLOCK_NAME_RE, _BLOCK_TENSOR_MAP, unpermute_rotary
-from kvserve.quantization.fusion import fuse_projections
-from kvserve.quantization.qweight import QuantizedWeight
+from kvserve.model.gguf_convert import (
+    _BLOCK_NAME_RE,
+    _BLOCK_TENSOR_MAP,
+    read_bytes,
+    unpermute_rotary,
+)
+from kvserve.quantization.fusion import fused_modules
+from kvserve.quantization.qweight import QuantizedWeight, concat_rows
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
@@ -84,14 +95,19 @@ def decode_blocks(raw: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np
 GROUP_SIZES = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32, T.Q6_K: 16}
 
 
-def tensor_to_qweight(name: str, qtype: T, raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
-    """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight``."""
+def check_supported(name: str, qtype: T) -> None:
+    """Refuse, by name, a GGUF tensor type that has no quantized layer in kvserve."""
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(
             f"GGUF tensor {name!r} has type {qtype.name}, which --quantization gguf cannot keep "
             f"quantized; supported: {[t.name for t in SUPPORTED_TYPES]} (or load the file "
             "without --quantization: it is then dequantized)"
         )
+
+
+def tensor_to_qweight(name: str, qtype: T, raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight``."""
+    check_supported(name, qtype)
     g = GROUP_SIZES[qtype]
     codes, scales, zeros = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1), qtype)
 
@@ -116,30 +132,66 @@ def _unpermute(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """Where one quantized projection lies in the file, and how to decode it."""
+
+    name: str  # the GGUF name (blk.3.attn_q.weight)
+    qtype: T
+    offset: int  # of its blocks, from the file's start
+    nbytes: int
+    n: int  # rows (output features)
+    k: int  # values per row (input features)
+    heads: int | None  # heads to unpermute the rows over (attn_q, attn_k), else None
+
+
+class GGUFLinears:
+    """The decoder layers' quantized projections of a llama GGUF, fused as kvserve's model
+    fuses them. ``modules``: kvserve module path (``layers.3.self_attn.qkv_proj``) -> its
+    parts; ``checkpoint_names``: the converted folder's tensors they stand for
+    (``model.layers.3.self_attn.q_proj.weight``), which the loader need not read.
+    Projections stored as floats (F32/F16/BF16) are left out: they stay ordinary layers."""
+
+    def __init__(self, path: str | Path, config: PretrainedConfig) -> None:
+        self.path = Path(path)
+        reader = GGUFReader(str(path))  # the header only: tensor data is read in take()
+        self._tensors: dict[str, _Tensor] = {}  # by projection (layers.3.self_attn.q_proj)
+        floats: set[str] = set()
+        heads = {"q_proj": int(config.num_attention_heads),
+                 "k_proj": int(config.num_key_value_heads)}  # fmt: skip
+        for tensor in reader.tensors:
+            match = _BLOCK_NAME_RE.match(tensor.name)
+            if match is None or match.group(2) not in _BLOCK_TENSOR_MAP:
+                continue
+            hf = _BLOCK_TENSOR_MAP[match.group(2)].format(i=int(match.group(1)))
+            module = hf.removeprefix("model.").removesuffix(".weight")
+            proj = module.split(".")[-1]
+            if not proj.endswith("_proj"):
+                continue  # norms
+            if tensor.tensor_type in FLOAT_TYPES:
+                floats.add(module)
+                continue
+            check_supported(tensor.name, tensor.tensor_type)  # before any layer loads
+            k, n = (int(x) for x in tensor.shape.tolist())  # ggml order: innermost first
+            self._tensors[module] = _Tensor(
+                tensor.name, tensor.tensor_type, int(tensor.data_offset), int(tensor.n_bytes),
+                n, k, heads.get(proj),
+            )  # fmt: skip
+        self.modules = fused_modules(self._tensors, floats)
+        self.checkpoint_names = {f"model.{p}.weight" for p in self._tensors}
+
+    def take(self, module: str) -> QuantizedWeight:
+        """``module``'s weight, its parts read, decoded and fused."""
+        return concat_rows([self._read(self._tensors[p]) for p in self.modules[module]])
+
+    def _read(self, t: _Tensor) -> QuantizedWeight:
+        raw = read_bytes(self.path, t.offset, t.nbytes, t.name)
+        qw = tensor_to_qweight(t.name, t.qtype, raw, t.n, t.k)
+        return qw if t.heads is None else _unpermute(qw, t.heads)
+
+
 def load_gguf_linears(path: str | Path, config: PretrainedConfig) -> dict[str, QuantizedWeight]:
-    """The decoder layers' projections of a llama GGUF, fused as kvserve's model fuses them:
-    module path (``layers.3.self_attn.qkv_proj``) -> weight. Projections stored as floats
-    (F32/F16/BF16) are left out: they stay ordinary layers."""
-    reader = GGUFReader(str(path))
-    found: dict[str, QuantizedWeight] = {}
-    floats: set[str] = set()
-    for tensor in reader.tensors:
-        match = _BLOCK_NAME_RE.match(tensor.name)
-        if match is None or match.group(2) not in _BLOCK_TENSOR_MAP:
-            continue
-        hf = _BLOCK_TENSOR_MAP[match.group(2)].format(i=int(match.group(1)))
-        module = hf.removeprefix("model.").removesuffix(".weight")
-        proj = module.split(".")[-1]
-        if not proj.endswith("_proj"):
-            continue  # norms
-        if tensor.tensor_type in FLOAT_TYPES:
-            floats.add(module)
-            continue
-        k, n = (int(x) for x in tensor.shape.tolist())  # ggml order: innermost first
-        qw = tensor_to_qweight(tensor.name, tensor.tensor_type, tensor.data, n, k)
-        if proj == "q_proj":
-            qw = _unpermute(qw, int(config.num_attention_heads))
-        elif proj == "k_proj":
-            qw = _unpermute(qw, int(config.num_key_value_heads))
-        found[module] = qw
-    return fuse_projections(found, floats)
+    """Every quantized projection of a llama GGUF at once (``GGUFLinears.take`` of each):
+    module path (``layers.3.self_attn.qkv_proj``) -> weight."""
+    source = GGUFLinears(path, config)
+    return {module: source.take(module) for module in source.modules}

@@ -1,0 +1,191 @@
+"""A llama GGUF's metadata as Hugging Face files: the model sizes (``read_hparams``), the
+``config.json`` contents and the tokenizer (with its chat template). Used by ``gguf_convert``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+
+# GGUF `general.architecture` values whose tensors follow the llama layout (gguf_convert).
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+
+
+@dataclass(frozen=True)
+class LlamaHParams:
+    """The model sizes read from a GGUF's ``{arch}.*`` metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a plain Python value (str, int, float, list), or ``default``."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _require(reader: GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata is missing required key {key!r}")
+    return value
+
+
+def read_architecture(reader: GGUFReader) -> str:
+    """The GGUF's ``general.architecture``; ValueError if this converter cannot handle it."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}: kvserve can only convert "
+            f"{sorted(SUPPORTED_ARCHITECTURES)} models"
+        )
+    return str(arch)
+
+
+def read_hparams(reader: GGUFReader) -> LlamaHParams:
+    """Read the Llama sizes from the GGUF metadata (``{arch}.`` keys) and validate them."""
+    arch = read_architecture(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        # Llama-3.1-style rope scaling is baked into a frequency tensor whose generating
+        # parameters are not stored in the GGUF, so it cannot be expressed as an HF config.
+        raise ValueError("GGUF uses llama3-style rope scaling (rope_freqs.weight); not supported")
+
+    hidden = int(_require(reader, f"{arch}.embedding_length"))
+    n_head = int(_require(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        # HF Llama rotates the whole head; partial rotary would silently give wrong outputs.
+        raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) unsupported")
+
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens)
+
+    rope_scaling: dict[str, Any] | None = None
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if scaling_type != "linear" or factor is None:
+            raise ValueError(f"unsupported rope scaling {scaling_type!r} in GGUF")
+        rope_scaling = {"rope_type": "linear", "factor": float(factor)}
+
+    def optional_int(key: str) -> int | None:
+        value = _field(reader, key)
+        return None if value is None else int(value)
+
+    return LlamaHParams(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_require(reader, f"{arch}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        head_dim=head_dim,
+        max_position_embeddings=int(_require(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        # llama.cpp omits output.weight exactly when the LM head shares the embedding matrix.
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=optional_int("tokenizer.ggml.bos_token_id"),
+        eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
+        pad_token_id=optional_int("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
+    """The ``config.json`` contents for ``hp``, validated by transformers' ``LlamaConfig``."""
+    from transformers import LlamaConfig
+
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": hp.rope_theta}
+    if hp.rope_scaling is not None:
+        rope_parameters = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
+    config = LlamaConfig(
+        vocab_size=hp.vocab_size,
+        hidden_size=hp.hidden_size,
+        intermediate_size=hp.intermediate_size,
+        num_hidden_layers=hp.num_hidden_layers,
+        num_attention_heads=hp.num_attention_heads,
+        num_key_value_heads=hp.num_key_value_heads,
+        head_dim=hp.head_dim,
+        max_position_embeddings=hp.max_position_embeddings,
+        rms_norm_eps=hp.rms_norm_eps,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=hp.tie_word_embeddings,
+        bos_token_id=hp.bos_token_id,
+        eos_token_id=hp.eos_token_id,
+        pad_token_id=hp.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
+    data = config.to_dict()
+    # Classification-head label maps are meaningless for a causal LM; keep config.json readable.
+    data.pop("id2label", None)
+    data.pop("label2id", None)
+    # transformers 5 stores rope settings only under `rope_parameters`; the flat keys keep the
+    # folder readable by older transformers and by code that reads config.json directly.
+    data["rope_theta"] = hp.rope_theta
+    if hp.rope_scaling is not None:
+        data["rope_scaling"] = dict(hp.rope_scaling)
+    return data
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
+    """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
+    from transformers import AutoTokenizer
+
+    # A local folder + gguf_file never touches the hub; transformers converts the GGUF vocab,
+    # merges and special tokens into a fast tokenizer and copies the chat template over.
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
+    if tokens is not None and eos_id is not None and tokenizer.eos_token != tokens[int(eos_id)]:
+        tokenizer.eos_token = tokens[int(eos_id)]
+    # Without this the tokenizer reports an effectively infinite max length; the context length
+    # is the real limit, and servers use model_max_length to reject over-long prompts.
+    context = _field(reader, f"{read_architecture(reader)}.context_length")
+    if context is not None:
+        tokenizer.model_max_length = int(context)
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out_dir))
+
+    # Re-read what was written: a tokenizer that loses its chat template or eos on the round trip
+    # would break chat completions far from here, so fail the conversion instead.
+    saved = AutoTokenizer.from_pretrained(str(out_dir))
+    if template is not None and saved.chat_template != template:
+        raise RuntimeError("the chat template did not survive saving the tokenizer")
+    if eos_id is not None and saved.eos_token_id != int(eos_id):
+        raise RuntimeError(f"saved tokenizer eos id {saved.eos_token_id} != GGUF eos id {eos_id}")
