@@ -21,7 +21,10 @@
 // byte 4j + i = channel j, k = 4t + i (vpdpbusd's layout; also AMX's int8 B-tile layout):
 //   int8: [N / 16][K / 32][8 quads][16][4] uint8 (u);
 //   int4: [N / 16][K / 32][4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4.
-// scales / zeros: [K / g, N] float32 or float16 (zeros may be empty: zero 0); g = 16 or a
+// scales / zeros: [N / 16][K / g][16] float32 or float16 (zeros may be empty: zero 0): each
+// vector's groups in a row, one sequential stream beside its codes (with [K / g, N], as in
+// quant_linear.cpp, each group of a tile is a different page: a one-row pass over
+// TinyLlama-1.1B's int4 weights took 18.5 ms against 15.6, measured interleaved); g = 16 or a
 // multiple of 32, and 32 divides K.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,6 +44,7 @@ namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr int64_t kRowChunk = 64;  // rows whose int8 activations stay in L2 for a tile
+constexpr int64_t kPrefetchBytes = 2048;
 
 struct A8Args {
   const uint8_t* codes;
@@ -60,7 +64,7 @@ struct A8Rows {  // x, quantized (quantize_rows)
 };
 
 inline __m512 load16(const A8Args& a, const void* p, int64_t grp, int64_t n) {
-  int64_t i = grp * a.n + n;
+  int64_t i = ((n / 16) * (a.k / a.group) + grp) * 16;
   if (a.half_scales) {
     return _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + i)));
@@ -125,6 +129,13 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
+    // Prefetch kPrefetchBytes ahead in each vector's stream: a one-row pass over
+    // TinyLlama-1.1B's int4 weights took 15.6 ms with the hardware prefetchers alone, 14.4 /
+    // 14.0 / 13.7 ms at 512 / 1024 / 2048 bytes ahead (8 rows: 35.4 against 30.5 ms).
+    for (int v = 0; v < NV; ++v) {
+      const char* ahead = reinterpret_cast<const char*>(w[v] + kb * kBytes) + kPrefetchBytes;
+      for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     // New group: its scales, and the zero term (z - o * s) * sum x for every row.
     if (HALVES || kb % blocks_per_group == 0) {
       const int64_t g0 = HALVES ? 2 * kb : kb / blocks_per_group;
@@ -263,9 +274,9 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& cod
   TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
               "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == k / group &&
-                  scales.size(1) == n,
-              "quant_linear_a8: scales must be [K / g, N]");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == n / 16 &&
+                  scales.size(1) == k / group && scales.size(2) == 16,
+              "quant_linear_a8: scales must be [N / 16, K / g, 16]");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "quant_linear_a8: scales dtype");
   const bool has_zeros = zeros.numel() > 0;

@@ -86,6 +86,18 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous(), off
 
 
+def pack_scales_a8(scales: torch.Tensor) -> torch.Tensor:
+    """Scales (or zeros) ``[N, K/g]`` as ``[N/16, K/g, 16]``: each 16-channel vector's groups
+    in a row, one sequential stream beside its codes (see ``csrc/quant_linear_a8.cpp``)."""
+    n, groups = scales.shape
+    return scales.reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+
+def _transposed(scales: torch.Tensor) -> torch.Tensor:
+    """Scales (or zeros) ``[N, K/g]`` as ``[K/g, N]``, ``csrc/quant_linear.cpp``'s layout."""
+    return scales.t().contiguous()
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` as int8 blocks of 32: ``(q [M, K] int8, d [M, K/32] float32)``, x ~= d * q.
 
@@ -194,13 +206,13 @@ class QuantLinear(nn.Module):
         self.use_kernel = self.path != "reference"
         self.qweight: QuantizedWeight | None = None
         if self.use_kernel:
-            pack = pack_codes_a8 if self.path == "a8" else pack_codes
-            self.codes, self.offset = pack(qw.codes, qw.bits)
-            self.scales_t = qw.scales.t().contiguous()  # [K/g, N]
+            a8 = self.path == "a8"
+            self.codes, self.offset = (pack_codes_a8 if a8 else pack_codes)(qw.codes, qw.bits)
+            # [N/16, K/g, 16] for the int8-activation kernel, [K/g, N] for the other
+            pack_scales = pack_scales_a8 if a8 else _transposed
+            self.scales_t = pack_scales(qw.scales)
             self.zeros_t = (
-                torch.empty(0, dtype=qw.scales.dtype)
-                if qw.zeros is None
-                else qw.zeros.t().contiguous()
+                torch.empty(0, dtype=qw.scales.dtype) if qw.zeros is None else pack_scales(qw.zeros)
             )
         else:
             logger.warning(
