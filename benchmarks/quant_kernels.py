@@ -11,6 +11,12 @@ vdpbf16ps). Prints medians in microseconds; the crossing of the two bf16 paths i
 
     python benchmarks/quant_kernels.py                      # TinyLlama-1.1B's shapes
     python benchmarks/quant_kernels.py --shapes builtin --rows 1,4,16,64
+    python benchmarks/quant_kernels.py --streamed --layers 22 --rows 1,8   # weights cold
+
+``--streamed``: the four projections of ``--layers`` decoder layers, each with its own
+weights (TinyLlama-1.1B: 22 layers, 0.6 GB in int4), run one after the other as a decode step
+does, so the weights stream from memory instead of sitting in cache; prints milliseconds per
+pass and the bytes read per second, with the int8-activation kernel (the default path).
 """
 
 from __future__ import annotations
@@ -79,17 +85,47 @@ def row_times(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     return {name: timed(fn, repeats) * 1e6 for name, fn in fns.items()}
 
 
+def streamed(
+    shapes: list[tuple[str, int, int]], layers: int, rows: list[int], repeats: int
+) -> None:
+    """Milliseconds per pass over ``layers`` layers' own weights, int8 and int4 (a8 path)."""
+    cpu, a8 = torch.device("cpu"), QuantizedActivations.INT8
+    print("| weights | rows | ms per pass | GB read | GB/s |")
+    print("|---|---|---|---|---|")
+    for bits, group in ((8, None), (4, 32)):
+        base = {(n, k): quantize_rtn(torch.randn(n, k) * 0.02, bits, group) for _, n, k in shapes}
+        stack = [QuantLinear(base[(n, k)], None, cpu, torch.bfloat16, a8)
+                 for _ in range(layers) for _, n, k in shapes]  # fmt: skip
+        nbytes = sum(q.nbytes for q in stack)
+        for m in rows:
+            xs = {k: torch.randn(m, k).bfloat16() for _, _, k in shapes}
+
+            def run(stack: list[QuantLinear] = stack, xs: dict = xs) -> None:
+                for q in stack:
+                    q(xs[q.in_features])
+
+            t = timed(run, repeats)
+            rate = nbytes / t / 1e9
+            print(f"| int{bits} | {m} | {t * 1e3:.2f} | {nbytes / 1e9:.3f} | {rate:.1f} |")
+        del stack
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="tinyllama")
     ap.add_argument("--rows", default="1,2,4,8,16,24,32,64,128")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--streamed", action="store_true", help="weights cold, see above")
+    ap.add_argument("--layers", type=int, default=22, help="with --streamed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.available() or not torch.ops.kvserve.quant_linear_a8_supported():
         raise SystemExit("the quantized kernels need the C++ kernels, AVX512-BF16 and VNNI")
     rows = [int(r) for r in args.rows.split(",")]
+    if args.streamed:
+        streamed(SHAPES[args.shapes], args.layers, rows, min(args.repeats, 10))
+        return
     cols = None
     totals: dict[int, dict[str, float]] = {}
     for layer, n, k in SHAPES[args.shapes]:
