@@ -35,6 +35,13 @@ _FLOAT_FIELDS = (
 )
 
 
+# Most completions one request may ask for. Each is a request object from the start, so an
+# unbounded n was a denial of service through the Python API (n = 2**63 grew the process to
+# the machine's 24 GB, found by tests/engine/test_fuzz_requests.py); the server's --max-n
+# (default 128) is lower still.
+MAX_N = 4096
+
+
 class ParamError(ValueError):
     """A bad ``SamplingParams`` field; ``param`` names it (the server's error ``param``)."""
 
@@ -172,6 +179,11 @@ class SamplingParams:
         _check_types(self)
         if self.n < 1:
             raise ParamError("n", f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            raise ParamError(
+                "n", f"n must be at most {MAX_N}, got {self.n}: each completion is held as its "
+                "own request from the start (the server caps n further with --max-n)."
+            )  # fmt: skip
         if self.temperature < 0.0:
             raise ParamError(
                 "temperature", f"temperature must be non-negative, got {self.temperature}."

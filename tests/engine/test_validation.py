@@ -54,6 +54,8 @@ def test_bad_request_raises_and_engine_survives(
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"temperature": -1.0}, "temperature must be non-negative"),
         ({"n": 0}, "n must be at least 1"),
+        ({"n": 4097}, "n must be at most 4096"),
+        ({"n": 2**63}, "n must be at most 4096"),
         ({"top_k": -5}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"stop": [""]}, "stop strings must be non-empty"),
