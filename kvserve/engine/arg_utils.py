@@ -241,7 +241,8 @@ class EngineArgs:
         "prompt_lookup_min and disable_by_batch_size", type=str,
     )  # fmt: skip
     quantization: str | None = _opt(
-        None, "vLLM's flag: weight-only quantized linear layers (activations keep --dtype): "
+        None, "vLLM's flag: weight-only quantized linear layers (activations: see "
+        "--quantization-activations): "
         "int8 or int4 (round-to-nearest at load, from any checkpoint), or gguf (a .gguf "
         "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
         "dequantized at load), or compressed-tensors (a pre-quantized W4A16/W8A16 checkpoint: "

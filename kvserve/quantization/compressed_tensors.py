@@ -62,8 +62,9 @@ def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
     w = scheme.weights
     if scheme.input_activations is not None or w is None:
         raise ValueError(
-            "the checkpoint quantizes activations (e.g. W8A8); kvserve runs weight-only "
-            "quantization (activations stay in the model dtype)"
+            "the checkpoint quantizes activations (e.g. W8A8); kvserve loads weight-only "
+            "checkpoints (W4A16/W8A16) and quantizes activations itself, dynamically, per "
+            "--quantization-activations"
         )
     strategy = str(getattr(w.strategy, "value", w.strategy))
     if str(getattr(w.type, "value", w.type)) != "int" or w.num_bits not in (4, 8):
