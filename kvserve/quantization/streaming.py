@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -40,6 +39,7 @@ from kvserve.quantization.apply import (
     linears,
     quantized_layer,
 )
+from kvserve.worker.malloc_tuning import glibc_function
 
 if TYPE_CHECKING:
     from kvserve.quantization.gguf_weights import GGUFLinears
@@ -188,11 +188,7 @@ def trim_heap() -> None:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        fn = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn = glibc_function("malloc_trim")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_size_t]
     return fn  # type: ignore[no-any-return]

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import platform
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,22 @@ MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = 2**31 - 1
 
 
+def glibc_function(name: str) -> Any | None:
+    """glibc's ``name`` (``mallopt``, ``malloc_trim``) through ctypes; None off glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap/trim thresholds for this process; True if they were applied."""
     if os.environ.get("KVSERVE_MALLOC_TUNING", "1") == "0":
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = glibc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
