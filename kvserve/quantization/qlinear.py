@@ -114,6 +114,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, amax / 127.0
 
 
+def exact_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``quantize_activations``' ``(q [M, K], d [M, K/32])`` as the float64 values d * q."""
+    m, k = q.shape
+    return (q.double().reshape(m, k // 32, 32) * d.double().unsqueeze(-1)).reshape(m, k)
+
+
 def reference_linear_a8(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -121,12 +127,8 @@ def reference_linear_a8(
     does, times the dequantized weight, exactly (float64), rounded to ``x``'s dtype."""
     shape = x.shape
     q, d = quantize_activations(x.reshape(-1, shape[-1]))
-    xq = (q.double().reshape(q.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(q.shape)
-    g = qw.group_size
-    w = qw.codes.double() * qw.scales.double().repeat_interleave(g, dim=1)  # [N, K]
-    if qw.zeros is not None:
-        w = w + qw.zeros.double().repeat_interleave(g, dim=1)
-    out = xq @ w.t()  # [M, N]
+    xq = exact_activations(q, d)  # [M, K]
+    out = xq @ qw.exact().t()  # [M, N]
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype).reshape(*shape[:-1], qw.shape[0])

@@ -54,6 +54,15 @@ class QuantizedWeight:
             w = w + self.zeros.float().repeat_interleave(g, dim=1)
         return w.to(dtype)
 
+    def exact(self) -> torch.Tensor:
+        """The weight ``[N, K]`` computed in float64 (no float32 rounding of code * scale +
+        zero): the exact value the int8-activation reference multiplies with."""
+        g = self.group_size
+        w = self.codes.double() * self.scales.double().repeat_interleave(g, dim=1)  # [N, K]
+        if self.zeros is not None:
+            w = w + self.zeros.double().repeat_interleave(g, dim=1)
+        return w
+
     def nbytes(self) -> int:
         """Bytes the weight takes in memory once packed for the kernel."""
         n, k = self.shape

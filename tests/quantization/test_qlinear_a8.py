@@ -10,6 +10,7 @@ from kvserve.config import QuantizedActivations
 from kvserve.model import cpu_kernels
 from kvserve.quantization.qlinear import (
     QuantLinear,
+    exact_activations,
     pack_codes_a8,
     quantize_activations,
     reference_linear_a8,
@@ -53,11 +54,7 @@ def test_kernel_equals_reference(bits: int, group: int, zeros: bool, half: bool,
         out = layer(x.bfloat16()).double()
         # the reference in float64, before its rounding to bf16
         q, d = quantize_activations(x.bfloat16())
-        xq = (q.double().reshape(rows, -1, 32) * d.double().unsqueeze(-1)).reshape(rows, -1)
-        w64 = qw.codes.double() * qw.scales.double().repeat_interleave(group, 1)
-        if qw.zeros is not None:
-            w64 = w64 + qw.zeros.double().repeat_interleave(group, 1)
-        exact = xq @ w64.t()
+        exact = exact_activations(q, d) @ qw.exact().t()
         # bf16 output rounding (2^-9 relative) plus float32 sums: at most 2^-8 of each value
         bound = exact.abs() * 2.0**-8 + 1e-5 * float(exact.abs().max())
         assert bool(((out - exact).abs() <= bound).all())
