@@ -52,7 +52,8 @@ class QuantReport:
     dense_bytes: int = 0  # the same layers in the model dtype
     errors: dict[str, float] = field(default_factory=dict)  # layer -> ||W - Q(W)|| / ||W||
     kernel: bool = True  # every layer runs the C++ kernel
-    int8_activations: bool = False  # the layers quantize their inputs to int8 (blocks of 32)
+    # every layer quantizes its input to int8 (blocks of 32); false if any keeps the dtype
+    int8_activations: bool = False
 
     def summary(self) -> str:
         errs = list(self.errors.values())
@@ -150,7 +151,8 @@ def quantized_layer(
         layer = QuantLinear(qw, bias, device, dtype, activations)
     except ValueError as e:
         raise ValueError(f"cannot quantize {name}: {e}") from e
-    report.int8_activations = layer.int8_activations
+    first = report.layers == 0
+    report.int8_activations = layer.int8_activations and (first or report.int8_activations)
     if error is not None:
         report.errors[name] = error
     report.layers += 1
