@@ -36,12 +36,14 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from benchmarks.peers import llamacpp  # noqa: E402
 from benchmarks.quantization import memory_mib  # noqa: E402
 
-SETTINGS = {  # key -> (--quantization, GGUF type served or None)
-    "bf16": (None, None),
-    "int8": ("int8", None),
-    "int4": ("int4", None),
-    "gguf-q8_0": ("gguf", "Q8_0"),
-    "gguf-q4_0": ("gguf", "Q4_0"),
+SETTINGS = {  # key -> (--quantization, GGUF type served or None, --quantization-lm-head)
+    "bf16": (None, None, False),
+    "int8": ("int8", None, False),
+    "int4": ("int4", None, False),
+    "int4-lmhead": ("int4", None, True),
+    "gguf-q8_0": ("gguf", "Q8_0", False),
+    "gguf-q4_0": ("gguf", "Q4_0", False),
+    "gguf-q4_0-lmhead": ("gguf", "Q4_0", True),
 }
 SERVE_FLAGS = ["--max-num-seqs", "64", "--max-model-len", "256",
                "--kv-cache-memory", "369098752"]  # fmt: skip
@@ -62,12 +64,13 @@ def serve_peak(source: Path, setting: str, threads: int, log_dir: Path) -> dict[
     from kvserve.bench.sweep import ServerProcess, free_port
 
     port = free_port()
-    method = SETTINGS[setting][0]
+    method, _, lm_head = SETTINGS[setting]
     cmd = [
         sys.executable, "-m", "kvserve.cli", "serve", str(source), "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
         "--num-threads", str(threads), *SERVE_FLAGS, "--no-access-log",
         *(["--quantization", method] if method else []),
+        *(["--quantization-lm-head"] if lm_head else []),
     ]  # fmt: skip
     proc = ServerProcess(cmd, log_dir / f"{setting}.log")
     url = f"http://127.0.0.1:{port}"
@@ -102,10 +105,10 @@ def child(source: Path, setting: str) -> None:
     from kvserve.model.loader import load_model
     from kvserve.quantization.apply import QuantOptions
 
-    method, gguf_type = SETTINGS[setting]
+    method, gguf_type, lm_head = SETTINGS[setting]
     folder, _ = resolve_model(source)  # a GGUF: its converted folder (cached)
     gguf = str(source) if gguf_type else None
-    quant = QuantOptions(Quantization(method), None, gguf) if method else None
+    quant = QuantOptions(Quantization(method), None, gguf, lm_head=lm_head) if method else None
     before = memory_mib(os.getpid())["peak_rss_mib"]
     model = load_model(folder, torch.bfloat16, "cpu", 256, prepack=True, fused_ops=True,
                        quant=quant)  # fmt: skip

@@ -10,7 +10,10 @@ configuration:
 * ``gguf``: the built-in's Q4_1 GGUF with its tensors kept quantized (built-in model only),
   int8 activations likewise;
 * ``int8-a16``, ``int4-a16``, ``gguf-a16``: the same weights with bf16 activations
-  (``quantization_activations="none"``).
+  (``quantization_activations="none"``);
+* ``int8-lmhead``, ``int4-lmhead``, ``gguf-lmhead``: as ``int8``/``int4``/``gguf`` with the LM
+  head quantized too (``quantization_lm_head=True``: int8 per row; the built-in GGUF's own
+  Q8_0 table, which its LM head is tied to).
 
 Perplexity: the English chatterbot corpus' answers (its second lines, each once, in file order,
 joined by newlines), tokenized and cut into ``--window``-token windows, the first
@@ -53,6 +56,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "dtype": "bfloat16", "quantization": method, "quantization_activations": acts,
         }
         for suffix, acts in (("", "int8"), ("-a16", "none"))
+        for method in ("int8", "int4", "gguf")
+    },
+    **{
+        f"{method}-lmhead": {
+            "dtype": "bfloat16", "quantization": method, "quantization_activations": "int8",
+            "quantization_lm_head": True,
+        }
         for method in ("int8", "int4", "gguf")
     },
 }  # fmt: skip

@@ -71,6 +71,7 @@ class Setting:
     gguf_type: str | None = None  # the GGUF served (llama.cpp; kvserve --quantization gguf)
     # kvserve --quantization-activations (None: the default, auto: int8 on VNNI CPUs)
     activations: str | None = None
+    lm_head: bool = False  # kvserve --quantization-lm-head (int8, or a GGUF's output type)
 
 
 SETTINGS = (
@@ -79,8 +80,11 @@ SETTINGS = (
     Setting("kvserve-int4", "kvserve", "int4"),
     Setting("kvserve-int8-a16", "kvserve", "int8", activations="none"),
     Setting("kvserve-int4-a16", "kvserve", "int4", activations="none"),
+    Setting("kvserve-int8-lmhead", "kvserve", "int8", lm_head=True),
+    Setting("kvserve-int4-lmhead", "kvserve", "int4", lm_head=True),
     Setting("kvserve-gguf-q8_0", "kvserve", "gguf", "Q8_0"),
     Setting("kvserve-gguf-q4_0", "kvserve", "gguf", "Q4_0"),
+    Setting("kvserve-gguf-q4_0-lmhead", "kvserve", "gguf", "Q4_0", lm_head=True),
     Setting("llamacpp-q8_0", "llamacpp", None, "Q8_0"),
     Setting("llamacpp-q4_0", "llamacpp", None, "Q4_0"),
 )
@@ -89,6 +93,8 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-int8": "llamacpp-q8_0", "kvserve-gguf-q8_0": "llamacpp-q8_0",
     "kvserve-int4": "llamacpp-q4_0", "kvserve-gguf-q4_0": "llamacpp-q4_0",
     "kvserve-int8-a16": "llamacpp-q8_0", "kvserve-int4-a16": "llamacpp-q4_0",
+    "kvserve-int8-lmhead": "llamacpp-q8_0", "kvserve-int4-lmhead": "llamacpp-q4_0",
+    "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -98,6 +104,11 @@ TARGETS = (
     ("kvserve-int4", "llamacpp-q4_0", 64, 3.0),
     ("kvserve-int8", "kvserve-bf16", 64, 1.0),
     ("kvserve-int4", "kvserve-bf16", 64, 1.0),
+    # the same with the LM head quantized too (int8), as llama.cpp's files have it (Q6_K)
+    ("kvserve-int8-lmhead", "kvserve-bf16", 1, 1.7),
+    ("kvserve-int4-lmhead", "kvserve-bf16", 1, 2.5),
+    ("kvserve-int4-lmhead", "llamacpp-q4_0", 1, 1.0),
+    ("kvserve-int4-lmhead", "llamacpp-q4_0", 64, 3.0),
 )
 
 
@@ -139,7 +150,8 @@ def setting_weight_bytes(
 ) -> int:
     """Weight bytes one decode step streams. GGUF settings: the file's own tensors. kvserve
     int8 (symmetric: a float16 scale per output channel or per ``group_size`` weights) and int4
-    (a float16 scale and zero per group, 32 by default): the LM head stays bf16."""
+    (a float16 scale and zero per group, 32 by default): the LM head stays bf16, or with
+    ``lm_head`` int8 with a float16 scale per row."""
     if setting.gguf_type:
         return llamacpp.streamed_weight_bytes(ggufs[setting.gguf_type])
     body, head = linear_params(cfg)
@@ -148,7 +160,8 @@ def setting_weight_bytes(
     bits = {"int8": 8, "int4": 4}[setting.quantization]
     group = group_size or (32 if bits == 4 else cfg.hidden_size)  # per channel: K weights
     per_group = 2 if bits == 8 else 4  # int4 has a zero point beside its scale
-    return int(body * (bits / 8 + per_group / group) + 2 * head)
+    head_bytes = head * (1 + 2 / cfg.hidden_size) if setting.lm_head else 2 * head
+    return int(body * (bits / 8 + per_group / group) + head_bytes)
 
 
 def step_floor_ms(
@@ -322,6 +335,7 @@ def server_command(
         *(["--quantization", setting.quantization] if setting.quantization else []),
         *(group if setting.quantization in ("int8", "int4") else []),
         *(["--quantization-activations", setting.activations] if setting.activations else []),
+        *(["--quantization-lm-head"] if setting.lm_head else []),
         *shlex.split(args.kvserve_args),
     ]  # fmt: skip
 

@@ -174,6 +174,8 @@ class ModelConfig:
     quantization_group_size: int | None = None
     # how quantized linears take activations (int8 per 32 on CPUs with VNNI, or the dtype)
     quantization_activations: QuantizedActivations = QuantizedActivations.AUTO
+    # the LM head quantized too (int8 per channel, or a GGUF's own output tensor type)
+    quantization_lm_head: bool = False
     gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
     # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)
@@ -203,6 +205,11 @@ class ModelConfig:
             raise ValueError(
                 "quantization_group_size must be a positive even number (e.g. 32, 64, 128), "
                 f"got {self.quantization_group_size}."
+            )
+        if self.quantization_lm_head and self.quantization is None:
+            raise ValueError(
+                "quantization_lm_head quantizes the LM head along with the linear layers: "
+                "it needs quantization 'int8', 'int4', 'gguf' or 'compressed-tensors'"
             )
         if self.quantization is Quantization.GGUF and self.gguf_file is None:
             raise ValueError(

@@ -246,8 +246,9 @@ class EngineArgs:
         "int8 or int4 (round-to-nearest at load, from any checkpoint), or gguf (a .gguf "
         "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
         "dequantized at load), or compressed-tensors (a pre-quantized W4A16/W8A16 checkpoint: "
-        "found from its config.json without the flag); the LM head and embeddings stay "
-        "unquantized", type=str, choices=("int8", "int4", "gguf", "compressed-tensors"),
+        "found from its config.json without the flag); the embeddings stay unquantized, "
+        "the LM head too unless --quantization-lm-head", type=str,
+        choices=("int8", "int4", "gguf", "compressed-tensors"),
     )  # fmt: skip
     quantization_group_size: int | None = _opt(
         None, "with --quantization int8/int4: weights per scale along the input dimension "
@@ -260,6 +261,12 @@ class EngineArgs:
         "(AVX512-VNNI); none keeps --dtype (exact products with the dequantized weights, "
         "slower); auto is int8 where the kernel runs (bf16 on a CPU with VNNI), else none",
         choices=("auto", "int8", "none"),
+    )  # fmt: skip
+    quantization_lm_head: bool = _opt(
+        False, "with --quantization: quantize the LM head too (a separate copy when it is tied "
+        "to the embeddings): int8 per output channel, or with --quantization gguf the file's "
+        "own output tensor (llama.cpp's Q6_K for a Q4_0 model) where kvserve has its type; "
+        "native model classes only",
     )  # fmt: skip
     pooling: str = _opt(
         "last", "embeddings (LLM.embed, /v1/embeddings): the last prompt token's final hidden "
@@ -518,6 +525,7 @@ class EngineArgs:
                 quantization=self.quantization,  # type: ignore[arg-type]
                 quantization_group_size=self.quantization_group_size,
                 quantization_activations=self.quantization_activations,  # type: ignore[arg-type]
+                quantization_lm_head=self.quantization_lm_head,
                 gguf_file=self._gguf_file(),
                 model_impl=self.model_impl,  # type: ignore[arg-type]
                 generation_config=self.generation_config,  # type: ignore[arg-type]

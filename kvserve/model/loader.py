@@ -31,6 +31,7 @@ from kvserve.quantization.compressed_tensors import (
     checkpoint_scheme,
     split_checkpoint,
 )
+from kvserve.quantization.lm_head import quantize_lm_head
 from kvserve.quantization.streaming import PendingLinear, StreamingQuantizer
 
 
@@ -116,13 +117,20 @@ def load_model(
                 "native models only, not the transformers backend; use quantization int8 or "
                 "int4 on an unquantized checkpoint"
             )
+        if quant is not None and quant.lm_head:
+            raise ValueError(
+                f"{path}: quantization_lm_head (--quantization-lm-head) needs one of kvserve's "
+                "native model classes, not the transformers backend"
+            )
         model = load_transformers_model(path, config, dtype, device, max_positions)
     elif scheme is not None:
         model, _ = _load_native(cls, config, dtype, device, max_positions, tp)
         dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
         model.load_weights(dense.items())
         acts = quant.activations if quant is not None else QuantizedActivations.AUTO
-        quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded, activations=acts)
+        head = quant is not None and quant.lm_head
+        quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded, activations=acts,
+                             lm_head=head)  # fmt: skip
     else:
         # int8/int4/gguf: each linear layer is quantized as soon as its weights are in
         model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant)
@@ -130,10 +138,11 @@ def load_model(
         model.load_weights(_iter_safetensors(path, skip))
         if streaming is not None:
             model.quant_report = streaming.finish()  # type: ignore[attr-defined]
-            quant = None
     if quant is not None and quant.method is not None:
-        report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
-        model.quant_report = report  # type: ignore[attr-defined]
+        if not hasattr(model, "quant_report"):
+            model.quant_report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
+        if quant.lm_head:
+            quantize_lm_head(model, quant, torch.device(device), dtype, model.quant_report)  # type: ignore[arg-type]
     if prepack and packing_supported(torch.device(device), dtype):
         # Any nn.Linear packs, transformers' modules too (bf16: all; float32: the LM head).
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]

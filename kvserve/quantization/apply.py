@@ -1,9 +1,10 @@
 """Swap a loaded model's linear layers for ``QuantLinear``s (``--quantization``).
 
 Every ``nn.Linear`` but the LM head is quantized: the fused QKV, o, gate/up and down
-projections of each layer. The LM head and the embeddings stay in the model dtype: the LM
-head is one matrix read once per step, often tied to the embeddings, and its rounding moves
-every logit. Round-to-nearest error is recorded per layer (``QuantReport``).
+projections of each layer. The embeddings stay in the model dtype, and by default the LM head
+too: it is one matrix, often tied to the embeddings, and its rounding moves every logit.
+``--quantization-lm-head`` quantizes it as well (``lm_head.py``). Round-to-nearest error is
+recorded per layer (``QuantReport``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.config import DEFAULT_INT4_GROUP_SIZE, Quantization, QuantizedActivations
+from kvserve.config import (
+    DEFAULT_INT4_GROUP_SIZE,
+    ModelConfig,
+    Quantization,
+    QuantizedActivations,
+)
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import (
     QuantizedWeight,
@@ -40,6 +46,14 @@ class QuantOptions:
     # pre-quantized layers by module name (a compressed-tensors checkpoint), else None
     loaded: dict[str, QuantizedWeight] | None = None
     activations: QuantizedActivations = QuantizedActivations.AUTO  # int8 or the model dtype
+    lm_head: bool = False  # quantize the LM head too (lm_head.py)
+
+    @classmethod
+    def of(cls, mc: ModelConfig) -> QuantOptions:
+        """The options ``mc`` asks for."""
+        return cls(mc.quantization, mc.quantization_group_size, mc.gguf_file,
+                   activations=mc.quantization_activations,
+                   lm_head=mc.quantization_lm_head)  # fmt: skip
 
 
 @dataclass
@@ -54,6 +68,8 @@ class QuantReport:
     kernel: bool = True  # every layer runs the C++ kernel
     # every layer quantizes its input to int8 (blocks of 32); false if any keeps the dtype
     int8_activations: bool = False
+    # the LM head's quantization ("int8", a GGUF type such as "Q6_K"); None: model dtype
+    lm_head: str | None = None
 
     def summary(self) -> str:
         errs = list(self.errors.values())
@@ -61,7 +77,8 @@ class QuantReport:
         return (
             f"{self.method}: {self.layers} layers, {self.weight_bytes / 2**20:.1f} MiB "
             f"(from {self.dense_bytes / 2**20:.1f} MiB){err}; kernel: {self.kernel}; "
-            f"activations: {'int8' if self.int8_activations else 'model dtype'}"
+            f"activations: {'int8' if self.int8_activations else 'model dtype'}; "
+            f"LM head: {self.lm_head or 'model dtype'}"
         )
 
 
@@ -127,7 +144,7 @@ def layer_weight(
     device; no error), else ``weight`` rounded to nearest."""
     assert quant.method is not None
     if qw is None:
-        return _rtn(weight, quant.method, quant.group_size, name)
+        return rtn_weight(weight, quant.method, quant.group_size, name)
     if qw.shape != tuple(weight.shape):
         raise ValueError(f"quantized weight {name} has shape {qw.shape}, the model "
                          f"expects {tuple(weight.shape)}")  # fmt: skip
@@ -169,7 +186,7 @@ def quantized_layer(
 RTN_CHUNK_BYTES = 16 * 2**20  # float32 bytes of the rows quantized at once
 
 
-def _rtn(
+def rtn_weight(
     w: torch.Tensor, method: Quantization, group_size: int | None, name: str
 ) -> tuple[QuantizedWeight, float]:
     """``w`` rounded to nearest, a chunk of rows at a time, and its relative error
@@ -198,7 +215,7 @@ def _rtn_scheme(method: Quantization, group_size: int | None) -> tuple[int, int 
 
 def check_rtn_groups(quant: QuantOptions, targets: list[tuple[nn.Module, str, str]]) -> None:
     """Refuse, before any weight loads, a group size that does not fit a layer to quantize
-    with round-to-nearest (the error ``_rtn`` would raise on the first such layer)."""
+    with round-to-nearest (the error ``rtn_weight`` would raise on the first such layer)."""
     assert quant.method is not None
     _, g = _rtn_scheme(quant.method, quant.group_size)
     for parent, attr, name in targets:

@@ -190,6 +190,19 @@ class GGUFLinears:
         return qw if t.heads is None else _unpermute(qw, t.heads)
 
 
+def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:
+    """The LM head as the GGUF stores it, and its type's name: ``output.weight``, or
+    ``token_embd.weight`` where the file ties the two (no ``output.weight``); None when that
+    tensor is stored as floats or in a type kvserve has no quantized layer for."""
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if t is None or t.tensor_type not in SUPPORTED_TYPES:
+        return None
+    k, n = (int(x) for x in t.shape.tolist())  # ggml order: innermost first
+    raw = read_bytes(Path(path), int(t.data_offset), int(t.n_bytes), t.name)
+    return tensor_to_qweight(t.name, t.tensor_type, raw, n, k), t.tensor_type.name
+
+
 def load_gguf_linears(path: str | Path, config: PretrainedConfig) -> dict[str, QuantizedWeight]:
     """Every quantized projection of a llama GGUF at once (``GGUFLinears.take`` of each):
     module path (``layers.3.self_attn.qkv_proj``) -> weight."""

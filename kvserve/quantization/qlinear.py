@@ -78,7 +78,9 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     """
     n, k = codes.shape
     off = 128 if bits == 8 else int4_offset(codes)
-    u = (codes.to(torch.int16) + off).to(torch.uint8)  # [N, K]
+    # c + o in uint8, wrapping: the bytes of c read unsigned are c + 256 for c < 0, and every
+    # c + o lies in [0, 255]. No int16 copy: it was the largest temporary of an LM head's pack.
+    u = codes.view(torch.uint8) + off  # [N, K]
     blocks = u.reshape(n // 16, 16, k // 32, 2, 4, 4)  # [N/16, ch, K/32, half, t, i]
     quads = blocks.permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, t, ch, i]
     if bits == 8:

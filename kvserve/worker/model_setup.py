@@ -54,8 +54,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     mc = config.model
     path = Path(mc.path)
     hf = load_hf_config(path)
-    quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file,
-                         activations=mc.quantization_activations)  # fmt: skip
+    quant = QuantOptions.of(mc)
     check_shardable(path, resolve_model_class(hf, mc.model_impl), checkpoint_scheme(hf),
                     quant, size)  # fmt: skip
     heads = int(hf.num_attention_heads)
@@ -70,8 +69,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
 def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) -> CausalLM:
     """The served model: with ``tp`` of several ranks, this rank's shard of it."""
     mc = config.model
-    quant = QuantOptions(mc.quantization, mc.quantization_group_size, mc.gguf_file,
-                         activations=mc.quantization_activations)  # fmt: skip
+    quant = QuantOptions.of(mc)
     return load_model(
         mc.path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
         mc.fused_ops, mc.model_impl, quant, tp if tp.world_size > 1 else None,

@@ -59,6 +59,10 @@ def test_server_commands() -> None:
     assert "--quantization-activations" not in cmd  # the server's default (auto)
     cmd = quantization.server_command(args, by_key["kvserve-int4-a16"], model, ggufs, 8123)
     assert cmd[cmd.index("--quantization-activations") + 1] == "none"
+    assert "--quantization-lm-head" not in cmd
+    cmd = quantization.server_command(args, by_key["kvserve-int4-lmhead"], model, ggufs, 8123)
+    assert cmd.count("--quantization-lm-head") == 1
+    assert cmd[cmd.index("--quantization") + 1] == "int4"
     cmd = quantization.server_command(args, by_key["kvserve-int4"], model, ggufs, 8123)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--dtype" in cmd
     assert cmd[cmd.index("--max-model-len") + 1] == "320"  # 128 in + 128 out + 64
@@ -92,6 +96,9 @@ def test_weight_bytes_and_floor() -> None:
     assert quantization.setting_weight_bytes(by_key["kvserve-int4"], CFG, {}, 64) == int(
         body * (0.5 + 4 / 64) + 2 * head
     )
+    # the LM head in int8 with a float16 scale per row of K = 64
+    int4_head = quantization.setting_weight_bytes(by_key["kvserve-int4-lmhead"], CFG, {})
+    assert int4_head == int(body * (0.5 + 4 / 32) + head * (1 + 2 / 64))
     roof = {"bandwidth_bytes_s": 1e9, "bf16_matmul_flop_s": 1e15}  # memory-bound
     kv = 1 * 10 * 2 * 2 * 2 * 16 * 2  # batch x context x (K, V) x layers x KV heads x dim x 2 B
     floor = quantization.step_floor_ms(CFG, 1, 10, roof, int4)

@@ -24,6 +24,7 @@ from kvserve.config import (
     ModelConfig,
     PoolingType,
     PreemptionMode,
+    Quantization,
     QuantizedActivations,
     SchedulerConfig,
     SchedulingPolicy,
@@ -90,6 +91,7 @@ ALL_FLAGS = [
     "--num-threads", "1", "--chat-template", "<{{ messages[0]['content'] }}>",
     "--generation-config", "auto", "--tensor-parallel-size", "1", "--enforce-eager",
     "--disable-log-requests", "--pooling", "mean", "--quantization-activations", "none",
+    "--quantization", "int8", "--quantization-lm-head",
 ]  # fmt: skip
 
 
@@ -108,7 +110,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         attention_backend="sdpa", fused_ops=False, prepack_weights=False, warmup=False,
         num_threads=1, chat_template=template, generation_config="auto",
         tensor_parallel_size=1, enforce_eager=True, disable_log_requests=True, pooling="mean",
-        quantization_activations="none",
+        quantization_activations="none", quantization="int8", quantization_lm_head=True,
     )  # fmt: skip
     expected = EngineConfig(
         model=ModelConfig(
@@ -116,6 +118,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
             prepack_weights=False, fused_ops=False, attention_backend=AttentionBackend.SDPA,
             warmup=False, chat_template=template, pooling=PoolingType.MEAN,
             quantization_activations=QuantizedActivations.NONE,
+            quantization=Quantization.INT8, quantization_lm_head=True,
         ),
         cache=CacheConfig(block_size=8, kv_cache_memory=8 * MiB, num_kv_blocks=None,
                           swap_space=2 * GiB, enable_prefix_caching=False),

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.quantization.lm_head import QuantLMHead
 from kvserve.quantization.qlinear import QuantLinear, reference_linear_a8
 from kvserve.quantization.qweight import quantize_rtn
 from kvserve.sampling_params import SamplingParams
@@ -26,8 +27,11 @@ def engine(path: Path, **kw: object) -> LLMEngine:
     return LLMEngine(build_engine_config(str(path), dtype="float32", block_size=4, **kw))
 
 
-def dequantized_copy(src: Path, dst: Path, bits: int, group: int | None) -> Path:
-    """``src`` with every projection replaced by its round-to-nearest dequantized weight.
+def dequantized_copy(
+    src: Path, dst: Path, bits: int, group: int | None, lm_head: bool = False
+) -> Path:
+    """``src`` with every projection (and with ``lm_head`` the LM head, int8 per row)
+    replaced by its round-to-nearest dequantized weight.
 
     Groups run along each row, so quantizing q, k and v apart equals quantizing the fused
     QKV the engine builds: this folder holds exactly the weights the quantized engine uses.
@@ -40,6 +44,8 @@ def dequantized_copy(src: Path, dst: Path, bits: int, group: int | None) -> Path
     for name, w in state.items():
         if name.split(".")[-2] in PROJ:
             state[name] = quantize_rtn(w, bits, group).dequantize(torch.float32)
+        if lm_head and name == "lm_head.weight":
+            state[name] = quantize_rtn(w, 8, None).dequantize(torch.float32)
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -147,3 +153,45 @@ def test_int8_activation_kernel_gives_its_reference_tokens(tiny_llama: Path) -> 
     none = bf16(quantization_activations="none")
     assert none.runner.model.layers[0].mlp.down_proj.path == "kernel"
     assert none.runner.model.quant_report.int8_activations is False
+
+
+def test_quantized_lm_head_engine_equals_its_dequantized_weights(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """--quantization-lm-head: an int4 engine whose LM head is int8 gives the tokens of its
+    dequantized weights, LM head included, through preemption-free batching with KV integrity
+    checked; the head's rounding is seen in the tokens (they differ from int4 alone)."""
+    copy = dequantized_copy(tiny_llama, tmp_path / "dq", 4, 32, lm_head=True)
+    want = run_engine_checked(engine(copy, num_kv_blocks=200), PROMPTS, PARAMS)
+    e = engine(tiny_llama, num_kv_blocks=200, quantization="int4", quantization_lm_head=True)
+    assert isinstance(e.runner.model.lm_head, QuantLMHead)
+    assert run_engine_checked(e, PROMPTS, PARAMS) == want
+    int4 = engine(tiny_llama, num_kv_blocks=200, quantization="int4")
+    assert run_engine_checked(int4, PROMPTS, PARAMS) != want
+
+
+def test_quantized_lm_head_needs_quantization(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization_lm_head quantizes the LM head"):
+        build_engine_config(str(tiny_llama), quantization_lm_head=True)
+
+
+@pytest.mark.skipif(not _a8_kernel(), reason="needs AVX512-VNNI and AVX512-BF16")
+def test_int8_activation_lm_head_gives_its_reference_tokens(tiny_llama: Path) -> None:
+    """bf16, int8 activations: the quantized LM head's kernel gives the tokens of the same
+    engine whose head runs the pure-PyTorch reference on the checkpoint's head rounded apart."""
+
+    def bf16() -> LLMEngine:
+        cfg = build_engine_config(str(tiny_llama), dtype="bfloat16", block_size=4,
+                                  quantization="int4", quantization_lm_head=True,
+                                  num_kv_blocks=200)  # fmt: skip
+        return LLMEngine(cfg)
+
+    fast = bf16()
+    want = run_engine_checked(fast, PROMPTS, PARAMS)
+    ref = bf16()
+    head = ref.runner.model.lm_head
+    assert isinstance(head, QuantLMHead) and head.layer.path == "a8"
+    w = load_file(str(tiny_llama / "model.safetensors"))["lm_head.weight"]
+    qw = quantize_rtn(w.bfloat16(), 8, None)
+    head.layer.forward = functools.partial(reference_linear_a8, qw=qw)  # type: ignore[method-assign]
+    assert run_engine_checked(ref, PROMPTS, PARAMS) == want

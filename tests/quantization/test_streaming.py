@@ -202,7 +202,7 @@ def test_chunked_rtn_equals_the_whole_matrix(monkeypatch: pytest.MonkeyPatch) ->
     w = torch.randn(100, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     monkeypatch.setattr(apply, "RTN_CHUNK_BYTES", 7 * 128 * 4)  # 7 rows a chunk, the last 2
     for method, bits, group in ((Quantization.INT4, 4, 32), (Quantization.INT8, 8, None)):
-        got, err = apply._rtn(w, method, group, "w")
+        got, err = apply.rtn_weight(w, method, group, "w")
         want = quantize_rtn(w, bits, 32 if bits == 4 else None)
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
         assert (got.zeros is None) == (want.zeros is None)
