@@ -480,17 +480,23 @@ RESULT_KEYS = (
 
 
 def roofline(args: argparse.Namespace, model: Model, ggufs: dict[str, Path]) -> dict[str, Any]:
-    """The machine's read bandwidth and bf16 matmul rate, and each setting's streamed weight
-    bytes (what a decode step must read at least once)."""
+    """The machine's read bandwidth, bf16 matmul rate and (with AVX512-VNNI) int8 dot-product
+    peak, and each setting's streamed weight bytes (what a decode step must read at least
+    once)."""
+    from int8_peak import measure_int8_peak, vnni_available
     from roofline import measure_bandwidth, measure_matmul
 
     bw, mm = measure_bandwidth(), measure_matmul()
+    dots = measure_int8_peak() if vnni_available() else None
     weights = {
         s.key: setting_weight_bytes(s, args.model_cfg, ggufs, args.quantization_group_size)
         for s in args.settings
     }
-    print(f"roofline: read bandwidth {bw / 1e9:.1f} GB/s, bf16 matmul {mm / 1e12:.2f} TFLOP/s")
-    return {"bandwidth_bytes_s": bw, "bf16_matmul_flop_s": mm, "weight_bytes": weights}
+    peak = f", int8 dot peak {dots / 1e12:.2f} T ops/s" if dots else ""
+    print(f"roofline: read bandwidth {bw / 1e9:.1f} GB/s, bf16 matmul {mm / 1e12:.2f} "
+          f"TFLOP/s{peak}")  # fmt: skip
+    return {"bandwidth_bytes_s": bw, "bf16_matmul_flop_s": mm, "int8_dot_ops_s": dots,
+            "weight_bytes": weights}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,16 +16,22 @@
 //   sum_k W_k x_k = s * sum_k u_k x_k + (z - o * s) * sum_k x_k,
 // and per block of 32, sum_k u_k x_k = d * sum_k u_k q_k: an exact int32 sum (|.| < 2^20).
 //
-// Layout (built by kvserve.quantization.qlinear.pack_codes_a8): blocks of 16 output channels,
-// K in blocks of 32; a 64-byte vector holds 4 consecutive k ("a quad") of the 16 channels,
-// byte 4j + i = channel j, k = 4t + i (vpdpbusd's layout; also AMX's int8 B-tile layout):
-//   int8: [N / 16][K / 32][8 quads][16][4] uint8 (u);
-//   int4: [N / 16][K / 32][4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4.
-// scales / zeros: [N / 16][K / g][16] float32 or float16 (zeros may be empty: zero 0): each
-// vector's groups in a row, one sequential stream beside its codes (with [K / g, N], as in
-// quant_linear.cpp, each group of a tile is a different page: a one-row pass over
-// TinyLlama-1.1B's int4 weights took 18.5 ms against 15.6, measured interleaved); g = 16 or a
-// multiple of 32, and 32 divides K.
+// Layout (built by kvserve.quantization.qlinear.pack_a8): blocks of 16 output channels ("a
+// vector"), K in blocks of 32; a 64-byte vector holds 4 consecutive k ("a quad") of the 16
+// channels, byte 4j + i = channel j, k = 4t + i (vpdpbusd's layout; also AMX's int8 B-tile
+// layout). One block's codes:
+//   int8: [8 quads][16][4] uint8 (u), 512 bytes;
+//   int4: [4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4, 256 bytes.
+// Each vector is one stream of records, one per group of g values (g = 16: per block of 32,
+// holding both its groups): the group's 16 scales (float16 or float32; two groups' for g = 16),
+// its 16 zeros likewise if there are zeros (else zero 0), then the codes of its g / 32 blocks:
+//   [N / 16][K / g or K / 32][header + codes] bytes; g = 16 or a multiple of 32, 32 divides K.
+// Scales beside their codes, as a GGUF block keeps them: with scales and zeros in streams of
+// their own ([N / 16][K / g][16] each), a one-row pass over 22 TinyLlama-1.1B layers' own int4
+// weights (g 32, with zeros) read 36.2 GB/s against 40.6 in records (the op called directly,
+// interleaved, medians of 28; bf16 prepacked: 45.1), and 36.9 against 39.4 without zeros
+// (GGUF Q4_0); int8 per channel and 8 rows were level. With [K / g, N] scales, as in
+// quant_linear.cpp, each group of a tile was a different page (18.5 ms against 15.6).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -47,14 +53,17 @@ constexpr int64_t kRowChunk = 64;  // rows whose int8 activations stay in L2 for
 constexpr int64_t kPrefetchBytes = 2048;
 
 struct A8Args {
-  const uint8_t* codes;
-  const void* scales;
-  const void* zeros;  // nullptr: zero 0
-  bool half_scales;   // scales / zeros are float16 (else float32)
-  int64_t group;      // g: 16 or a multiple of 32
+  const uint8_t* packed;  // pack_a8's records
+  bool half_scales;       // scales / zeros are float16 (else float32)
+  bool zeros;             // the records hold zeros (else zero 0)
+  int64_t group;          // g: 16 or a multiple of 32
   int64_t n, k;
-  float offset;       // o: stored u = c + o
-  int64_t zgroup;     // granularity of xsum: 16 if g == 16, else g
+  float offset;           // o: stored u = c + o
+  int64_t zgroup;         // granularity of xsum: 16 if g == 16, else g
+  int64_t scale_bytes;    // one record's scales (16 or 32 values)
+  int64_t header;         // scale_bytes, twice with zeros
+  int64_t record;         // header + the record's codes
+  int64_t blocks_per_record;  // g / 32 (1 for g = 16)
 };
 
 struct A8Rows {  // x, quantized (quantize_rows)
@@ -63,13 +72,10 @@ struct A8Rows {  // x, quantized (quantize_rows)
   const float* xs;  // [M, K / zgroup]: sum of d * q over each zgroup
 };
 
-inline __m512 load16(const A8Args& a, const void* p, int64_t grp, int64_t n) {
-  int64_t i = ((n / 16) * (a.k / a.group) + grp) * 16;
-  if (a.half_scales) {
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + i)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+// 16 scales (or zeros) at p, as float32.
+inline __m512 load16(bool half, const uint8_t* p) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
 inline __m512i bcast4(const int8_t* p) {
@@ -118,9 +124,11 @@ template <int MR, int NV, bool INT4, bool HALVES>
 void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
   constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup;
-  const int64_t blocks_per_group = HALVES ? 1 : a.group / 32;
-  const uint8_t* w[NV];
-  for (int v = 0; v < NV; ++v) w[v] = a.codes + (v0 + v) * nb * kBytes;
+  const int64_t bpr = a.blocks_per_record;
+  const int64_t records = nb / bpr;
+  const int64_t elt = a.half_scales ? 2 : 4;
+  const uint8_t* w[NV];  // each vector's first record
+  for (int v = 0; v < NV; ++v) w[v] = a.packed + (v0 + v) * records * a.record;
   const int8_t* q[MR];
   for (int r = 0; r < MR; ++r) q[r] = rows.q + (r0 + r) * a.k;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -128,22 +136,26 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
   __m512 total[MR][NV], s0[NV], s1[NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
+  int64_t rec = 0, in_rec = 0;  // kb's record and its block in it (no division per block)
   for (int64_t kb = 0; kb < nb; ++kb) {
+    // This block's bytes in each vector's stream: its record's header first if it starts one.
+    const int64_t first = rec * a.record + (in_rec == 0 ? 0 : a.header + in_rec * kBytes);
+    const int64_t len = in_rec == 0 ? a.header + kBytes : kBytes;
     // Prefetch kPrefetchBytes ahead in each vector's stream: a one-row pass over
     // TinyLlama-1.1B's int4 weights took 15.6 ms with the hardware prefetchers alone, 14.4 /
     // 14.0 / 13.7 ms at 512 / 1024 / 2048 bytes ahead (8 rows: 35.4 against 30.5 ms).
     for (int v = 0; v < NV; ++v) {
-      const char* ahead = reinterpret_cast<const char*>(w[v] + kb * kBytes) + kPrefetchBytes;
-      for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      const char* ahead = reinterpret_cast<const char*>(w[v] + first) + kPrefetchBytes;
+      for (int64_t line = 0; line < len; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
     // New group: its scales, and the zero term (z - o * s) * sum x for every row.
-    if (HALVES || kb % blocks_per_group == 0) {
-      const int64_t g0 = HALVES ? 2 * kb : kb / blocks_per_group;
+    if (in_rec == 0) {
+      const int64_t g0 = HALVES ? 2 * kb : rec;
       for (int h = 0; h < (HALVES ? 2 : 1); ++h) {
         for (int v = 0; v < NV; ++v) {
-          const int64_t ch = (v0 + v) * 16;
-          __m512 s = load16(a, a.scales, g0 + h, ch);
-          __m512 z = a.zeros ? load16(a, a.zeros, g0 + h, ch) : _mm512_setzero_ps();
+          const uint8_t* hdr = w[v] + rec * a.record + h * 16 * elt;
+          __m512 s = load16(a.half_scales, hdr);
+          __m512 z = a.zeros ? load16(a.half_scales, hdr + a.scale_bytes) : _mm512_setzero_ps();
           z = _mm512_sub_ps(z, _mm512_mul_ps(off, s));
           (h ? s1 : s0)[v] = s;
           for (int r = 0; r < MR; ++r) {
@@ -159,7 +171,7 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
     for (int t = 0; t < 4; ++t) {
       __m512i lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
-        const uint8_t* p = w[v] + kb * kBytes;
+        const uint8_t* p = w[v] + rec * a.record + a.header + in_rec * kBytes;
         if constexpr (INT4) {
           __m512i packed = _mm512_loadu_si512(p + t * 64);
           lo[v] = _mm512_and_si512(packed, low4);
@@ -192,6 +204,10 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
           total[r][v] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s0[v], dr), total[r][v]);
         }
       }
+    }
+    if (++in_rec == bpr) {
+      in_rec = 0;
+      ++rec;
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -262,9 +278,8 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
 }
 #endif
 
-void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
-                     const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
-                     int64_t group, int64_t offset) {
+void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t bits,
+                     int64_t group, int64_t offset, bool half_scales, bool has_zeros) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
               "quant_linear_a8: x and out must be contiguous 2-D tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -274,25 +289,18 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& cod
   TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
               "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == n / 16 &&
-                  scales.size(1) == k / group && scales.size(2) == 16,
-              "quant_linear_a8: scales must be [N / 16, K / g, 16]");
-  const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "quant_linear_a8: scales dtype");
-  const bool has_zeros = zeros.numel() > 0;
-  if (has_zeros) {
-    TORCH_CHECK(zeros.is_contiguous() && zeros.sizes() == scales.sizes() &&
-                    zeros.scalar_type() == scales.scalar_type(),
-                "quant_linear_a8: zeros must match scales");
-  }
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
-                  codes.numel() * (bits == 8 ? 1 : 2) == n * k,
-              "quant_linear_a8: codes do not hold N x K weights");
+  const int64_t bpr = group == 16 ? 1 : group / 32;  // blocks of 32 per record
+  const int64_t scale_bytes = (group == 16 ? 32 : 16) * (half_scales ? 2 : 4);
+  const int64_t header = scale_bytes * (has_zeros ? 2 : 1);
+  const int64_t record = header + bpr * (bits == 8 ? 512 : 256);
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == (n / 16) * (k / 32 / bpr) * record,
+              "quant_linear_a8: packed does not hold N x K weights in pack_a8's records");
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (m == 0) return;
   const int64_t zg = group == 16 ? 16 : group;
-  A8Args a{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_zeros ? zeros.data_ptr() : nullptr,
-           half, group, n, k, static_cast<float>(offset), zg};
+  A8Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, group, n, k,
+           static_cast<float>(offset), zg, scale_bytes, header, record, bpr};
   std::vector<int8_t> q(m * k);
   std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
   const auto* xp = x.data_ptr<c10::BFloat16>();
@@ -324,8 +332,8 @@ bool quant_linear_a8_supported() {
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
-      "quant_linear_a8(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
-      "int bits, int group, int offset) -> ()");
+      "quant_linear_a8(Tensor(a!) out, Tensor x, Tensor packed, int bits, int group, int offset, "
+      "bool half_scales, bool has_zeros) -> ()");
   m.def("quant_linear_a8_supported() -> bool", &quant_linear_a8_supported);
 }
 

@@ -4,8 +4,8 @@ The weight is int8 or int4 codes with group scales (``QuantizedWeight``). Two wa
 the activations (``QuantizedActivations``):
 
 * int8 (the default for bf16 on CPUs with AVX512-VNNI): each row of x is quantized in blocks
-  of 32, then integer dot products (``csrc/quant_linear_a8.cpp``, codes packed by
-  ``pack_codes_a8``); the reference is ``reference_linear_a8``.
+  of 32, then integer dot products (``csrc/quant_linear_a8.cpp``, weights packed by
+  ``pack_a8``); the reference is ``reference_linear_a8``.
 * the model dtype (bf16 or float32): ``csrc/quant_linear.cpp`` (codes packed by
   ``pack_codes``), exact products with the dequantized weight; the reference is
   ``reference_linear``.
@@ -90,9 +90,37 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
 
 def pack_scales_a8(scales: torch.Tensor) -> torch.Tensor:
     """Scales (or zeros) ``[N, K/g]`` as ``[N/16, K/g, 16]``: each 16-channel vector's groups
-    in a row, one sequential stream beside its codes (see ``csrc/quant_linear_a8.cpp``)."""
+    in a row."""
     n, groups = scales.shape
     return scales.reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+
+def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
+    """float16 when scales and zeros are all float16 (GGUF, kvserve's RTN), else float32."""
+    zeros = qw.zeros.dtype if qw.zeros is not None else torch.float16
+    return torch.float16 if qw.scales.dtype == zeros == torch.float16 else torch.float32
+
+
+def pack_a8(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
+    """The int8-activation kernel's one buffer for ``qw``, and the offset ``o`` of its codes.
+
+    Per 16-channel vector, one record per group (per block of 32 when g = 16, whose two
+    groups share it): the group's 16 scales (two groups' for g = 16), its zeros if any, then
+    its codes (``pack_codes_a8``'s blocks): ``[N/16, records, header + codes]`` bytes. Each
+    vector is then one sequential stream, as a GGUF block keeps its scale beside its codes;
+    with scales and zeros in streams of their own a one-row int4 pass read 11% slower
+    (see ``csrc/quant_linear_a8.cpp``). Scales and zeros are stored as ``a8_scale_dtype``.
+    """
+    n, k = qw.shape
+    codes, off = pack_codes_a8(qw.codes, qw.bits)  # [N/16, K/32, ...]
+    g = qw.group_size
+    records = k // 32 if g == 16 else k // g
+    dtype = a8_scale_dtype(qw)
+    floats = [qw.scales] if qw.zeros is None else [qw.scales, qw.zeros]
+    parts = [pack_scales_a8(f.to(dtype)).view(torch.uint8).reshape(n // 16, records, -1)
+             for f in floats]  # fmt: skip
+    parts.append(codes.reshape(n // 16, records, -1))
+    return torch.cat(parts, dim=2).contiguous(), off
 
 
 def _transposed(scales: torch.Tensor) -> torch.Tensor:
@@ -209,14 +237,15 @@ class QuantLinear(nn.Module):
             self.path = "kernel" if kernel_supports(qw, device, dtype) else "reference"
         self.use_kernel = self.path != "reference"
         self.qweight: QuantizedWeight | None = None
-        if self.use_kernel:
-            a8 = self.path == "a8"
-            self.codes, self.offset = (pack_codes_a8 if a8 else pack_codes)(qw.codes, qw.bits)
-            # [N/16, K/g, 16] for the int8-activation kernel, [K/g, N] for the other
-            pack_scales = pack_scales_a8 if a8 else _transposed
-            self.scales_t = pack_scales(qw.scales)
+        self.half_scales = a8_scale_dtype(qw) == torch.float16  # int8-activation kernel
+        self.has_zeros = qw.zeros is not None
+        if self.path == "a8":  # one buffer: scales, zeros and codes per group (pack_a8)
+            self.codes, self.offset = pack_a8(qw)
+        elif self.use_kernel:
+            self.codes, self.offset = pack_codes(qw.codes, qw.bits)
+            self.scales_t = _transposed(qw.scales)  # [K/g, N]
             self.zeros_t = (
-                torch.empty(0, dtype=qw.scales.dtype) if qw.zeros is None else pack_scales(qw.zeros)
+                torch.empty(0, dtype=qw.scales.dtype) if qw.zeros is None else _transposed(qw.zeros)
             )
         else:
             logger.warning(
@@ -238,8 +267,8 @@ class QuantLinear(nn.Module):
         out = x2.new_empty(x2.shape[0], self.out_features)  # [M, N]
         if self.path == "a8":
             torch.ops.kvserve.quant_linear_a8(
-                out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
-                self.offset,
+                out, x2, self.codes, self.bits, self.group_size, self.offset, self.half_scales,
+                self.has_zeros,
             )  # fmt: skip
         else:
             torch.ops.kvserve.quant_linear(

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks import quant_quality, quantization
+from benchmarks import int8_peak, quant_quality, quantization
 from benchmarks.peers import llamacpp
 from kvserve.outputs import Logprob
 
@@ -276,3 +276,13 @@ def test_quality_table() -> None:
     assert "| bfloat16 | 20.000 | +0.00% | 100.0% | 1.5 | 1.5 |" in table
     assert "| int4 | 22.000 | +10.00% | 50.0% | 1.0 | 1.5 |" in table
     assert "| int8 | failed: ValueError: no int8 here | | | | |" in table
+
+
+@pytest.mark.skipif(not int8_peak.vnni_available(), reason="needs AVX512-VNNI")
+def test_int8_peak_probe_runs_every_dot_product() -> None:
+    """The probe's loop is not folded away: each of 12 chains per thread adds 4 x 3 x 5 = 60
+    per int32 lane per round, from its own index, over 16 lanes."""
+    rounds = int8_peak._module().int8_dot_rounds
+    assert rounds(10, 2) == 2 * 16 * (66 + 12 * 60 * 10)
+    assert rounds(1, 1) == 16 * (66 + 12 * 60)
+    assert int8_peak.measure_int8_peak(1, iters=10_000, repeats=1) > 0

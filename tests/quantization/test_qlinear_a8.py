@@ -11,6 +11,7 @@ from kvserve.model import cpu_kernels
 from kvserve.quantization.qlinear import (
     QuantLinear,
     exact_activations,
+    pack_a8,
     pack_codes_a8,
     quantize_activations,
     reference_linear_a8,
@@ -116,6 +117,29 @@ def test_pack_codes_a8_layout() -> None:
     for i in range(4):
         byte = int(int4[0, 0, 2, 7, i])
         assert byte & 15 == int(codes[7, 8 + i]) + 8 and byte >> 4 == int(codes[7, 24 + i]) + 8
+
+
+def test_pack_a8_records() -> None:
+    """One record per vector and group: scales, zeros, then the group's codes, bytes exact."""
+    n, k = 32, 128
+    codes = (torch.arange(n * k) % 16).to(torch.int8).reshape(n, k)  # [0, 15]
+    scales = (torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + 1).half()
+    zeros = -scales
+    packed, off = pack_a8(QuantizedWeight(codes, scales, zeros, 4, 64))  # 2 records a vector
+    assert off == 0 and packed.shape == (2, 2, 32 + 32 + 2 * 256)
+    blocks, _ = pack_codes_a8(codes, 4)  # [2, 4, 4, 16, 4]: vector, block of 32, ...
+    for v, r in ((0, 0), (1, 1), (1, 0)):
+        rec = packed[v, r]
+        assert torch.equal(rec[:32].view(torch.float16), scales[16 * v : 16 * v + 16, r])
+        assert torch.equal(rec[32:64].view(torch.float16), zeros[16 * v : 16 * v + 16, r])
+        assert torch.equal(rec[64:], blocks[v, 2 * r : 2 * r + 2].reshape(-1))
+    # g = 16: a record per block of 32 holds both groups' scales; float32 where zeros are
+    halves = QuantizedWeight(codes, scales.float().repeat(1, 4), None, 4, 16)
+    packed, _ = pack_a8(halves)
+    assert packed.shape == (2, 4, 32 * 4 + 256)
+    rec = packed[1, 3]
+    assert torch.equal(rec[:128].view(torch.float32), halves.scales[16:32, 6:8].t().reshape(-1))
+    assert torch.equal(rec[128:], blocks[1, 3].reshape(-1))
 
 
 def test_activation_modes_resolve_per_layer() -> None:

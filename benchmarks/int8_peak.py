@@ -1,0 +1,117 @@
+"""This CPU's peak rate of int8 dot products (AVX512-VNNI ``vpdpbusd``), in int8 ops/s.
+
+The compute ceiling of kvserve's int8-activation kernel (``csrc/quant_linear_a8.cpp``): every
+thread runs 12 independent ``vpdpbusd`` chains on registers, nothing else (each instruction is
+64 u8 x s8 multiply-adds, 128 ops). A prefill-bound quantized step cannot run faster than its
+multiply-adds at this rate. Built at first use with ``torch.utils.cpp_extension`` (the same
+compiler as kvserve's kernels), in a cache of its own.
+
+    python benchmarks/int8_peak.py              # 2 threads
+    python benchmarks/int8_peak.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from typing import Any
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KV_ACC(i) __m512i a##i = _mm512_set1_epi32(i);
+#define KV_DOT(i) a##i = _mm512_dpbusd_epi32(a##i, x, y);
+#define KV_SUM(i) s = _mm512_add_epi32(s, a##i);
+#endif
+
+// Runs `iters` rounds of 12 vpdpbusd on each of `threads` tasks; returns a checksum.
+int64_t int8_dot_rounds(int64_t iters, int64_t threads) {
+#if defined(__AVX512VNNI__)
+  std::vector<int64_t> sums(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      __m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(5);
+      KV_ACC(0) KV_ACC(1) KV_ACC(2) KV_ACC(3) KV_ACC(4) KV_ACC(5)
+      KV_ACC(6) KV_ACC(7) KV_ACC(8) KV_ACC(9) KV_ACC(10) KV_ACC(11)
+      for (int64_t it = 0; it < iters; ++it) {
+        KV_DOT(0) KV_DOT(1) KV_DOT(2) KV_DOT(3) KV_DOT(4) KV_DOT(5)
+        KV_DOT(6) KV_DOT(7) KV_DOT(8) KV_DOT(9) KV_DOT(10) KV_DOT(11)
+        __asm__ volatile("" : "+v"(x));  // the loop is not folded away
+      }
+      __m512i s = a0;
+      KV_SUM(1) KV_SUM(2) KV_SUM(3) KV_SUM(4) KV_SUM(5) KV_SUM(6)
+      KV_SUM(7) KV_SUM(8) KV_SUM(9) KV_SUM(10) KV_SUM(11)
+      sums[t] = _mm512_reduce_add_epi32(s);
+    }
+  });
+  int64_t total = 0;
+  for (int64_t v : sums) total += v;
+  return total;
+#else
+  TORCH_CHECK(false, "int8_dot_rounds needs AVX512-VNNI");
+#endif
+}
+"""
+
+CHAINS = 12
+OPS_PER_DOT = 2 * 64  # 64 multiply-adds
+
+
+@functools.cache
+def _module() -> Any:
+    from torch.utils import cpp_extension
+
+    build = os.path.join(os.path.expanduser("~"), ".cache", "kvserve", "int8_peak")
+    os.makedirs(build, exist_ok=True)
+    return cpp_extension.load_inline(
+        name="kvserve_int8_peak", cpp_sources=SOURCE, functions=["int8_dot_rounds"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        build_directory=build,
+    )  # fmt: skip
+
+
+def vnni_available() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
+def measure_int8_peak(
+    threads: int | None = None, iters: int = 20_000_000, repeats: int = 3
+) -> float:
+    """int8 ops/s of ``threads`` threads (default: torch's) issuing only ``vpdpbusd``, best
+    of ``repeats``."""
+    import torch
+
+    n = threads or torch.get_num_threads()
+    mod = _module()
+    mod.int8_dot_rounds(1000, n)  # warm the pool
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mod.int8_dot_rounds(iters, n)
+        best = min(best, time.perf_counter() - t0)
+    return n * iters * CHAINS * OPS_PER_DOT / best
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not vnni_available():
+        raise SystemExit("this CPU has no AVX512-VNNI")
+    torch.set_num_threads(args.threads)
+    peak = measure_int8_peak(args.threads)
+    print(f"int8 dot-product peak (vpdpbusd), {args.threads} threads: {peak / 1e12:.2f} T ops/s")
+
+
+if __name__ == "__main__":
+    main()
