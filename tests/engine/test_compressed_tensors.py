@@ -147,3 +147,22 @@ def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
     cfg.quantization_config = {"quant_method": "gptq", "bits": 4}
     with pytest.raises(ValueError, match="quantized with 'gptq'; kvserve loads"):
         checkpoint_scheme(cfg)
+
+
+def test_lm_head_quantized_beside_the_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    """--quantization compressed-tensors --quantization-lm-head: the checkpoint's own layers,
+    and its float LM head rounded to int8 per row."""
+    from kvserve.quantization.lm_head import QuantLMHead
+    from kvserve.quantization.qweight import quantize_rtn
+
+    path = write_checkpoint(tiny_llama, tmp_path / "ct", 4, 32, True)
+    cfg = build_engine_config(str(path), dtype="float32", num_kv_blocks=16,
+                              quantization="compressed-tensors", quantization_lm_head=True,
+                              quantization_activations="none")  # fmt: skip
+    model = LLMEngine(cfg).runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert isinstance(model.lm_head, QuantLMHead)
+    assert model.quant_report.lm_head.startswith("int8 per channel")
+    head = load_file(str(tiny_llama / "model.safetensors"))["lm_head.weight"]
+    got = model.lm_head(torch.eye(head.shape[1])).t()
+    assert torch.equal(got, quantize_rtn(head, 8, None).dequantize())
