@@ -25,7 +25,7 @@ from kvserve.model.transformers_backend import (
     load_transformers_model,
     remote_code_error,
 )
-from kvserve.quantization.apply import QuantOptions, quantize_model
+from kvserve.quantization.apply import QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.compressed_tensors import (
     WeightScheme,
     checkpoint_scheme,
@@ -110,6 +110,7 @@ def load_model(
     quant = _checked_quant(path, scheme, quant)
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
+    report: QuantReport | None = None  # what quantization did, once it has
     if cls is TransformersForCausalLM:
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
             raise ValueError(
@@ -137,12 +138,13 @@ def load_model(
         skip = streaming.skip if streaming is not None else frozenset()
         model.load_weights(_iter_safetensors(path, skip))
         if streaming is not None:
-            model.quant_report = streaming.finish()  # type: ignore[attr-defined]
+            report = streaming.finish()
     if quant is not None and quant.method is not None:
-        if not hasattr(model, "quant_report"):
-            model.quant_report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
+        if report is None:  # not quantized while loading: the whole model is swapped now
+            report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
         if quant.lm_head:
-            quantize_lm_head(model, quant, torch.device(device), dtype, model.quant_report)  # type: ignore[arg-type]
+            quantize_lm_head(model, quant, torch.device(device), dtype, report)  # type: ignore[arg-type]
+        model.quant_report = report  # type: ignore[attr-defined]
     if prepack and packing_supported(torch.device(device), dtype):
         # Any nn.Linear packs, transformers' modules too (bf16: all; float32: the LM head).
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]
