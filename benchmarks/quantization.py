@@ -72,6 +72,7 @@ class Setting:
     # kvserve --quantization-activations (None: the default, auto: int8 on VNNI CPUs)
     activations: str | None = None
     lm_head: bool = False  # kvserve --quantization-lm-head (int8, or a GGUF's output type)
+    eager: bool = False  # kvserve --enforce-eager (the Python layer loop on decode steps too)
 
 
 SETTINGS = (
@@ -85,6 +86,10 @@ SETTINGS = (
     Setting("kvserve-gguf-q8_0", "kvserve", "gguf", "Q8_0"),
     Setting("kvserve-gguf-q4_0", "kvserve", "gguf", "Q4_0"),
     Setting("kvserve-gguf-q4_0-lmhead", "kvserve", "gguf", "Q4_0", lm_head=True),
+    # the Python layer loop on every step, beside the C++ decode loop of the settings above
+    Setting("kvserve-bf16-eager", "kvserve", eager=True),
+    Setting("kvserve-int4-lmhead-eager", "kvserve", "int4", lm_head=True, eager=True),
+    Setting("kvserve-gguf-q4_0-lmhead-eager", "kvserve", "gguf", "Q4_0", lm_head=True, eager=True),
     Setting("llamacpp-q8_0", "llamacpp", None, "Q8_0"),
     Setting("llamacpp-q4_0", "llamacpp", None, "Q4_0"),
 )
@@ -94,7 +99,8 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-int4": "llamacpp-q4_0", "kvserve-gguf-q4_0": "llamacpp-q4_0",
     "kvserve-int8-a16": "llamacpp-q8_0", "kvserve-int4-a16": "llamacpp-q4_0",
     "kvserve-int8-lmhead": "llamacpp-q8_0", "kvserve-int4-lmhead": "llamacpp-q4_0",
-    "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
+    "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0", "kvserve-int4-lmhead-eager": "llamacpp-q4_0",
+    "kvserve-gguf-q4_0-lmhead-eager": "llamacpp-q4_0",
 }  # fmt: skip
 # The targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -336,6 +342,7 @@ def server_command(
         *(group if setting.quantization in ("int8", "int4") else []),
         *(["--quantization-activations", setting.activations] if setting.activations else []),
         *(["--quantization-lm-head"] if setting.lm_head else []),
+        *(["--enforce-eager"] if setting.eager else []),
         *shlex.split(args.kvserve_args),
     ]  # fmt: skip
 

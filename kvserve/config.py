@@ -162,6 +162,9 @@ class ModelConfig:
     served_name: str | None = None  # the name clients use; None derives one from the path
     prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
     fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
+    # True: every step's layers run in Python; False: decode-only steps of native Llama-family
+    # models run their layers in one C++ call (model/decode_loop.py; same numbers)
+    enforce_eager: bool = False
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
     warmup: bool = True  # prepacked (CPU bf16): a dummy max-size prefill before serving
     chat_template: str | None = None  # Jinja text for chat prompts; None: the tokenizer's

@@ -296,7 +296,11 @@ class EngineArgs:
         "'mp' in worker processes (one per rank); default uni for one rank, mp for more",
         type=str, choices=("uni", "mp"),
     )  # fmt: skip
-    enforce_eager: bool = _opt(False, "vLLM's flag: no effect, kvserve always runs eagerly")
+    enforce_eager: bool = _opt(
+        False, "vLLM's flag: run every step's layers in Python; without it, decode-only steps "
+        "of native Llama-family models on CPU run their layers in one C++ call (kvserve's "
+        "analog of CUDA graphs; same numbers)",
+    )  # fmt: skip
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
@@ -514,6 +518,7 @@ class EngineArgs:
                 prepack_weights=self.prepack_weights,
                 attention_backend=self.attention_backend,  # type: ignore[arg-type]
                 fused_ops=self.fused_ops,
+                enforce_eager=self.enforce_eager,
                 warmup=self.warmup,
                 chat_template=None
                 if self.chat_template is None
@@ -585,8 +590,6 @@ class EngineArgs:
 
     def _log_vllm_noops(self, path: Path) -> None:
         """Say what the accepted-but-inert vLLM options do here, so none is silently dropped."""
-        if self.enforce_eager:
-            logger.info("enforce_eager: kvserve always runs eagerly (no CUDA graphs)")
         if self.disable_log_requests:
             logger.info("disable_log_requests: kvserve never logs request contents")
 

@@ -111,7 +111,7 @@ class LLMEngine:
         }
         logger.info(
             "loaded %s in %.1fs (%s executor, %d rank(s)); KV cache: %d blocks x %d tokens = "
-            "%d tokens, %.1f MiB; decode attention: %s; fused ops: %s",
+            "%d tokens, %.1f MiB; decode attention: %s; fused ops: %s; C++ decode loop: %s",
             self.model_name,
             info.load_seconds,
             config.parallel.distributed_executor_backend.value,  # type: ignore[union-attr]
@@ -122,6 +122,7 @@ class LLMEngine:
             info.num_blocks * info.bytes_per_block / 2**20,
             "cpu_kernel" if info.use_decode_kernel else "sdpa",
             "on" if info.fused_ops else "off",
+            "on" if info.decode_loop else "off",
         )
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}

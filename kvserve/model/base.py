@@ -65,4 +65,9 @@ class CausalLM(Protocol):
         """Switch to the C++ fused ops where this model has them; returns whether it did."""
         ...
 
+    def enable_decode_loop(self) -> bool:
+        """Run decode-only steps' layers as one C++ call where this model can (after
+        ``enable_fused_ops``); returns whether it does."""
+        ...
+
     def eval(self) -> CausalLM: ...

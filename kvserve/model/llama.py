@@ -34,6 +34,7 @@ from kvserve.distributed.layers import (
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.decode_loop import DecodeLoop, build_decode_loop
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -353,6 +354,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # logits -> cap * tanh(logits / cap) (Gemma 2/3's final_logit_softcapping)
         self.final_logit_softcapping: float | None = None
+        # decode-only steps' layers in one C++ call (enable_decode_loop; None: Python loop)
+        self.decode_loop: DecodeLoop | None = None
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
         return DecoderLayer(config, _llama_attention(config, arch, layer, self.tp), self.tp)
@@ -371,8 +374,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, kv, md, residual)
+        if self.decode_loop is not None and self.decode_loop.runs(md):
+            x, residual = self.decode_loop.run(x, rope, kv_caches, md)
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(rope, x, kv, md, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]
 
@@ -397,6 +403,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.fused = True  # q/k norms then run inside the attention's RoPE kernel
         return True
+
+    def enable_decode_loop(self) -> bool:
+        """Run decode-only steps' layers as one C++ call (``decode_loop.py``), after the
+        fused ops and any packing or quantization; returns whether it could."""
+        self.decode_loop = build_decode_loop(self)
+        return self.decode_loop is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in the model dtype (the sampler widens

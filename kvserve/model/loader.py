@@ -97,12 +97,14 @@ def load_model(
     model_impl: ModelImpl | str = ModelImpl.AUTO,
     quant: QuantOptions | None = None,
     tp: TPGroup | None = None,
+    decode_loop: bool = False,
 ) -> CausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights: the
     native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
     ``quant`` swaps the linear layers (but the LM head) for quantized ones. ``tp``: this
     process's tensor-parallel rank; the model is then this rank's shard (every rank calls
-    ``load_model`` with the same arguments but ``tp``)."""
+    ``load_model`` with the same arguments but ``tp``). ``decode_loop``: with the fused ops,
+    decode-only steps run the layers in one C++ call where the model allows it."""
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
@@ -150,6 +152,8 @@ def load_model(
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]
     if fused_ops:
         model.enable_fused_ops()
+        if decode_loop:
+            model.enable_decode_loop()
     model.eval()
     return model
 

@@ -233,6 +233,10 @@ class TransformersForCausalLM(nn.Module):
         """transformers' own modules run; kvserve's fused kernels are for its native ones."""
         return False
 
+    def enable_decode_loop(self) -> bool:
+        """transformers' layers run in Python; the C++ decode loop is for native ones."""
+        return False
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

@@ -148,6 +148,7 @@ class ModelRunner:
             bytes_per_block=size.bytes_per_block,
             use_decode_kernel=self.use_decode_kernel,
             fused_ops=bool(getattr(self.model, "fused_ops_enabled", False)),
+            decode_loop=getattr(self.model, "decode_loop", None) is not None,
             warmup_tokens=warmup_tokens,
             load_seconds=time.perf_counter() - t0,
         )

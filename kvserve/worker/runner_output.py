@@ -45,6 +45,7 @@ class RunnerInfo:
     bytes_per_block: int  # K and V of every layer (and the draft's) per block
     use_decode_kernel: bool  # decode attention on the C++ kernel (else gather + SDPA)
     fused_ops: bool  # the model runs the fused C++ ops
+    decode_loop: bool  # decode-only steps run the layers in one C++ call (decode_loop.py)
     warmup_tokens: int  # tokens of the start-up dummy prefill (0: none)
     load_seconds: float  # loading, KV allocation and warm-up
 

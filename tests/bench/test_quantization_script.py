@@ -63,6 +63,11 @@ def test_server_commands() -> None:
     cmd = quantization.server_command(args, by_key["kvserve-int4-lmhead"], model, ggufs, 8123)
     assert cmd.count("--quantization-lm-head") == 1
     assert cmd[cmd.index("--quantization") + 1] == "int4"
+    assert "--enforce-eager" not in cmd
+    eager = quantization.server_command(
+        args, by_key["kvserve-int4-lmhead-eager"], model, ggufs, 8123
+    )
+    assert eager == [*cmd, "--enforce-eager"]
     cmd = quantization.server_command(args, by_key["kvserve-int4"], model, ggufs, 8123)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--dtype" in cmd
     assert cmd[cmd.index("--max-model-len") + 1] == "320"  # 128 in + 128 out + 64

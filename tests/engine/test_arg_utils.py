@@ -116,7 +116,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         model=ModelConfig(
             path=model, dtype=torch.float32, max_model_len=64, seed=7, served_name="m1",
             prepack_weights=False, fused_ops=False, attention_backend=AttentionBackend.SDPA,
-            warmup=False, chat_template=template, pooling=PoolingType.MEAN,
+            enforce_eager=True, warmup=False, chat_template=template, pooling=PoolingType.MEAN,
             quantization_activations=QuantizedActivations.NONE,
             quantization=Quantization.INT8, quantization_lm_head=True,
         ),
@@ -240,9 +240,10 @@ def test_inert_vllm_options_are_logged(
     # generation_config is vLLM's 'auto' by default: applied by the engine, not refused.
     assert args.create_engine_config().model.generation_config is GenerationConfigSource.AUTO
     assert kvserve_logs.messages == [
-        "enforce_eager: kvserve always runs eagerly (no CUDA graphs)",
         "disable_log_requests: kvserve never logs request contents",
     ]
+    # enforce_eager is not inert: it keeps every step's layers in Python
+    assert args.create_engine_config().model.enforce_eager
     vllm = EngineArgs(model=str(tmp_path), generation_config="vllm").create_engine_config()
     assert vllm.model.generation_config is GenerationConfigSource.VLLM
 
@@ -313,7 +314,7 @@ def test_vllm_style_serve_command_line(tiny_model_dir: Path, tmp_path: Path) -> 
         server.stop()
     log = server.log.read_text()
     assert "gpu_memory_utilization 0.02: KV cache" in log
-    assert "enforce_eager: kvserve always runs eagerly" in log
+    assert "fused ops: on; C++ decode loop: off" in log  # --enforce-eager
 
 
 def test_auto_dtype_is_bf16_only_where_it_is_native() -> None:
