@@ -107,6 +107,10 @@ class RowSampler:
         states = [None if g is None else g.get_state() for g in md.generators]
         try:
             return sampler_output_to_runner(reqs, sample(logits, md))
+        except NoTokenAllowedError as exc:
+            # A request's own constraints left no token: its fault, not the engine's (no
+            # traceback in the server log; the retry below fails just that row).
+            logger.warning("%s; retrying the batch of %d rows row by row", exc, len(reqs))
         except Exception:
             logger.exception("sampling a batch of %d rows failed; retrying row by row", len(reqs))
         out = ModelRunnerOutput({})

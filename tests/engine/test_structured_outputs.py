@@ -7,6 +7,7 @@ grammar, not the model, guarantees the form. KV integrity is checked after every
 from __future__ import annotations
 
 import json
+import logging
 import re
 from concurrent.futures import Future
 from pathlib import Path
@@ -242,14 +243,25 @@ def test_seam_fields_offline(llm: LLM) -> None:
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 
-def test_constraints_that_exclude_every_token_fail_that_request(llm: LLM) -> None:
+def test_constraints_that_exclude_every_token_fail_that_request(
+    llm: LLM, caplog: pytest.LogCaptureFixture
+) -> None:
     """min_tokens past the grammar's end leaves only EOS, which min_tokens masks: no token is
-    allowed; the request fails with that reason instead of sampling token 0."""
+    allowed; the request fails with that reason instead of sampling token 0. The request's
+    own fault: a warning, no error with a traceback in the log."""
     engine = llm.engine
     stuck = SamplingParams(temperature=0, min_tokens=5, structured_outputs=S(choice=["yes"]))
     engine.add_request("stuck", "Say yes:", stuck)
     engine.add_request("fine", "Say yes:", SamplingParams(temperature=0, max_tokens=4))
-    results = drain_checked(engine)
+    logger = logging.getLogger("kvserve")  # it does not propagate to caplog's root handler
+    logger.addHandler(caplog.handler)
+    try:
+        results = drain_checked(engine)
+    finally:
+        logger.removeHandler(caplog.handler)
+    runner = [r for r in caplog.records if r.name == "kvserve.runner"]
+    assert [r.levelno for r in runner] == [logging.WARNING]
+    assert "no token is allowed" in runner[0].getMessage() and runner[0].exc_info is None
     assert results["stuck"].error is not None
     assert "no token is allowed" in results["stuck"].error
     assert results["fine"].error is None and len(results["fine"].outputs[0].token_ids) == 4
