@@ -126,8 +126,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     pending_.clear();
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // x: [T, hidden] embeddings (T decode rows, one token each); cos, sin: [T, D];
   // slot_mapping: [T]; block_tables: [T, nb]; seq_lens: [T]; caches: one K and one V per
   // layer. Returns (the last layer's MLP output, the residual stream), as the Python loop.
@@ -135,7 +133,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                               at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, std::vector<at::Tensor> k_caches,
                               std::vector<at::Tensor> v_caches) const {
-    const int64_t n = num_layers();
+    const int64_t n = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(k_caches.size()) == n &&
                     static_cast<int64_t>(v_caches.size()) == n,
                 "DecodeLayers.run: one K and one V cache per layer");
@@ -208,6 +206,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_linear", &DecodeLayers::add_linear)
       .def("add_layer", &DecodeLayers::add_layer)
-      .def("num_layers", &DecodeLayers::num_layers)
       .def("run", &DecodeLayers::run);
 }

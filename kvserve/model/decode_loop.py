@@ -41,7 +41,7 @@ class DecodeLoop:
 
     def __init__(self, layers: torch.ScriptObject) -> None:
         self.layers = layers  # torch.classes.kvserve.DecodeLayers
-        self.steps = 0  # decode steps run through it (tests and logs read it)
+        self.steps = 0  # decode steps run through it (the tests read it)
 
     @staticmethod
     def runs(md: AttentionMetadata) -> bool:
@@ -129,7 +129,7 @@ def _linear_ok(lin: nn.Module) -> bool:
 
 def _unsupported(model: nn.Module) -> str | None:
     """Why the C++ loop cannot run ``model``'s layers (None: it can)."""
-    from kvserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm
+    from kvserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm  # llama imports us
 
     if not cpu_kernels.available():
         return "the C++ kernels are not built"
