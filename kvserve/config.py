@@ -127,8 +127,9 @@ class Quantization(enum.Enum):
     INT8 = "int8"  # round-to-nearest at load: int8 codes, a scale per channel (or group)
     INT4 = "int4"  # round-to-nearest at load: int4 codes, a scale and zero per group of 32
     GGUF = "gguf"  # a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept as they are
-    # a pre-quantized checkpoint's own weights (found from its config.json, as vLLM does)
-    COMPRESSED_TENSORS = "compressed-tensors"
+    # a pre-quantized checkpoint's own weights (found from its config.json, as vLLM does):
+    COMPRESSED_TENSORS = "compressed-tensors"  # llm-compressor's W4A16 / W8A16
+    AWQ = "awq"  # AutoAWQ's int4 GEMM layout (qweight / qzeros / scales)
 
 
 class QuantizedActivations(enum.Enum):
@@ -212,7 +213,7 @@ class ModelConfig:
         if self.quantization_lm_head and self.quantization is None:
             raise ValueError(
                 "quantization_lm_head quantizes the LM head along with the linear layers: "
-                "it needs quantization 'int8', 'int4', 'gguf' or 'compressed-tensors'"
+                "it needs quantization 'int8', 'int4', 'gguf', 'compressed-tensors' or 'awq'"
             )
         if self.quantization is Quantization.GGUF and self.gguf_file is None:
             raise ValueError(

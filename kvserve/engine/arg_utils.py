@@ -43,7 +43,7 @@ GENERATION_CONFIGS = ("auto", "vllm")
 # it changes nothing) and why any other value is refused. Switches that vLLM turns on with a
 # bare flag have False here, so the flag itself is refused.
 VLLM_UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "pipeline_parallel_size": (1, "kvserve runs a model in one process on one device"),
+    "pipeline_parallel_size": (1, "kvserve shards a model with tensor parallelism only"),
     "data_parallel_size": (1, "kvserve runs one engine per model"),
     "kv_cache_dtype": ("auto", "the KV cache always has the model's dtype"),
     "trust_remote_code": (False, "kvserve never runs a model's own Python code"),
@@ -245,10 +245,11 @@ class EngineArgs:
         "--quantization-activations): "
         "int8 or int4 (round-to-nearest at load, from any checkpoint), or gguf (a .gguf "
         "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
-        "dequantized at load), or compressed-tensors (a pre-quantized W4A16/W8A16 checkpoint: "
-        "found from its config.json without the flag); the embeddings stay unquantized, "
+        "dequantized at load), or compressed-tensors / awq (a pre-quantized checkpoint: "
+        "llm-compressor's W4A16/W8A16 or AutoAWQ's int4 GEMM layout, found from its "
+        "config.json without the flag); the embeddings stay unquantized, "
         "the LM head too unless --quantization-lm-head", type=str,
-        choices=("int8", "int4", "gguf", "compressed-tensors"),
+        choices=("int8", "int4", "gguf", "compressed-tensors", "awq"),
     )  # fmt: skip
     quantization_group_size: int | None = _opt(
         None, "with --quantization int8/int4: weights per scale along the input dimension "

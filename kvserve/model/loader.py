@@ -108,7 +108,7 @@ def load_model(
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
-    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors) checkpoint
+    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors, AWQ) checkpoint
     quant = _checked_quant(path, scheme, quant)
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
@@ -116,8 +116,8 @@ def load_model(
     if cls is TransformersForCausalLM:
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
             raise ValueError(
-                f"{path}: pre-quantized weights (GGUF, compressed-tensors) load into kvserve's "
-                "native models only, not the transformers backend; use quantization int8 or "
+                f"{path}: pre-quantized weights (GGUF, compressed-tensors, AWQ) load into "
+                "kvserve's native models only, not the transformers backend; use int8 or "
                 "int4 on an unquantized checkpoint"
             )
         if quant is not None and quant.lm_head:
@@ -132,8 +132,7 @@ def load_model(
         model.load_weights(dense.items())
         acts = quant.activations if quant is not None else QuantizedActivations.AUTO
         head = quant is not None and quant.lm_head
-        quant = QuantOptions(Quantization.COMPRESSED_TENSORS, loaded=loaded, activations=acts,
-                             lm_head=head)  # fmt: skip
+        quant = QuantOptions(scheme.method, loaded=loaded, activations=acts, lm_head=head)
     else:
         # int8/int4/gguf: each linear layer is quantized as soon as its weights are in
         model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant)
@@ -163,12 +162,14 @@ def _checked_quant(
 ) -> QuantOptions | None:
     """``quant``, refused where it does not fit the checkpoint (pre-quantized or not)."""
     method = quant.method if quant is not None else None
-    if scheme is None and method is Quantization.COMPRESSED_TENSORS:
-        raise ValueError(f"quantization 'compressed-tensors': {path} is not a "
-                         "compressed-tensors checkpoint (no quantization_config)")  # fmt: skip
-    if scheme is not None and method not in (None, Quantization.COMPRESSED_TENSORS):
+    pre = (Quantization.COMPRESSED_TENSORS, Quantization.AWQ)
+    if scheme is None and method in pre:
         assert method is not None
-        raise ValueError(f"{path} is already quantized (compressed-tensors); load it "
+        raise ValueError(f"quantization {method.value!r}: {path} is not a pre-quantized "
+                         "checkpoint (no quantization_config)")  # fmt: skip
+    if scheme is not None and method not in (None, scheme.method):
+        assert method is not None
+        raise ValueError(f"{path} is already quantized ({scheme.method.value}); load it "
                          f"without quantization {method.value!r}")  # fmt: skip
     return quant
 
@@ -190,10 +191,10 @@ def check_shardable(
             "transformers backend runs unsharded (tensor_parallel_size 1)"
         )
     method = quant.method if quant is not None else None
-    if scheme is not None or method is not None:
-        name = method.value if method is not None else "compressed-tensors"
+    used = method or (scheme.method if scheme is not None else None)
+    if used is not None:
         raise ValueError(
-            f"quantization {name!r} does not support tensor parallelism yet "
+            f"quantization {used.value!r} does not support tensor parallelism yet "
             f"(tensor_parallel_size {size}); use tensor_parallel_size 1"
         )
     if not getattr(cls, "supports_tensor_parallel", False):

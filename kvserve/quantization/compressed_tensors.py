@@ -1,5 +1,5 @@
-"""Pre-quantized Hugging Face checkpoints in the compressed-tensors format (llm-compressor's,
-the one vLLM reads for its W4A16 / W8A16 models).
+"""Pre-quantized Hugging Face checkpoints: the compressed-tensors format (llm-compressor's,
+the one vLLM reads for its W4A16 / W8A16 models) and AutoAWQ's int4 GEMM layout.
 
 Weight-only integer schemes load into kvserve's quantized layers as they are:
 ``pack-quantized`` (int4 or int8 codes packed into int32, ``weight_packed``) and
@@ -7,6 +7,12 @@ Weight-only integer schemes load into kvserve's quantized layers as they are:
 group, with ``weight_scale`` (and ``weight_zero_point``). A weight is
 ``(q - zero_point) * scale``; the compressed-tensors library itself unpacks the codes and
 parses the config. Schemes that quantize activations (W8A8, FP8, NVFP4, ...) are refused.
+
+AutoAWQ checkpoints (``quant_method: awq``, ``version: gemm``: ``qweight [K, N/8]`` and
+``qzeros [K/g, N/8]`` int32 in AWQ's nibble order, ``scales [K/g, N]`` float16, a weight
+``(q - zero) * scale``) go through the compressed-tensors library's own ``AutoAWQConverter``
+into the pack-quantized tensors above, then load the same way. Its other layouts (GEMV,
+Marlin) are refused, as vLLM's ``awq`` refuses them.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from kvserve.config import Quantization
 from kvserve.quantization.fusion import fuse_projections
 from kvserve.quantization.qweight import QuantizedWeight
 
 FORMATS = ("pack-quantized", "naive-quantized")
+AWQ = "awq"  # WeightScheme.format of an AutoAWQ GEMM checkpoint
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
 
 
@@ -28,10 +36,15 @@ _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape
 class WeightScheme:
     """The one weight-only integer scheme a checkpoint uses."""
 
-    format: str  # one of FORMATS
+    format: str  # one of FORMATS, or AWQ
     bits: int  # 4 or 8
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
+
+    @property
+    def method(self) -> Quantization:
+        """The ``--quantization`` this checkpoint loads as (found without the flag)."""
+        return Quantization.AWQ if self.format == AWQ else Quantization.COMPRESSED_TENSORS
 
 
 def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
@@ -43,10 +56,12 @@ def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
     if not isinstance(raw, dict):
         raw = raw.to_dict()
     method = raw.get("quant_method")
+    if method == "awq":
+        return _awq_scheme(raw)
     if method != "compressed-tensors":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}; kvserve loads pre-quantized weights "
-            "in the compressed-tensors format (W4A16/W8A16) only"
+            "in the compressed-tensors format (W4A16/W8A16) and AutoAWQ's GEMM layout only"
         )
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -80,11 +95,31 @@ def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
     return WeightScheme(fmt, int(w.num_bits), group, bool(w.symmetric))
 
 
+def _awq_converter(raw: dict[str, Any]) -> Any:
+    """compressed-tensors' converter for an AutoAWQ config; a clear ValueError if it refuses."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    raw = {**raw, "version": str(raw.get("version", "gemm")).lower()}
+    try:
+        conv = AutoAWQConverter.from_autoawq_config(raw)
+    except ValueError as e:
+        raise ValueError(f"AutoAWQ checkpoint: {e}; kvserve loads 4-bit GEMM checkpoints "
+                         "(version 'gemm')") from e  # fmt: skip
+    conv.ignore = []  # every qweight in the file is converted (modules_to_not_convert are dense)
+    return conv
+
+
+def _awq_scheme(raw: dict[str, Any]) -> WeightScheme:
+    conv = _awq_converter(raw)
+    group = int(conv.group_size) if conv.group_size and conv.group_size > 0 else None
+    return WeightScheme(AWQ, int(conv.bits), group, not conv.zero_point)
+
+
 def _qweight(params: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     scale = params["weight_scale"].float()  # [N, K / g] (or [N, 1])
-    if scheme.format == "pack-quantized":
+    if scheme.format in ("pack-quantized", AWQ):  # AWQ: as the converter repacked it
         shape = torch.Size(params["weight_shape"].tolist())
         codes = unpack_from_int32(params["weight_packed"], scheme.bits, shape)  # [N, K] int8
     else:
@@ -93,7 +128,7 @@ def _qweight(params: dict[str, torch.Tensor], scheme: WeightScheme) -> Quantized
     zeros = None
     if not scheme.symmetric:
         zp = params["weight_zero_point"]
-        if scheme.format == "pack-quantized" and zp.dtype == torch.int32:
+        if scheme.format in ("pack-quantized", AWQ) and zp.dtype == torch.int32:
             zp = unpack_from_int32(zp, scheme.bits, torch.Size(scale.shape), packed_dim=0)
         zeros = -(zp.float() * scale)  # (q - z) s = q s - z s
     return QuantizedWeight(
@@ -107,6 +142,11 @@ def split_checkpoint(
     """(dense weights for ``load_weights``: every quantized projection as its dequantized
     weight, so the model loads whole; the quantized projections fused as kvserve's modules
     name them, which then replace those layers)."""
+    if scheme.format == AWQ:
+        conv = _awq_converter({"quant_method": "awq", "bits": scheme.bits, "version": "gemm",
+                               "group_size": scheme.group_size or -1,
+                               "zero_point": not scheme.symmetric})  # fmt: skip
+        weights = conv.process(dict(weights))  # qweight/qzeros/scales -> weight_packed/...
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     dense: dict[str, torch.Tensor] = {}
     for name, t in weights.items():

@@ -217,9 +217,10 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
     )
     assert EngineArgs.from_kwargs(pipeline_parallel_size=1, quantization=None) == EngineArgs()
     with pytest.raises(ValueError) as e:  # a quantization kvserve does not run
-        LLM(quantization="awq")
+        LLM(quantization="gptq")
     assert str(e.value) == (
-        "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors'], got 'awq'"
+        "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors', 'awq'], "
+        "got 'gptq'"
     )
 
 
