@@ -130,6 +130,7 @@ class Quantization(enum.Enum):
     # a pre-quantized checkpoint's own weights (found from its config.json, as vLLM does):
     COMPRESSED_TENSORS = "compressed-tensors"  # llm-compressor's W4A16 / W8A16
     AWQ = "awq"  # AutoAWQ's int4 GEMM layout (qweight / qzeros / scales)
+    GPTQ = "gptq"  # AutoGPTQ / GPTQModel's int4 / int8 layout (qweight / qzeros / scales / g_idx)
 
 
 class QuantizedActivations(enum.Enum):
@@ -212,8 +213,8 @@ class ModelConfig:
             )
         if self.quantization_lm_head and self.quantization is None:
             raise ValueError(
-                "quantization_lm_head quantizes the LM head along with the linear layers: "
-                "it needs quantization 'int8', 'int4', 'gguf', 'compressed-tensors' or 'awq'"
+                "quantization_lm_head quantizes the LM head along with the linear layers: it "
+                "needs quantization 'int8', 'int4', 'gguf', 'compressed-tensors', 'awq' or 'gptq'"
             )
         if self.quantization is Quantization.GGUF and self.gguf_file is None:
             raise ValueError(

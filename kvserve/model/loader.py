@@ -108,7 +108,7 @@ def load_model(
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
-    scheme = checkpoint_scheme(config)  # a pre-quantized (compressed-tensors, AWQ) checkpoint
+    scheme = checkpoint_scheme(config)  # a pre-quantized checkpoint (compressed-tensors, ...)
     quant = _checked_quant(path, scheme, quant)
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
@@ -116,7 +116,7 @@ def load_model(
     if cls is TransformersForCausalLM:
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
             raise ValueError(
-                f"{path}: pre-quantized weights (GGUF, compressed-tensors, AWQ) load into "
+                f"{path}: pre-quantized weights (GGUF, compressed-tensors, AWQ, GPTQ) load into "
                 "kvserve's native models only, not the transformers backend; use int8 or "
                 "int4 on an unquantized checkpoint"
             )
@@ -162,7 +162,7 @@ def _checked_quant(
 ) -> QuantOptions | None:
     """``quant``, refused where it does not fit the checkpoint (pre-quantized or not)."""
     method = quant.method if quant is not None else None
-    pre = (Quantization.COMPRESSED_TENSORS, Quantization.AWQ)
+    pre = (Quantization.COMPRESSED_TENSORS, Quantization.AWQ, Quantization.GPTQ)
     if scheme is None and method in pre:
         assert method is not None
         raise ValueError(f"quantization {method.value!r}: {path} is not a pre-quantized "

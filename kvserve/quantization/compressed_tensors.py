@@ -1,5 +1,6 @@
 """Pre-quantized Hugging Face checkpoints: the compressed-tensors format (llm-compressor's,
-the one vLLM reads for its W4A16 / W8A16 models) and AutoAWQ's int4 GEMM layout.
+the one vLLM reads for its W4A16 / W8A16 models), AutoAWQ's int4 GEMM layout, and GPTQ
+(``gptq.py``).
 
 Weight-only integer schemes load into kvserve's quantized layers as they are:
 ``pack-quantized`` (int4 or int8 codes packed into int32, ``weight_packed``) and
@@ -24,6 +25,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvserve.config import Quantization
+from kvserve.quantization import gptq
 from kvserve.quantization.fusion import fuse_projections
 from kvserve.quantization.qweight import QuantizedWeight
 
@@ -36,7 +38,7 @@ _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape
 class WeightScheme:
     """The one weight-only integer scheme a checkpoint uses."""
 
-    format: str  # one of FORMATS, or AWQ
+    format: str  # one of FORMATS, AWQ, or one of gptq.FORMATS
     bits: int  # 4 or 8
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
@@ -44,7 +46,9 @@ class WeightScheme:
     @property
     def method(self) -> Quantization:
         """The ``--quantization`` this checkpoint loads as (found without the flag)."""
-        return Quantization.AWQ if self.format == AWQ else Quantization.COMPRESSED_TENSORS
+        if self.format == AWQ:
+            return Quantization.AWQ
+        return Quantization.GPTQ if self.format in gptq.FORMATS else Quantization.COMPRESSED_TENSORS
 
 
 def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
@@ -58,10 +62,12 @@ def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
     method = raw.get("quant_method")
     if method == "awq":
         return _awq_scheme(raw)
+    if method == "gptq":
+        return WeightScheme(*gptq.gptq_config(raw))
     if method != "compressed-tensors":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}; kvserve loads pre-quantized weights "
-            "in the compressed-tensors format (W4A16/W8A16) and AutoAWQ's GEMM layout only"
+            "in the compressed-tensors (W4A16/W8A16), AutoAWQ (GEMM) and GPTQ formats only"
         )
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -147,17 +153,22 @@ def split_checkpoint(
                                "group_size": scheme.group_size or -1,
                                "zero_point": not scheme.symmetric})  # fmt: skip
         weights = conv.process(dict(weights))  # qweight/qzeros/scales -> weight_packed/...
+    is_gptq = scheme.format in gptq.FORMATS
+    suffixes = gptq.SUFFIXES if is_gptq else _SUFFIXES[:4]
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     dense: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
         module, _, leaf = name.rpartition(".")
-        if leaf in _SUFFIXES[:4] or (leaf == "weight" and f"{module}.weight_scale" in weights):
+        if leaf in suffixes or (leaf == "weight" and f"{module}.weight_scale" in weights):
             grouped.setdefault(module, {})[leaf] = t
         else:
             dense[name] = t
     found: dict[str, QuantizedWeight] = {}
     for module, params in grouped.items():
-        qw = _qweight(params, scheme)
+        if is_gptq:
+            qw = gptq.gptq_weight(params, scheme.format, scheme.bits, module)
+        else:
+            qw = _qweight(params, scheme)
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
         if not module.endswith("lm_head"):
             found[module.removeprefix("model.")] = qw

@@ -217,10 +217,10 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
     )
     assert EngineArgs.from_kwargs(pipeline_parallel_size=1, quantization=None) == EngineArgs()
     with pytest.raises(ValueError) as e:  # a quantization kvserve does not run
-        LLM(quantization="gptq")
+        LLM(quantization="bitsandbytes")
     assert str(e.value) == (
-        "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors', 'awq'], "
-        "got 'gptq'"
+        "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors', 'awq', "
+        "'gptq'], got 'bitsandbytes'"
     )
 
 

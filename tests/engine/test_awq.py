@@ -4,12 +4,11 @@ checked against AutoAWQ's dequantization rule and through the whole engine."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from kvserve.config import Quantization
@@ -18,10 +17,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import check_shardable
 from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
-from kvserve.quantization.qlinear import QuantLinear
-from kvserve.sampling_params import SamplingParams
-from tests.engine.test_compressed_tensors import PROJ
-from tests.engine.utils import random_prompts, run_engine_checked
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column ORDER[i]
 
@@ -55,25 +51,9 @@ def _awq_layer(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], to
 
 def write_awq(src: Path, dst: Path, group: int, **config: object) -> tuple[Path, dict]:
     """``src``'s checkpoint with its projections as AutoAWQ GEMM layers, and their weights."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    out, weights = {}, {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        module, leaf = name.rsplit(".", 1)
-        if leaf == "weight" and module.split(".")[-1] in PROJ:
-            tensors, weights[name] = _awq_layer(t, group)
-            out |= {f"{module}.{k}": v for k, v in tensors.items()}
-        else:
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                  "zero_point": True, "version": "gemm",
-                                  "modules_to_not_convert": None, **config}  # fmt: skip
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst, weights
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+               "version": "gemm", "modules_to_not_convert": None, **config}  # fmt: skip
+    return dst, rewrite_projections(src, dst, lambda w: _awq_layer(w, group), qconfig)
 
 
 def test_pack_order() -> None:
@@ -101,31 +81,7 @@ def test_engine_runs_the_checkpoint_as_its_dequantized_weights(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     path, want = write_awq(tiny_llama, tmp_path / "awq", 32)
-    dense_dir = tmp_path / "dense"
-    dense_dir.mkdir()
-    for f in tiny_llama.iterdir():
-        (dense_dir / f.name).write_bytes(f.read_bytes())
-    state = load_file(str(tiny_llama / "model.safetensors"))
-    save_file(state | want, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    prompts = random_prompts([5, 9, 14, 3])
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-    def run(p: Path, **kw: object) -> dict[str, list[int]]:
-        cfg = build_engine_config(str(p), dtype="float32", block_size=4, num_kv_blocks=9, **kw)
-        engine = LLMEngine(cfg)  # 9 blocks of 4 tokens for 4 requests: preemption
-        out = run_engine_checked(engine, prompts, params)
-        assert engine.stats()["num_preemptions"] > 0
-        if p == path:
-            model = engine.runner.model
-            layer = model.layers[0].mlp.gate_up_proj
-            assert isinstance(layer, QuantLinear) and layer.group_size == 32
-            assert model.quant_report.method == "awq"
-        return out
-
-    dense = run(dense_dir)
-    assert run(path) == dense
-    assert run(path, quantization="awq") == dense
+    check_runs_as_dequantized(tiny_llama, path, want, "awq")
 
 
 def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:

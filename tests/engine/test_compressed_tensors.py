@@ -3,7 +3,6 @@ compressed-tensors library's own decompression and through the whole engine."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.sampling_params import SamplingParams
-from tests.engine.utils import random_prompts, run_engine_checked
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.engine.utils import random_prompts, rewrite_projections, run_engine_checked
 
 
 def _compress(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> dict:
@@ -61,22 +58,8 @@ def _config(bits: int, group: int | None, symmetric: bool) -> dict:
 
 
 def write_checkpoint(src: Path, dst: Path, bits: int, group: int | None, sym: bool) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    state = load_file(str(src / "model.safetensors"))
-    out = {}
-    for name, t in state.items():
-        module, leaf = name.rsplit(".", 1)
-        if leaf == "weight" and module.split(".")[-1] in PROJ:
-            out |= {f"{module}.{k}": v for k, v in _compress(t, bits, group, sym).items()}
-        else:
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = _config(bits, group, sym)
-    (dst / "config.json").write_text(json.dumps(cfg))
+    rewrite_projections(src, dst, lambda w: (_compress(w, bits, group, sym), None),
+                        _config(bits, group, sym))  # fmt: skip
     return dst
 
 
@@ -146,8 +129,8 @@ def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
     cfg.quantization_config = qc
     with pytest.raises(ValueError, match="quantizes activations"):
         checkpoint_scheme(cfg)
-    cfg.quantization_config = {"quant_method": "gptq", "bits": 4}
-    with pytest.raises(ValueError, match=r"quantized with 'gptq'; kvserve loads .* AutoAWQ"):
+    cfg.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match=r"quantized with 'bitsandbytes'; kvserve loads .* GPTQ"):
         checkpoint_scheme(cfg)
 
 

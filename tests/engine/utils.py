@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -89,3 +92,64 @@ class StubEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Quantizer = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor | None]]
+
+
+def rewrite_projections(src: Path, dst: Path, quantize: Quantizer, qconfig: dict) -> dict:
+    """``src``'s checkpoint copied to ``dst`` with every projection's ``weight`` replaced by
+    the tensors ``quantize`` gives for it (named ``<module>.<key>``) and ``qconfig`` as its
+    ``quantization_config``; returns each replaced weight's dequantized value (if given)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    out, weights = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        module, leaf = name.rsplit(".", 1)
+        if leaf == "weight" and module.split(".")[-1] in PROJ:
+            tensors, weights[name] = quantize(t)
+            out |= {f"{module}.{k}": v for k, v in tensors.items()}
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = qconfig
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return weights
+
+
+def check_runs_as_dequantized(src: Path, path: Path, weights: dict, method: str) -> None:
+    """The pre-quantized checkpoint at ``path`` (made from ``src``) gives exactly the tokens of
+    ``src`` with ``weights`` (its dequantized projections) in place, with and without
+    ``quantization=method``, through preemption, KV integrity checked at every step."""
+    from kvserve.engine.llm import build_engine_config
+    from kvserve.quantization.qlinear import QuantLinear
+
+    dense_dir = path.parent / f"{path.name}-dense"
+    dense_dir.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dense_dir / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors")) | weights
+    save_file(state, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts([5, 9, 14, 3])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def run(p: Path, **kw: object) -> dict[str, list[int]]:
+        cfg = build_engine_config(str(p), dtype="float32", block_size=4, num_kv_blocks=9, **kw)
+        engine = LLMEngine(cfg)  # 9 blocks of 4 tokens for 4 requests: preemption
+        out = run_engine_checked(engine, prompts, params)
+        assert engine.stats()["num_preemptions"] > 0
+        model = engine.runner.model
+        quantized = isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
+        assert quantized == (p == path)
+        if quantized:
+            assert model.quant_report.method == method
+        return out
+
+    dense = run(dense_dir)
+    assert run(path) == dense
+    assert run(path, quantization=method) == dense

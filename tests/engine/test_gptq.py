@@ -1,0 +1,133 @@
+"""GPTQ checkpoints (``quant_method: gptq``): packed here as GPTQModel's ``pack_original``
+packs them (v1 zeros stored minus one, as its ``convert_gptq_v2_to_v1_format`` does), loaded by
+``kvserve.quantization.gptq``, and checked against GPTQModel's dequantization
+(``scales[g_idx] * (q - zeros[g_idx])``) and through the whole engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from kvserve.config import Quantization
+from kvserve.engine.llm import build_engine_config
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
+
+
+def _pack_rows(q: np.ndarray, bits: int) -> np.ndarray:
+    """``q [K, N]`` as GPTQModel packs qweight: word r holds rows ``p r + j`` at bits ``b j``."""
+    per = 32 // bits
+    out = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
+    for row in range(out.shape[0]):
+        for j in range(per):
+            out[row] |= q[row * per + j].astype(np.uint32) << np.uint32(bits * j)
+    return out
+
+
+def _pack_cols(z: np.ndarray, bits: int) -> np.ndarray:
+    """``z [G, N]`` as GPTQModel packs qzeros: word c holds columns ``p c + j``."""
+    per = 32 // bits
+    out = np.zeros((z.shape[0], z.shape[1] // per), dtype=np.uint32)
+    for col in range(out.shape[1]):
+        for j in range(per):
+            out[:, col] |= z[:, col * per + j].astype(np.uint32) << np.uint32(bits * j)
+    return out
+
+
+def _gptq_layer(
+    w: torch.Tensor, bits: int, group: int | None, sym: bool, fmt: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One linear as GPTQ stores it (its quantizer's min/max rule, RTN instead of the
+    Hessian updates: the layout is what is under test) and its dequantized weight."""
+    n, k = w.shape
+    g = group or k
+    w = w.float().clone()
+    w[0, :g] = w[0, :g].abs() + 0.01  # one all-positive group: zero 0 (v1 borrows a bit)
+    maxq = 2**bits - 1
+    groups = w.t().reshape(k // g, g, n)  # [G, g, N]
+    lo = groups.amin(1).clamp(max=0)
+    hi = groups.amax(1).clamp(min=0)
+    if sym:
+        hi = torch.maximum(hi, -lo)
+        lo = -hi
+    scale = ((hi - lo) / maxq).clamp(min=1e-5).half()  # [G, N]
+    zero = torch.full_like(lo, (maxq + 1) // 2) if sym else torch.round(-lo / scale.float())
+    zero = zero.clamp(0, maxq)
+    g_idx = torch.arange(k) // g
+    q = torch.clamp(torch.round(w.t() / scale.float()[g_idx]) + zero[g_idx], 0, maxq)  # [K, N]
+    weight = (scale.float()[g_idx] * (q - zero[g_idx])).t().contiguous()  # GPTQModel's rule
+    qzeros = _pack_cols(zero.numpy().astype(np.int64), bits)
+    if fmt == "gptq":  # v1: convert_gptq_v2_to_v1_format subtracts one from every zero
+        qzeros = qzeros - np.uint32(sum(1 << (bits * j) for j in range(32 // bits)))
+    tensors = {
+        "qweight": torch.from_numpy(_pack_rows(q.numpy().astype(np.int64), bits).view(np.int32)),
+        "qzeros": torch.from_numpy(qzeros.view(np.int32)),
+        "scales": scale,
+        "g_idx": g_idx.to(torch.int32),
+    }
+    return tensors, weight
+
+
+def write_gptq(
+    src: Path, dst: Path, bits: int, group: int | None, sym: bool, fmt: str = "gptq"
+) -> tuple[Path, dict]:
+    qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group or -1,
+               "desc_act": False, "sym": sym, "checkpoint_format": fmt}  # fmt: skip
+    layer = lambda w: _gptq_layer(w, bits, group, sym, fmt)  # noqa: E731
+    return dst, rewrite_projections(src, dst, layer, qconfig)
+
+
+CASES = [(4, 32, True, "gptq"), (4, 32, False, "gptq"), (4, 64, False, "gptq_v2"),
+         (8, None, True, "gptq"), (8, 16, False, "gptq")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "group", "sym", "fmt"), CASES)
+def test_weights_equal_gptqmodels_dequantization(
+    tiny_llama: Path, tmp_path: Path, bits: int, group: int | None, sym: bool, fmt: str
+) -> None:
+    path, want = write_gptq(tiny_llama, tmp_path / "gptq", bits, group, sym, fmt)
+    scheme = checkpoint_scheme(AutoConfig.from_pretrained(path))
+    assert scheme is not None and scheme.method is Quantization.GPTQ
+    assert (scheme.format, scheme.bits, scheme.group_size) == (fmt, bits, group)
+    dense, fused = split_checkpoint(load_file(str(path / "model.safetensors")), scheme)
+    assert not any(name.endswith(("qweight", "qzeros", "scales", "g_idx")) for name in dense)
+    for name, weight in want.items():
+        assert torch.equal(dense[name], weight), name
+    qkv = fused["layers.1.self_attn.qkv_proj"]
+    assert qkv.bits == bits and qkv.group_size == (group or 64) and qkv.shape == (128, 64)
+    assert (qkv.zeros is None) == sym  # symmetric: no zeros stored, codes in [-2^(b-1), ...)
+    assert int(qkv.codes.min()) >= -(2 ** (bits - 1)) and int(qkv.codes.max()) < 2 ** (bits - 1)
+
+
+def test_engine_runs_the_checkpoint_as_its_dequantized_weights(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    path, want = write_gptq(tiny_llama, tmp_path / "gptq", 4, 32, False)
+    check_runs_as_dequantized(tiny_llama, path, want, "gptq")
+
+
+def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
+    path, _ = write_gptq(tiny_llama, tmp_path / "gptq", 4, 32, True)
+    with pytest.raises(ValueError, match=r"already quantized \(gptq\); .* 'int4'"):
+        LLMEngine(build_engine_config(str(path), dtype="float32", quantization="int4"))
+    with pytest.raises(ValueError, match=r"'gptq': .* is not a pre-quantized checkpoint"):
+        LLMEngine(build_engine_config(str(tiny_llama), quantization="gptq"))
+    cfg = AutoConfig.from_pretrained(path)
+    qc = dict(cfg.quantization_config)
+    for bad, what in (({"bits": 3}, "3-bit codes"), ({"checkpoint_format": "marlin"}, "Marlin")):
+        cfg.quantization_config = qc | bad
+        with pytest.raises(ValueError, match=f"GPTQ checkpoint .*{what}"):
+            checkpoint_scheme(cfg)
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    state[name] = state[name].flip(0).contiguous()  # activation order: groups out of order
+    scheme = checkpoint_scheme(AutoConfig.from_pretrained(path))
+    assert scheme is not None
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: a GPTQ activation-ord"):
+        split_checkpoint(state, scheme)
