@@ -170,6 +170,21 @@ class RowParallelLinear(nn.Linear):
         return f"{super().extra_repr()}, tp_rank={self.tp.rank}/{self.tp.world_size}"
 
 
+class RowParallelShard(nn.Module):
+    """A row-parallel shard whose product another layer computes (a ``QuantLinear`` of this
+    rank's slice of the input features, built without the bias): one all-reduce sums the
+    partial products, and the bias is added once, after it, as ``RowParallelLinear`` does."""
+
+    def __init__(self, inner: nn.Module, tp: TPGroup, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.inner, self.tp = inner, tp
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(self.inner(x), self.tp)  # [T, out]
+        return y if self.bias is None else y + self.bias
+
+
 class PackedRowParallelLinear(PackedLinear):
     """A prepacked row-parallel shard that keeps its all-reduce and adds the bias after it."""
 

@@ -289,8 +289,8 @@ class EngineArgs:
     tensor_parallel_size: int = _opt(
         1, "vLLM's flag: shard the model over N ranks, one worker process each "
         "(torch.distributed: gloo on CPU, nccl on CUDA); native Llama/Qwen2/Qwen3/Mistral "
-        "models whose heads divide by N; no quantization or draft model; the KV cache size "
-        "is per rank",
+        "models whose heads divide by N; int8/int4 quantization shards (not GGUF or "
+        "pre-quantized checkpoints), no draft model; the KV cache size is per rank",
     )  # fmt: skip
     distributed_executor_backend: str | None = _opt(
         None, "vLLM's flag: where the model runner lives: 'uni' in the engine's process, "

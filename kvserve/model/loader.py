@@ -25,7 +25,7 @@ from kvserve.model.transformers_backend import (
     load_transformers_model,
     remote_code_error,
 )
-from kvserve.quantization.apply import QuantOptions, QuantReport, quantize_model
+from kvserve.quantization.apply import SHARDED_METHODS, QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.compressed_tensors import (
     WeightScheme,
     checkpoint_scheme,
@@ -191,8 +191,13 @@ def check_shardable(
             "transformers backend runs unsharded (tensor_parallel_size 1)"
         )
     method = quant.method if quant is not None else None
+    if quant is not None and quant.lm_head:
+        raise ValueError(
+            "quantization_lm_head does not support tensor parallelism yet "
+            f"(tensor_parallel_size {size}): the LM head is split by vocabulary"
+        )
     used = method or (scheme.method if scheme is not None else None)
-    if used is not None:
+    if used is not None and (scheme is not None or used not in SHARDED_METHODS):
         raise ValueError(
             f"quantization {used.value!r} does not support tensor parallelism yet "
             f"(tensor_parallel_size {size}); use tensor_parallel_size 1"

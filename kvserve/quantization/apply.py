@@ -122,9 +122,15 @@ def quantize_model(
     return report
 
 
+# Quantized at load from each rank's own shard of the dense weights (streaming.py): the
+# methods that shard. GGUF and pre-quantized checkpoints bring codes for the whole matrix.
+SHARDED_METHODS = (Quantization.INT8, Quantization.INT4)
+
+
 def check_unsharded(model: nn.Module, method: Quantization) -> None:
+    """Refuse ``method`` on a tensor-parallel shard unless it is one of SHARDED_METHODS."""
     tp = getattr(model, "tp", None)  # a tensor-parallel shard's TPGroup (kvserve.distributed)
-    if tp is not None and tp.world_size > 1:
+    if tp is not None and tp.world_size > 1 and method not in SHARDED_METHODS:
         raise ValueError(f"quantization {method.value!r} does not support tensor parallelism "
                          f"yet (tensor_parallel_size {tp.world_size})")  # fmt: skip
 

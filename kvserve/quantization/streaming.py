@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from kvserve.config import Quantization
-from kvserve.distributed.layers import default_weight_loader
+from kvserve.distributed.layers import RowParallelLinear, RowParallelShard, default_weight_loader
+from kvserve.distributed.parallel_state import TPGroup
 from kvserve.quantization.apply import (
     QuantOptions,
     QuantReport,
@@ -81,6 +82,10 @@ class PendingLinear(nn.Module):
                                      requires_grad=False)  # fmt: skip
         self._inner: Loader | None = getattr(linear, "weight_loader", None)
         self._done = done
+        # a row-parallel shard over several ranks keeps its all-reduce once quantized
+        self.row_tp: TPGroup | None = None
+        if isinstance(linear, RowParallelLinear) and linear.tp.world_size > 1:
+            self.row_tp = linear.tp
         # A fused layer (MergedColumnParallelLinear, QKV) loads one part per checkpoint
         # tensor (shard 0, 1, ...), any other layer its whole weight at once (shard None).
         sizes = getattr(linear, "output_sizes", None)
@@ -155,8 +160,12 @@ class StreamingQuantizer:
         name, w = stand_in.name, stand_in.weight
         qw, err = layer_weight(self.quant, name, w, self.source.take(name) if self.source else None)
         stand_in.release()  # before the codes are packed for the kernel: less at once
-        layer = quantized_layer(self.report, name, w, stand_in.bias, qw, err, self.device,
-                                self.dtype, self.quant.activations)  # fmt: skip
+        tp, bias = stand_in.row_tp, stand_in.bias
+        own_bias = None if tp is not None else bias  # a row-parallel shard adds it after
+        layer: nn.Module = quantized_layer(self.report, name, w, own_bias, qw, err, self.device,
+                                           self.dtype, self.quant.activations)  # fmt: skip
+        if tp is not None:  # the partial products of this rank's input slice: all-reduce
+            layer = RowParallelShard(layer, tp, bias)
         parent, attr = self.pending.pop(name)
         setattr(parent, attr, layer)
         trim_heap()

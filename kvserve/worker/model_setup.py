@@ -37,7 +37,7 @@ def resolve_max_model_len(mc: ModelConfig, hf_config: PretrainedConfig) -> int:
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Refuse, before any rank starts or loads, a model that cannot be sharded over
     ``tensor_parallel_size`` ranks, with the message the loader would give on each rank:
-    the transformers backend, quantization and Gemma (the loader's ``check_shardable``),
+    the transformers backend, quantization but int8/int4 and Gemma (``check_shardable``),
     heads or MLP width not divisible by the ranks, a draft model, a device without a
     torch.distributed backend."""
     size = config.parallel.world_size

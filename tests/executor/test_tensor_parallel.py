@@ -23,6 +23,7 @@ from kvserve.executor.multiproc import MultiprocExecutor
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModels
+from tests.engine.test_awq import write_awq
 from tests.engine.utils import random_prompts
 from tests.server.conftest import start_server
 
@@ -117,6 +118,33 @@ def _odd_heads(path: Path) -> Path:
     return path
 
 
+QUANT = [{"quantization": "int4"}, {"quantization": "int8", "quantization_group_size": 32}]
+
+
+@pytest.mark.parametrize("quant", QUANT)
+def test_tp2_quantized_equals_tp1(tiny_llama: Path, quant: dict[str, Any]) -> None:
+    """int4/int8 quantized at load from each rank's shard (row-parallel shards in groups of
+    32 along their slice of K, as the whole matrix is): TP=2 gives TP=1's tokens."""
+    expected = run(engine(tiny_llama, 1, **quant))
+    assert expected != run(engine(tiny_llama, 1))  # the quantization changed the tokens
+    e = engine(tiny_llama, 2, **quant)
+    try:
+        assert run(e) == expected
+        assert e.stats()["num_preemptions"] > 0
+    finally:
+        e.close()
+
+
+def test_tp2_quantization_groups_must_divide_each_ranks_slice(tiny_llama: Path) -> None:
+    # o_proj's 64 input features are 32 per rank: groups of 64 do not fit (a rank's error)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot quantize layers.0.self_attn.o_proj: .*group "
+        r"size 64 must be even and divide .* input size 32",
+    ):
+        engine(tiny_llama, 2, quantization="int4", quantization_group_size=64)
+
+
 def test_unshardable_models_are_refused_before_any_rank_starts(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -124,8 +152,10 @@ def test_unshardable_models_are_refused_before_any_rank_starts(
         (_odd_heads(tmp_path), {},
          r"^tensor_parallel_size 2 must divide num_attention_heads \(6\) and "
          r"num_key_value_heads \(3\)$"),
-        (tiny_llama, {"quantization": "int8"},
-         r"^quantization 'int8' does not support tensor parallelism yet"),
+        (tiny_llama, {"quantization": "int4", "quantization_lm_head": True},
+         r"^quantization_lm_head does not support tensor parallelism yet"),
+        (write_awq(tiny_llama, tmp_path / "awq", 32)[0], {},
+         r"^quantization 'awq' does not support tensor parallelism yet"),
         (tiny_llama, {"model_impl": "transformers"},
          r"tensor_parallel_size 2 needs a native kvserve model; the transformers backend"),
         (tiny_llama, {"speculative_config": {"method": "draft_model", "model": str(tiny_llama),
