@@ -90,8 +90,10 @@ def refusals(tp: TPGroup, tiny: Path, three_heads: Path) -> bool:
         load_it(three_heads)
     with pytest.raises(ValueError, match="transformers backend runs unsharded"):
         load_it(tiny, model_impl="transformers")
-    with pytest.raises(ValueError, match="quantization 'int8' does not support tensor"):
-        load_it(tiny, quant=QuantOptions(Quantization.INT8))
+    with pytest.raises(ValueError, match="quantization_lm_head does not support tensor"):
+        load_it(tiny, quant=QuantOptions(Quantization.INT8, lm_head=True))
+    with pytest.raises(ValueError, match="quantization 'gguf' does not support tensor"):
+        load_it(tiny, quant=QuantOptions(Quantization.GGUF, gguf_file=str(tiny / "none.gguf")))
     return True
 
 
