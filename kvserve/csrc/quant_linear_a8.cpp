@@ -122,9 +122,9 @@ void quantize_rows(const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t k, in
 // HALVES: g == 16, so the two halves of a block of 32 have their own scales.
 // kOneChain: int4 tiles of several rows keep one accumulator per row and vector, so the block's
 // sum needs no add, and 5 rows x 2 vectors fit the registers (4 x 2 with two chains): the
-// four projections of a TinyLlama-1.1B layer at 64 and 256 rows took 7-9% less time
-// (benchmarks/quant_kernels.py shapes, interleaved, medians of 15; bit-identical outputs).
-// int8 codes gained nothing that way (0.97-1.02x), and one row needs the two chains'
+// four projections of a TinyLlama-1.1B layer at 8 to 2048 rows took 5-10% less time
+// (benchmarks/quant_kernels.py shapes, interleaved, medians of 7-15; bit-identical outputs).
+// int8 codes gained nothing that way (0.93-1.02x), and one row needs the two chains'
 // independent latency.
 template <int MR, int NV, bool INT4, bool HALVES>
 void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
