@@ -10,15 +10,14 @@ import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
 from kvserve.quantization.qlinear import QuantLinear
-from kvserve.sampling_params import SamplingParams
-from tests.engine.utils import random_prompts, rewrite_projections, run_engine_checked
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
 
 
 def _compress(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> dict:
@@ -88,30 +87,10 @@ def test_engine_runs_the_checkpoint_as_its_dequantized_weights(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     path = write_checkpoint(tiny_llama, tmp_path / "ct", 4, 32, True)
-    dense_dir = tmp_path / "dense"
-    dense_dir.mkdir()
-    for f in tiny_llama.iterdir():
-        (dense_dir / f.name).write_bytes(f.read_bytes())
     scheme = checkpoint_scheme(AutoConfig.from_pretrained(path))
     assert scheme is not None
     dense, _ = split_checkpoint(load_file(str(path / "model.safetensors")), scheme)
-    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    prompts = random_prompts([5, 9, 14, 3])
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-    def run(p: Path, **kw: object) -> dict[str, list[int]]:
-        cfg = build_engine_config(str(p), dtype="float32", block_size=4, num_kv_blocks=9, **kw)
-        engine = LLMEngine(cfg)  # 9 blocks of 4 tokens for 4 requests: preemption
-        out = run_engine_checked(engine, prompts, params)
-        assert engine.stats()["num_preemptions"] > 0
-        if p == path:
-            layer = engine.runner.model.layers[0].mlp.gate_up_proj
-            assert isinstance(layer, QuantLinear) and layer.group_size == 32
-        return out
-
-    assert run(path) == run(dense_dir)
-    assert run(path, quantization="compressed-tensors") == run(dense_dir)
+    check_runs_as_dequantized(tiny_llama, path, dense, "compressed-tensors")
 
 
 def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
