@@ -121,10 +121,10 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
 
 def _linear_ok(lin: nn.Module) -> bool:
     """Exactly the classes whose forward the C++ loop reproduces (no tensor-parallel
-    subclasses, no reference path)."""
+    subclasses, no reference path, no input permutation: GPTQ act-order)."""
     if type(lin) is PackedLinear:
         return True
-    return type(lin) is QuantLinear and lin.use_kernel
+    return type(lin) is QuantLinear and lin.use_kernel and lin.in_perm is None
 
 
 def _unsupported(model: nn.Module) -> str | None:
@@ -151,5 +151,6 @@ def _unsupported(model: nn.Module) -> str | None:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         bad = [type(lin).__name__ for lin in linears if not _linear_ok(lin)]
         if bad:
-            return f"layer {i} has {bad[0]} linears (not prepacked nor a quantized kernel)"
+            return (f"layer {i} has {bad[0]} linears (not prepacked nor a quantized kernel "
+                    "without an input permutation)")  # fmt: skip
     return None

@@ -57,7 +57,10 @@ def fuse_projections(
 ) -> dict[str, QuantizedWeight]:
     """``layers.3.self_attn.q_proj``-style weights -> ``layers.3.self_attn.qkv_proj`` ones
     (``fused_modules`` checks the parts)."""
-    return {
-        module: concat_rows([found[p] for p in parts])
-        for module, parts in fused_modules(found, dense).items()
-    }
+    out = {}
+    for module, parts in fused_modules(found, dense).items():
+        try:
+            out[module] = concat_rows([found[p] for p in parts])
+        except ValueError as e:
+            raise ValueError(f"{module}: {e}") from e
+    return out

@@ -14,8 +14,10 @@ so it is added back the same way; ``gptq_v2`` stores them as they are.
 These load into kvserve's int4/int8 layers as they are: codes ``q - 2^(bits-1)``, the same
 scales, and zeros only where a zero is not ``2^(bits-1)`` (symmetric checkpoints, the usual
 kind, have none). Activation order (``desc_act``) with a permuted ``g_idx`` puts each row's
-group anywhere, which kvserve's contiguous groups cannot hold: refused, as are 2- and 3-bit
-codes and repacked layouts (Marlin, ...). No library kvserve depends on reads this format
+group anywhere: the rows are stored sorted by group (``QuantizedWeight.in_perm``) and the
+layer gathers its input columns in that order first (q/k/v and gate/up share their input,
+so GPTQ gives them one order, and they fuse). 2- and 3-bit codes and repacked layouts
+(Marlin, ...) are refused. No library kvserve depends on reads this format
 (GPTQModel, which does, is a large install with kernels of its own), so the unpacking is here,
 checked against GPTQModel's packing and dequantization rules in ``tests/engine/test_gptq.py``.
 """
@@ -63,14 +65,20 @@ def gptq_weight(params: dict[str, torch.Tensor], fmt: str, bits: int, name: str)
     qweight, qzeros, scales = params["qweight"], params["qzeros"], params["scales"]
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
     g = k // scales.shape[0]
+    contiguous = torch.arange(k) // g
     g_idx = params.get("g_idx")
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // g):
-        raise ValueError(f"{name}: a GPTQ activation-order (desc_act) g_idx that is not "
-                         "k // group_size; kvserve needs contiguous groups")  # fmt: skip
+    perm = None  # act-order: stored column j is the checkpoint's column perm[j]
+    if g_idx is not None and not torch.equal(g_idx.long(), contiguous):
+        perm = torch.argsort(g_idx.long(), stable=True)
+        if not torch.equal(g_idx.long()[perm], contiguous):
+            raise ValueError(f"{name}: GPTQ g_idx does not put {g} columns in each of "
+                             f"{scales.shape[0]} groups")  # fmt: skip
     if fmt == "gptq":  # v1: each zero was stored minus one, off the whole word
         ones = sum(1 << (bits * j) for j in range(32 // bits))  # 0x11111111 for 4 bits
         qzeros = qzeros.long() + ones  # (_unpack takes it mod 2^32, as it was stored)
     q = _unpack(qweight, bits, 0)  # [K, N]
+    if perm is not None:
+        q = q[perm]  # each group's rows together: [K, N] in the stored order
     zero = _unpack(qzeros, bits, 1)[:, :n]  # [K / g, N]
     half = 1 << (bits - 1)
     scale = scales.float().t().contiguous()  # [N, K / g]
@@ -78,4 +86,4 @@ def gptq_weight(params: dict[str, torch.Tensor], fmt: str, bits: int, name: str)
     if not bool((zero == half).all()):
         zeros = -((zero.t() - half).float() * scale)  # (q - z) s = (q - h) s - (z - h) s
     codes = (q.t() - half).to(torch.int8).contiguous()  # [N, K]
-    return QuantizedWeight(codes, scale, zeros, bits, g)
+    return QuantizedWeight(codes, scale, zeros, bits, g, perm)

@@ -156,6 +156,8 @@ def reference_linear_a8(
     """The int8-activation kernel's reference: ``x`` quantized as ``quantize_activations``
     does, times the dequantized weight, exactly (float64), rounded to ``x``'s dtype."""
     shape = x.shape
+    if qw.in_perm is not None:  # the kernel's blocks of 32 are of the stored column order
+        x = x.index_select(-1, qw.in_perm.to(x.device))
     q, d = quantize_activations(x.reshape(-1, shape[-1]))
     xq = exact_activations(q, d)  # [M, K]
     out = xq @ qw.exact().t()  # [M, N]
@@ -230,6 +232,8 @@ class QuantLinear(nn.Module):
         # Plain attributes, not parameters or buffers: model.to(dtype) must not cast scales,
         # and the codes are opaque to everything but this layer.
         self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
+        # GPTQ act-order: the kernels read the input columns in the stored order
+        self.in_perm = None if qw.in_perm is None else qw.in_perm.to(device)  # [K] int64
         self.int8_activations = wants_int8_activations(activations, qw, device, dtype)
         if self.int8_activations:
             self.path = "a8" if a8_kernel_supports(qw, device, dtype) else "reference"
@@ -256,6 +260,7 @@ class QuantLinear(nn.Module):
             self.qweight = QuantizedWeight(
                 qw.codes.to(device), qw.scales.to(device),
                 None if qw.zeros is None else qw.zeros.to(device), qw.bits, qw.group_size,
+                self.in_perm,
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +268,10 @@ class QuantLinear(nn.Module):
             ref = reference_linear_a8 if self.int8_activations else reference_linear
             return ref(x, self.qweight, self.bias)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)  # [M, K] in the stored column order
+        x2 = x2.contiguous()
         out = x2.new_empty(x2.shape[0], self.out_features)  # [M, N]
         if self.path == "a8":
             torch.ops.kvserve.quant_linear_a8(
@@ -283,4 +291,5 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.bits}, group_size={self.group_size}, path={self.path}"
+            + (", act-order" if self.in_perm is not None else "")
         )

@@ -28,6 +28,10 @@ class QuantizedWeight:
     zeros: torch.Tensor | None  # [N, K // g] like scales; None: 0
     bits: int  # 8 or 4: how many bits the codes need
     group_size: int  # g: weights per scale along K (K itself: one scale per output channel)
+    # [K] int64 or None: the columns are stored in this order (GPTQ activation order puts a
+    # group's columns anywhere; sorted, they are contiguous): the layer computes
+    # x[:, in_perm] @ W^T, and the checkpoint's column in_perm[j] is stored column j.
+    in_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -41,22 +45,28 @@ class QuantizedWeight:
             )
         if self.zeros is not None and self.zeros.shape != self.scales.shape:
             raise ValueError("zeros must have the shape of scales")
+        if self.in_perm is not None and self.in_perm.shape != (k,):
+            raise ValueError("in_perm must hold one index per input column")
 
     @property
     def shape(self) -> tuple[int, int]:
         return int(self.codes.shape[0]), int(self.codes.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` in ``dtype``: the pure-PyTorch reference of every kernel."""
+        """The weight ``[N, K]`` in ``dtype``, in the checkpoint's column order: the
+        pure-PyTorch reference of every kernel."""
         g = self.group_size
         w = self.codes.float() * self.scales.float().repeat_interleave(g, dim=1)  # [N, K]
         if self.zeros is not None:
             w = w + self.zeros.float().repeat_interleave(g, dim=1)
+        if self.in_perm is not None:
+            w = w[:, torch.argsort(self.in_perm)]  # stored column j back to in_perm[j]
         return w.to(dtype)
 
     def exact(self) -> torch.Tensor:
         """The weight ``[N, K]`` computed in float64 (no float32 rounding of code * scale +
-        zero): the exact value the int8-activation reference multiplies with."""
+        zero), in the stored column order (see ``in_perm``): the exact value the
+        int8-activation reference multiplies with."""
         g = self.group_size
         w = self.codes.double() * self.scales.double().repeat_interleave(g, dim=1)  # [N, K]
         if self.zeros is not None:
@@ -138,6 +148,12 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     k = parts[0].shape[1]
     if any(p.shape[1] != k for p in parts):
         raise ValueError("fused weights must share their input size")
+    perm = parts[0].in_perm
+    if any((p.in_perm is None) != (perm is None) for p in parts) or (
+        perm is not None and any(not torch.equal(p.in_perm, perm) for p in parts)  # type: ignore[arg-type]
+    ):
+        raise ValueError("fused weights must share their column order (GPTQ act-order: the "
+                         "parts of a fused projection need one g_idx order)")  # fmt: skip
     g = math.gcd(*(p.group_size for p in parts))
     bits = max(p.bits for p in parts)
     fp32 = any(p.scales.dtype == torch.float32 for p in parts)
@@ -166,4 +182,4 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     else:
         zero_t = None
     scale_t = torch.cat([s.to(sdtype) for s in scales])
-    return QuantizedWeight(torch.cat(codes), scale_t, zero_t, bits, g)
+    return QuantizedWeight(torch.cat(codes), scale_t, zero_t, bits, g, perm)
