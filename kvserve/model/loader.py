@@ -6,6 +6,7 @@ loading them can execute arbitrary code.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Container, Iterator
 from pathlib import Path
@@ -26,10 +27,10 @@ from kvserve.model.transformers_backend import (
     remote_code_error,
 )
 from kvserve.quantization.apply import SHARDED_METHODS, QuantOptions, QuantReport, quantize_model
+from kvserve.quantization.checkpoint_linears import CheckpointLinears
 from kvserve.quantization.compressed_tensors import (
     WeightScheme,
     checkpoint_scheme,
-    split_checkpoint,
 )
 from kvserve.quantization.lm_head import quantize_lm_head
 from kvserve.quantization.streaming import PendingLinear, StreamingQuantizer
@@ -49,17 +50,8 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
         raise refusal from e
 
 
-def _iter_safetensors(
-    path: Path, skip: Container[str] = frozenset()
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's safetensors, one at a time; the ``skip`` ones as meta
-    tensors of their shape and dtype (their data is never read).
-
-    Each tensor is read from its own ``safe_open`` of the file, closed when the consumer asks
-    for the next one: a tensor ``safe_open`` returns is a view of its memory map, and the
-    pages it touches stay in the process's RSS until the map closes. One map kept open for the
-    whole file held all of it resident by the end (TinyLlama-1.1B-shaped bf16: 2.2 GB on top
-    of the model's own 2.2 GB, ``benchmarks/load_memory.py``)."""
+def _safetensors_files(path: Path) -> list[Path]:
+    """The folder's safetensors files (those its index names, if it has one)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
@@ -69,9 +61,24 @@ def _iter_safetensors(
     if index.is_file():
         wanted = set(json.loads(index.read_text())["weight_map"].values())
         files = [f for f in files if f.name in wanted]
-    for file in files:
+    return files
+
+
+def _iter_safetensors(
+    path: Path, skip: Container[str] = frozenset(), drop: Container[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's safetensors, one at a time; the ``skip`` ones as meta
+    tensors of their shape and dtype (their data is never read), the ``drop`` ones not at
+    all.
+
+    Each tensor is read from its own ``safe_open`` of the file, closed when the consumer asks
+    for the next one: a tensor ``safe_open`` returns is a view of its memory map, and the
+    pages it touches stay in the process's RSS until the map closes. One map kept open for the
+    whole file held all of it resident by the end (TinyLlama-1.1B-shaped bf16: 2.2 GB on top
+    of the model's own 2.2 GB, ``benchmarks/load_memory.py``)."""
+    for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            names = list(f.keys())
+            names = [n for n in f.keys() if n not in drop]  # noqa: SIM118 (not a dict)
         for name in names:
             with safe_open(str(file), framework="pt") as f:
                 if name in skip:
@@ -127,12 +134,17 @@ def load_model(
             )
         model = load_transformers_model(path, config, dtype, device, max_positions)
     elif scheme is not None:
-        model, _ = _load_native(cls, config, dtype, device, max_positions, tp)
-        dense, loaded = split_checkpoint(dict(_iter_safetensors(path)), scheme)
-        model.load_weights(dense.items())
+        # the checkpoint's own codes, one fused module at a time (checkpoint_linears.py)
+        source = CheckpointLinears(_safetensors_files(path), scheme)
         acts = quant.activations if quant is not None else QuantizedActivations.AUTO
         head = quant is not None and quant.lm_head
-        quant = QuantOptions(scheme.method, loaded=loaded, activations=acts, lm_head=head)
+        quant = QuantOptions(scheme.method, activations=acts, lm_head=head)
+        model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant,
+                                        source)  # fmt: skip
+        dense = _iter_safetensors(path, drop=source.checkpoint_names)
+        model.load_weights(itertools.chain(dense, source.meta_weights()))
+        assert streaming is not None
+        report = streaming.finish()
     else:
         # int8/int4/gguf: each linear layer is quantized as soon as its weights are in
         model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant)
@@ -216,6 +228,7 @@ def _load_native(
     max_positions: int,
     tp: TPGroup | None = None,
     quant: QuantOptions | None = None,
+    source: CheckpointLinears | None = None,
 ) -> tuple[Any, StreamingQuantizer | None]:
     """A native class (``registry.NATIVE_ARCHITECTURES``) with real, uninitialised storage;
     the caller loads its weights. With ``quant`` (int8, int4, gguf), its linear layers to
@@ -230,7 +243,7 @@ def _load_native(
     model.to(dtype=dtype)
     streaming = None
     if quant is not None and quant.method is not None:
-        streaming = StreamingQuantizer(model, quant, torch.device(device), dtype)
+        streaming = StreamingQuantizer(model, quant, torch.device(device), dtype, source)
     for module in model.modules():
         if not isinstance(module, PendingLinear):  # its storage comes as its weights do
             module.to_empty(device=device, recurse=False)

@@ -43,8 +43,6 @@ class QuantOptions:
     method: Quantization | None
     group_size: int | None = None
     gguf_file: str | None = None
-    # pre-quantized layers by module name (a compressed-tensors checkpoint), else None
-    loaded: dict[str, QuantizedWeight] | None = None
     activations: QuantizedActivations = QuantizedActivations.AUTO  # int8 or the model dtype
     lm_head: bool = False  # quantize the LM head too (lm_head.py)
 
@@ -102,7 +100,7 @@ def quantize_model(
     assert method is not None
     check_unsharded(model, method)
     report = QuantReport(method.value)
-    loaded = quant.loaded
+    loaded: dict[str, QuantizedWeight] | None = None  # pre-quantized layers by module name
     if method is Quantization.GGUF:
         from kvserve.quantization.gguf_weights import load_gguf_linears
 

@@ -142,33 +142,52 @@ def _qweight(params: dict[str, torch.Tensor], scheme: WeightScheme) -> Quantized
     )
 
 
-def split_checkpoint(
-    weights: dict[str, torch.Tensor], scheme: WeightScheme
-) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """(dense weights for ``load_weights``: every quantized projection as its dequantized
-    weight, so the model loads whole; the quantized projections fused as kvserve's modules
-    name them, which then replace those layers)."""
-    if scheme.format == AWQ:
+AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def quantized_tensors(names: set[str], scheme: WeightScheme) -> dict[str, dict[str, str]]:
+    """The checkpoint's quantized modules (``model.layers.0.self_attn.q_proj``) -> their
+    tensors' leaf names -> full names, among tensor ``names``."""
+    if scheme.format in gptq.FORMATS:
+        suffixes = gptq.SUFFIXES
+    else:
+        suffixes = AWQ_SUFFIXES if scheme.format == AWQ else _SUFFIXES[:4]
+    out: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if leaf in suffixes or (leaf == "weight" and f"{module}.weight_scale" in names):
+            out.setdefault(module, {})[leaf] = name
+    return out
+
+
+def part_weight(
+    params: dict[str, torch.Tensor], scheme: WeightScheme, name: str
+) -> QuantizedWeight:
+    """One quantized module's checkpoint tensors (by leaf name) as a ``QuantizedWeight``."""
+    if scheme.format in gptq.FORMATS:
+        return gptq.gptq_weight(params, scheme.format, scheme.bits, name)
+    if scheme.format == AWQ:  # qweight/qzeros/scales -> weight_packed/weight_scale/...
         conv = _awq_converter({"quant_method": "awq", "bits": scheme.bits, "version": "gemm",
                                "group_size": scheme.group_size or -1,
                                "zero_point": not scheme.symmetric})  # fmt: skip
-        weights = conv.process(dict(weights))  # qweight/qzeros/scales -> weight_packed/...
-    is_gptq = scheme.format in gptq.FORMATS
-    suffixes = gptq.SUFFIXES if is_gptq else _SUFFIXES[:4]
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    dense: dict[str, torch.Tensor] = {}
-    for name, t in weights.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf in suffixes or (leaf == "weight" and f"{module}.weight_scale" in weights):
-            grouped.setdefault(module, {})[leaf] = t
-        else:
-            dense[name] = t
+        out = conv.process({f"m.{leaf}": t for leaf, t in params.items()})
+        params = {k.removeprefix("m."): v for k, v in out.items()}
+    return _qweight(params, scheme)
+
+
+def split_checkpoint(
+    weights: dict[str, torch.Tensor], scheme: WeightScheme
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """A whole checkpoint in memory, split: (the dense weights, with every quantized module
+    as its dequantized weight; the quantized projections fused as kvserve's modules name
+    them). The loader streams instead (``checkpoint_linears.CheckpointLinears``, one module
+    at a time, the same ``part_weight``); this is the whole-dict view tests compare with."""
+    quantized = quantized_tensors(set(weights), scheme)
+    taken = {name for leaves in quantized.values() for name in leaves.values()}
+    dense = {name: t for name, t in weights.items() if name not in taken}
     found: dict[str, QuantizedWeight] = {}
-    for module, params in grouped.items():
-        if is_gptq:
-            qw = gptq.gptq_weight(params, scheme.format, scheme.bits, module)
-        else:
-            qw = _qweight(params, scheme)
+    for module, leaves in quantized.items():
+        qw = part_weight({leaf: weights[name] for leaf, name in leaves.items()}, scheme, module)
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
         if not module.endswith("lm_head"):
             found[module.removeprefix("model.")] = qw

@@ -43,6 +43,7 @@ from kvserve.quantization.apply import (
 from kvserve.worker.malloc_tuning import glibc_function
 
 if TYPE_CHECKING:
+    from kvserve.quantization.checkpoint_linears import CheckpointLinears
     from kvserve.quantization.gguf_weights import GGUFLinears
 
 logger = logging.getLogger(__name__)
@@ -125,17 +126,24 @@ class PendingLinear(nn.Module):
 class StreamingQuantizer:
     """Puts ``PendingLinear``s where the model's linears to quantize stand (the model still
     on the meta device, its parameters in the model dtype) and swaps each for its
-    ``QuantLinear`` as its weights complete. ``skip``: checkpoint tensors the loader must
-    not read (a GGUF's quantized projections); ``finish`` returns the report."""
+    ``QuantLinear`` as its weights complete. ``source``: where pre-quantized weights come
+    from (a pre-quantized checkpoint's ``CheckpointLinears``; a GGUF's ``GGUFLinears`` is
+    opened here); ``skip``: checkpoint tensors the loader must not read (a GGUF's quantized
+    projections); ``finish`` returns the report."""
 
     def __init__(
-        self, model: nn.Module, quant: QuantOptions, device: torch.device, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        quant: QuantOptions,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: CheckpointLinears | None = None,
     ) -> None:
-        assert quant.method is not None and quant.loaded is None
+        assert quant.method is not None
         check_unsharded(model, quant.method)
         self.quant, self.device, self.dtype = quant, device, dtype
         self.report = QuantReport(quant.method.value)
-        self.source: GGUFLinears | None = None
+        self.source: GGUFLinears | CheckpointLinears | None = source
         self.skip: set[str] = set()
         targets = linears(model)
         if quant.method is Quantization.GGUF:
@@ -143,6 +151,7 @@ class StreamingQuantizer:
 
             assert quant.gguf_file is not None  # ModelConfig checks it
             self.source = GGUFLinears(quant.gguf_file, model.config)  # type: ignore[arg-type]
+        if self.source is not None:
             check_known(self.source.modules, targets)
             # projections the file stores as floats stay ordinary layers
             targets = [t for t in targets if t[2] in self.source.modules]
