@@ -26,7 +26,7 @@ from kvserve.model.transformers_backend import (
     load_transformers_model,
     remote_code_error,
 )
-from kvserve.quantization.apply import SHARDED_METHODS, QuantOptions, QuantReport, quantize_model
+from kvserve.quantization.apply import RTN_METHODS, QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.checkpoint_linears import CheckpointLinears
 from kvserve.quantization.compressed_tensors import (
     WeightScheme,
@@ -209,7 +209,7 @@ def check_shardable(
             f"(tensor_parallel_size {size}): the LM head is split by vocabulary"
         )
     used = method or (scheme.method if scheme is not None else None)
-    if used is not None and (scheme is not None or used not in SHARDED_METHODS):
+    if used is not None and (scheme is not None or used not in RTN_METHODS):
         raise ValueError(
             f"quantization {used.value!r} does not support tensor parallelism yet "
             f"(tensor_parallel_size {size}); use tensor_parallel_size 1"

@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 KEEP_UNQUANTIZED = ("lm_head",)
 
 
+# Round-to-nearest from dense weights at load: the methods quantize_model runs, and the ones
+# that shard (each rank rounds its own slice). GGUF and pre-quantized checkpoints bring codes
+# for the whole matrix.
+RTN_METHODS = (Quantization.INT8, Quantization.INT4)
+
+
 @dataclass(frozen=True)
 class QuantOptions:
     """What to quantize with: ``ModelConfig``'s quantization fields, as the loader needs them."""
@@ -94,8 +100,9 @@ def quantize_model(
     model: nn.Module, quant: QuantOptions, device: torch.device, dtype: torch.dtype
 ) -> QuantReport:
     """Replace a loaded model's linear layers in place; returns the report (also logged).
-    (The loader quantizes native models while their weights load instead:
-    ``streaming.StreamingQuantizer``.)"""
+    The transformers backend's path, and the whole-model reference of the streamed load
+    (tests): the loader quantizes native models while their weights load instead
+    (``streaming.StreamingQuantizer``)."""
     method = quant.method
     assert method is not None
     check_unsharded(model, method)
@@ -120,15 +127,10 @@ def quantize_model(
     return report
 
 
-# Quantized at load from each rank's own shard of the dense weights (streaming.py): the
-# methods that shard. GGUF and pre-quantized checkpoints bring codes for the whole matrix.
-SHARDED_METHODS = (Quantization.INT8, Quantization.INT4)
-
-
 def check_unsharded(model: nn.Module, method: Quantization) -> None:
-    """Refuse ``method`` on a tensor-parallel shard unless it is one of SHARDED_METHODS."""
+    """Refuse ``method`` on a tensor-parallel shard unless it is one of RTN_METHODS."""
     tp = getattr(model, "tp", None)  # a tensor-parallel shard's TPGroup (kvserve.distributed)
-    if tp is not None and tp.world_size > 1 and method not in SHARDED_METHODS:
+    if tp is not None and tp.world_size > 1 and method not in RTN_METHODS:
         raise ValueError(f"quantization {method.value!r} does not support tensor parallelism "
                          f"yet (tensor_parallel_size {tp.world_size})")  # fmt: skip
 

@@ -26,7 +26,6 @@ from transformers import PretrainedConfig
 
 from kvserve.config import Quantization
 from kvserve.quantization import gptq
-from kvserve.quantization.fusion import fuse_projections
 from kvserve.quantization.qweight import QuantizedWeight
 
 FORMATS = ("pack-quantized", "naive-quantized")
@@ -173,22 +172,3 @@ def part_weight(
         out = conv.process({f"m.{leaf}": t for leaf, t in params.items()})
         params = {k.removeprefix("m."): v for k, v in out.items()}
     return _qweight(params, scheme)
-
-
-def split_checkpoint(
-    weights: dict[str, torch.Tensor], scheme: WeightScheme
-) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """A whole checkpoint in memory, split: (the dense weights, with every quantized module
-    as its dequantized weight; the quantized projections fused as kvserve's modules name
-    them). The loader streams instead (``checkpoint_linears.CheckpointLinears``, one module
-    at a time, the same ``part_weight``); this is the whole-dict view tests compare with."""
-    quantized = quantized_tensors(set(weights), scheme)
-    taken = {name for leaves in quantized.values() for name in leaves.values()}
-    dense = {name: t for name, t in weights.items() if name not in taken}
-    found: dict[str, QuantizedWeight] = {}
-    for module, leaves in quantized.items():
-        qw = part_weight({leaf: weights[name] for leaf, name in leaves.items()}, scheme, module)
-        dense[f"{module}.weight"] = qw.dequantize(torch.float32)
-        if not module.endswith("lm_head"):
-            found[module.removeprefix("model.")] = qw
-    return dense, fuse_projections(found)

@@ -16,8 +16,8 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import check_shardable
-from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
-from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
+from kvserve.quantization.compressed_tensors import checkpoint_scheme
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections, split_checkpoint
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column ORDER[i]
 

@@ -15,9 +15,9 @@ from transformers import AutoConfig
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
+from kvserve.quantization.compressed_tensors import checkpoint_scheme
 from kvserve.quantization.qlinear import QuantLinear
-from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections, split_checkpoint
 
 
 def _compress(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> dict:

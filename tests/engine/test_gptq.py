@@ -16,8 +16,8 @@ from transformers import AutoConfig
 from kvserve.config import Quantization
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
-from tests.engine.utils import check_runs_as_dequantized, rewrite_projections
+from kvserve.quantization.compressed_tensors import checkpoint_scheme
+from tests.engine.utils import check_runs_as_dequantized, rewrite_projections, split_checkpoint
 
 
 def _pack_rows(q: np.ndarray, bits: int) -> np.ndarray:

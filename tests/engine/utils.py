@@ -19,6 +19,9 @@ from transformers import (
 )
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.quantization.compressed_tensors import WeightScheme, part_weight, quantized_tensors
+from kvserve.quantization.fusion import fuse_projections
+from kvserve.quantization.qweight import QuantizedWeight
 from kvserve.sampling_params import SamplingParams
 
 TINY = {
@@ -153,3 +156,22 @@ def check_runs_as_dequantized(src: Path, path: Path, weights: dict, method: str)
     dense = run(dense_dir)
     assert run(path) == dense
     assert run(path, quantization=method) == dense
+
+
+def split_checkpoint(
+    weights: dict[str, torch.Tensor], scheme: WeightScheme
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """A whole pre-quantized checkpoint in memory, split: (its dense weights, with every
+    quantized module as its dequantized weight; the quantized projections fused as kvserve's
+    modules name them). The loader streams instead (``CheckpointLinears``), through the same
+    ``part_weight``; this whole-dict view is what tests compare with."""
+    quantized = quantized_tensors(set(weights), scheme)
+    taken = {name for leaves in quantized.values() for name in leaves.values()}
+    dense = {name: t for name, t in weights.items() if name not in taken}
+    found: dict[str, QuantizedWeight] = {}
+    for module, leaves in quantized.items():
+        qw = part_weight({leaf: weights[name] for leaf, name in leaves.items()}, scheme, module)
+        dense[f"{module}.weight"] = qw.dequantize(torch.float32)
+        if not module.endswith("lm_head"):
+            found[module.removeprefix("model.")] = qw
+    return dense, fuse_projections(found)

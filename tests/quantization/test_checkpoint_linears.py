@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from kvserve.quantization.checkpoint_linears import CheckpointLinears
-from kvserve.quantization.compressed_tensors import checkpoint_scheme, split_checkpoint
+from kvserve.quantization.compressed_tensors import checkpoint_scheme
 from tests.engine.test_awq import write_awq
 from tests.engine.test_compressed_tensors import write_checkpoint
 from tests.engine.test_gptq import write_gptq
-from tests.engine.utils import make_tiny_model
+from tests.engine.utils import make_tiny_model, split_checkpoint
 
 WRITERS: dict[str, Callable[[Path, Path], object]] = {
     "compressed-tensors": lambda src, dst: write_checkpoint(src, dst, 4, 32, False),
