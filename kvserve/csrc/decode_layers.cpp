@@ -14,8 +14,10 @@
 //   o = paged_decode_attention(q, ...)                           [T, H, D]
 //   h = add_rms_norm(o_proj(o), residual)
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
-// Linears: kvserve's quantized kernels (int8 activations or the model dtype) or oneDNN's
-// prepacked bf16 weights, with an optional bias (added as the Python layers add it).
+// Linears: kvserve's quantized kernels (int8 activations or the model dtype), oneDNN's
+// prepacked weights, or a plain weight through at::linear (nn.Linear's own call: float32
+// layers that packing does not win on, and bf16 on CPUs whose oneDNN cannot pack bf16, i.e.
+// AVX2-only ones), with an optional bias (added as the Python layers add it).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,12 +30,13 @@
 
 namespace {
 
-enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2 };
+enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3 };
 
 // One linear layer's weights as its Python module holds them (see add_linear).
 struct Linear {
   LinearKind kind;
-  at::Tensor w;       // a8: pack_a8's buffer; quant: pack_codes' codes; packed: oneDNN weight
+  at::Tensor w;  // a8: pack_a8's buffer; quant: pack_codes' codes; packed: oneDNN weight;
+                // dense: the [N, K] weight
   at::Tensor scales;  // quant only: [K / g, N] (else undefined)
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
@@ -103,12 +106,13 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   // One linear layer, appended; add_layer takes the last four (qkv, o, gate_up, down).
   // kind 0 (a8): w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed;
-  // 2 (packed): w = oneDNN's packed weight. Unused tensors may be empty.
+  // 2 (packed): w = oneDNN's packed weight; 3 (dense): w = the [N, K] weight, bias passed to
+  // at::linear as F.linear takes it. Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
                   int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
                   bool has_zeros) {
-    TORCH_CHECK(kind >= kA8 && kind <= kPacked, "DecodeLayers: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kA8 && kind <= kDense, "DecodeLayers: unknown linear kind ", kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
                               offset, direct_rows, half_scales, has_zeros});
@@ -170,9 +174,12 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
-  // y = x @ W^T (+ bias), as QuantLinear.forward / PackedLinear.forward compute it.
+  // y = x @ W^T (+ bias), as QuantLinear.forward / PackedLinear.forward / nn.Linear compute it.
   static at::Tensor linear(const Linear& lin, const at::Tensor& x) {
     const Ops& o = ops();
+    if (lin.kind == kDense) {
+      return at::linear(x, lin.w, lin.bias);
+    }
     if (lin.kind == kPacked) {
       torch::jit::Stack stack{x, lin.w, lin.bias, std::string("none"),
                               c10::List<std::optional<at::Scalar>>(),

@@ -20,6 +20,7 @@
 //   int4: [N / 16][K / 2][16] uint8: byte j = (c[16b+j, 2p] + o) | (c[16b+j, 2p+1] + o) << 4,
 //         o = 8 for codes in [-8, 7], 0 for codes in [0, 15] (with a zero point).
 // scales / zeros: [K / g, N] float32 or float16 (zeros may be empty: zero 0). g is even.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -339,8 +340,7 @@ void tile(const QuantArgs& a, const T* x, int64_t m, T* out, int64_t b0, int64_t
         dequant_bf16(a, b0, nv, p0, np, buf);
         rows_bf16(x + m0 * a.k + 2 * p0, a.k, mc, buf, np, nv, acc);
 #else
-        (void)vbuf;
-        TORCH_CHECK(false, "quant_linear: bf16 activations need AVX512-BF16");
+        (void)vbuf;  // never instantiated: quant_linear widens bf16 to float32 there
 #endif
       }
     }
@@ -408,12 +408,23 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
       run_direct(a, x.data_ptr<c10::BFloat16>(), m, out.data_ptr<c10::BFloat16>());
       return;
     }
-#endif
     run<c10::BFloat16>(a, x.data_ptr<c10::BFloat16>(), m, out.data_ptr<c10::BFloat16>());
+#else
+    // No bf16 dot product (AVX2-only CPUs): widen x to float32, take the float32 path and
+    // round the output once, as the direct path does (float32 weights and sums). Dequantizing
+    // the whole weight per call and running bf16 F.linear (emulated there) is the other way.
+    (void)direct_rows;
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor of = at::empty({m, n}, x.options().dtype(at::kFloat));
+    run<float>(a, xf.data_ptr<float>(), m, of.data_ptr<float>());
+    out.copy_(of);
+#endif
   }
 }
 
-bool quant_linear_bf16_supported() {
+// Whether bf16 activations run on bf16 dot products (AVX512-BF16); elsewhere they are widened
+// to the float32 path, which every CPU has.
+bool quant_linear_bf16_native() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -427,7 +438,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
       "int bits, int group, int offset, int direct_rows) -> ()");
-  m.def("quant_linear_bf16_supported() -> bool", &quant_linear_bf16_supported);
+  m.def("quant_linear_bf16_native() -> bool", &quant_linear_bf16_native);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -11,9 +11,10 @@ layers stay the reference (``enforce_eager=True`` keeps them for every step).
 
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
 (Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows)
-with the fused C++ ops on, every linear a prepacked oneDNN bf16 weight or a quantized kernel
-layer, one rank. Steps with prefill or speculative rows, or the SDPA decode path, take the
-Python layers (``DecodeLoop.runs``).
+with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, a plain
+``nn.Linear`` (float32 layers packing does not win on; bf16 where oneDNN cannot pack bf16, as on
+AVX2-only CPUs) or a quantized kernel layer, one rank. Steps with prefill or speculative rows,
+or the SDPA decode path, take the Python layers (``DecodeLoop.runs``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ import logging
 import torch
 from torch import nn
 
+from kvserve.distributed.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.packed_linear import PackedLinear
@@ -31,9 +38,14 @@ from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear
 logger = logging.getLogger(__name__)
 
 # csrc/decode_layers.cpp's linear kinds
-KIND_A8, KIND_QUANT, KIND_PACKED = 0, 1, 2
+KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE = 0, 1, 2, 3
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+# Linears whose forward is nn.Linear's own F.linear call at one rank (the loop runs one rank
+# only): the tensor-parallel classes add communication for world_size > 1 alone.
+_DENSE = (nn.Linear, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+          RowParallelLinear)  # fmt: skip
 
 
 class DecodeLoop:
@@ -104,6 +116,11 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
 def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
     """Append one linear layer's weights as its module holds them (see ``_linear_kind``)."""
     empty = torch.empty(0)
+    if type(lin) in _DENSE:  # F.linear's own call, in C++: the same numbers
+        layers.add_linear(KIND_DENSE, lin.weight.detach(), empty, empty,
+                          None if lin.bias is None else lin.bias.detach(), lin.out_features,
+                          0, 0, 0, 0, False, False)  # fmt: skip
+        return
     if isinstance(lin, PackedLinear):
         layers.add_linear(KIND_PACKED, lin.packed_weight, empty, empty, lin.bias,
                           lin.out_features, 0, 0, 0, 0, False, False)  # fmt: skip
@@ -122,7 +139,7 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
 def _linear_ok(lin: nn.Module) -> bool:
     """Exactly the classes whose forward the C++ loop reproduces (no tensor-parallel
     subclasses, no reference path, no input permutation: GPTQ act-order)."""
-    if type(lin) is PackedLinear:
+    if type(lin) is PackedLinear or type(lin) in _DENSE:
         return True
     return type(lin) is QuantLinear and lin.use_kernel and lin.in_perm is None
 
@@ -151,6 +168,6 @@ def _unsupported(model: nn.Module) -> str | None:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         bad = [type(lin).__name__ for lin in linears if not _linear_ok(lin)]
         if bad:
-            return (f"layer {i} has {bad[0]} linears (not prepacked nor a quantized kernel "
-                    "without an input permutation)")  # fmt: skip
+            return (f"layer {i} has {bad[0]} linears (not plain, prepacked nor a quantized "
+                    "kernel without an input permutation)")  # fmt: skip
     return None

@@ -388,14 +388,16 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_ops(self) -> bool:
         """Switch RMSNorm, SiLU*up and RoPE + KV write to the C++ CPU kernels when this model
-        can use them (CPU, bfloat16, kernels built); returns whether it did.
+        can use them (CPU, bfloat16 or float32, kernels built); returns whether it did.
 
-        bfloat16 only: there every intermediate is rounded to bf16, so the kernels give the
-        op chains' numbers; float32 stays on the PyTorch path, the reference the tests hold
-        against transformers.
+        bfloat16: every intermediate is rounded to bf16, so the kernels give the op chains'
+        numbers bit for bit. float32 (what ``dtype=auto`` is on AVX2-only CPUs): the same
+        math on 8- or 16-wide float vectors, whose sums (RMSNorm's mean of squares) add in
+        another order than PyTorch's, so results differ by a few ulps (tested within 1e-6
+        relative; the prepacked float32 linears already differ by ~1e-4).
         """
         param = self.embed_tokens.weight
-        if param.device.type != "cpu" or param.dtype != torch.bfloat16:
+        if param.device.type != "cpu" or param.dtype not in (torch.bfloat16, torch.float32):
             return False
         if not cpu_kernels.available():
             return False

@@ -171,8 +171,8 @@ def kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtyp
     n, _ = qw.shape
     if device.type != "cpu" or n % 16:
         return False
-    if dtype == torch.bfloat16 and not _bf16_kernel():
-        return False
+    # bf16 runs everywhere: on bf16 dot products with AVX512-BF16, widened to the float32
+    # path elsewhere (``bf16_native``)
     return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
@@ -186,9 +186,10 @@ def a8_kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.d
 
 
 @functools.cache
-def _bf16_kernel() -> bool:
-    """bf16 activations need AVX512-BF16 (vdpbf16ps), known once the kernels are built."""
-    return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_bf16_supported())
+def bf16_native() -> bool:
+    """Whether the kernel's bf16 activations run on bf16 dot products (AVX512-BF16,
+    vdpbf16ps); elsewhere they are widened to float32 (``csrc/quant_linear.cpp``)."""
+    return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_bf16_native())
 
 
 @functools.cache

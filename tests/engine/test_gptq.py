@@ -17,6 +17,7 @@ from kvserve.config import Quantization
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.quantization.compressed_tensors import checkpoint_scheme
+from kvserve.quantization.qlinear import _a8_kernel
 from tests.engine.utils import check_runs_as_dequantized, rewrite_projections, split_checkpoint
 
 
@@ -143,7 +144,14 @@ def test_engine_runs_the_checkpoint_as_its_dequantized_weights(
     check_runs_as_dequantized(tiny_llama, path, want, "gptq")
 
 
-@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize(
+    "int8_activations",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.skipif(
+            not _a8_kernel(), reason="the int8-activation kernel needs AVX512-VNNI and -BF16")),
+    ],
+)  # fmt: skip
 def test_act_order_layer_equals_its_reference(tiny_llama: Path, tmp_path: Path,
                                               int8_activations: bool) -> None:  # fmt: skip
     """An act-order layer on the kernels (bf16: int8 activations or bf16 ones) against the

@@ -1,8 +1,8 @@
 """The C++ decode loop (``kvserve/model/decode_loop.py``) against the Python layers it stands
 for: the same tokens and the same KV cache bytes through the whole engine, for every kind of
-linear it runs (prepacked bf16, int8/int4 with int8 activations, int4 with bf16 activations)
-and every Llama-family variant (q/k/v bias, q/k norms, sliding windows), with KV integrity
-checked after every step and the exact number of steps it took."""
+linear it runs (prepacked bf16, plain float32/bf16, int8/int4 with int8 activations, int4 with
+bf16 activations) and every Llama-family variant (q/k/v bias, q/k norms, sliding windows), with
+KV integrity checked after every step and the exact number of steps it took."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def engine(path: Path, **kw: object) -> LLMEngine:
+def engine(path: Path, dtype: str = "bfloat16", **kw: object) -> LLMEngine:
     return LLMEngine(
-        build_engine_config(str(path), dtype="bfloat16", block_size=4, num_kv_blocks=200, **kw)
+        build_engine_config(str(path), dtype=dtype, block_size=4, num_kv_blocks=200, **kw)
     )
 
 
@@ -114,6 +114,23 @@ def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float32_loop_equals_python_layers(models: dict[str, Path], arch: str) -> None:
+    """float32 (``dtype=auto`` on AVX2-only CPUs): plain q/k/v, o and down linears
+    (``nn.Linear`` through at::linear) beside the prepacked gate/up, fused float32 ops."""
+    eager = engine(models[arch], "float32", enforce_eager=True)
+    want, want_steps = run_staggered(eager)
+    e = engine(models[arch], "float32")
+    assert e.runner is not None
+    loop = e.runner.model.decode_loop
+    assert loop is not None and e.runner.model.fused_ops_enabled
+    got, steps = run_staggered(e)
+    assert got == want and steps == want_steps == MAX_TOKENS + 2
+    assert loop.steps == steps - 2
+    for a, b in zip(kv_bytes(eager), kv_bytes(e), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_loop_changes_nothing_but_speed_against_unfused(models: dict[str, Path]) -> None:
     """The loop's tokens are also the plain PyTorch path's (no fused ops, no packing): the
     fused path is held to that path elsewhere, so the three agree."""
@@ -129,7 +146,7 @@ def test_loop_changes_nothing_but_speed_against_unfused(models: dict[str, Path])
     [
         {"enforce_eager": True},
         {"fused_ops": False},
-        {"dtype": "float32"},  # no fused ops in float32
+        {"dtype": "float32", "fused_ops": False},
     ],
 )
 def test_loop_off(models: dict[str, Path], kw: dict[str, object]) -> None:

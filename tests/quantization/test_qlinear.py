@@ -9,15 +9,17 @@ from torch import nn
 from kvserve.config import Quantization
 from kvserve.model import cpu_kernels
 from kvserve.quantization.apply import QuantOptions, quantize_model
-from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear, pack_codes, reference_linear
+from kvserve.quantization.qlinear import (
+    DIRECT_ROWS,
+    QuantLinear,
+    bf16_native,
+    pack_codes,
+    reference_linear,
+)
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ kernels")
-
-
-def _bf16_kernel() -> bool:
-    return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_bf16_supported())
 
 
 def _weights(n: int, k: int, bits: int, group: int, zeros: bool, half: bool) -> QuantizedWeight:
@@ -58,7 +60,7 @@ def test_float32_kernel_equals_reference(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-@pytest.mark.skipif(not _bf16_kernel(), reason="bf16 kernel needs AVX512-BF16")
+@needs_kernels
 @pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 130])  # direct up to DIRECT_ROWS
 def test_bf16_kernel_equals_reference(
@@ -68,16 +70,19 @@ def test_bf16_kernel_equals_reference(
     x = torch.randn(rows, qw.shape[1], generator=torch.Generator().manual_seed(rows))
     x = x.bfloat16()
     layer = QuantLinear(qw, None, CPU, torch.bfloat16)
+    assert layer.use_kernel
     out = layer(x).float()
     # The reference rounds each weight to bf16 before the product, as the batched kernel
-    # does; the direct path (<= DIRECT_ROWS rows) keeps float32 weights. Both sum in float32: the
-    # difference is the rounding of the weights (2^-9 relative each) and of the output.
+    # does; the direct path (<= DIRECT_ROWS rows) and the widened float32 path of CPUs without
+    # AVX512-BF16 keep float32 weights. All sum in float32: the difference is the rounding of
+    # the weights (2^-9 relative each) and of the output.
     exact = x.double() @ qw.dequantize(torch.float64).t()
     ref = reference_linear(x, qw).float()
     scale = float(exact.abs().max())
     assert float((out - exact).abs().max()) < 6e-3 * scale
     assert float((ref - exact).abs().max()) < 6e-3 * scale
-    if rows > DIRECT_ROWS:  # batched path: the reference's bf16 weights, float32 sums, bf16 output
+    if rows > DIRECT_ROWS and bf16_native():
+        # batched path: the reference's bf16 weights, float32 sums, bf16 output
         assert float((out - ref).abs().max()) <= 2**-7 * scale
 
 
