@@ -163,6 +163,10 @@ class ModelConfig:
     seed: int = 0  # seeds the engine's generator for unseeded sampling
     served_name: str | None = None  # the name clients use; None derives one from the path
     prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
+    # float32 on a CPU: linear weights stored in bfloat16/float16, widened in registers (half
+    # the bytes a decode step reads); None: auto (the checkpoint's 16-bit dtype where that
+    # applies, model/wide_linear.py); float32 (= dtype): off
+    weight_dtype: torch.dtype | None = None
     fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
     # True: every step's layers run in Python; False: decode-only steps of native Llama-family
     # models run their layers in one C++ call (model/decode_loop.py; same numbers)

@@ -14,8 +14,9 @@
 //   o = paged_decode_attention(q, ...)                           [T, H, D]
 //   h = add_rms_norm(o_proj(o), residual)
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
-// Linears: kvserve's quantized kernels (int8 activations or the model dtype), oneDNN's
-// prepacked weights, or a plain weight through at::linear (nn.Linear's own call: float32
+// Linears: kvserve's quantized kernels (int8 activations or the model dtype), 16-bit weights
+// widened to float32 (wide_linear.cpp), oneDNN's prepacked weights, or a plain weight through
+// at::linear (nn.Linear's own call: float32
 // layers that packing does not win on, and bf16 on CPUs whose oneDNN cannot pack bf16, i.e.
 // AVX2-only ones), with an optional bias (added as the Python layers add it).
 
@@ -30,13 +31,13 @@
 
 namespace {
 
-enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3 };
+enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide = 4 };
 
 // One linear layer's weights as its Python module holds them (see add_linear).
 struct Linear {
   LinearKind kind;
   at::Tensor w;  // a8: pack_a8's buffer; quant: pack_codes' codes; packed: oneDNN weight;
-                // dense: the [N, K] weight
+                // dense: the [N, K] weight; wide: the [N, K] bf16/fp16 weight
   at::Tensor scales;  // quant only: [K / g, N] (else undefined)
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
@@ -74,6 +75,7 @@ using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
                          int64_t, double);
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, bool, bool);
+using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 
@@ -89,6 +91,7 @@ struct Ops {
       kvserve_op<PagedDecode>("kvserve::paged_decode_attention");
   c10::TypedOperatorHandle<QuantA8> quant_a8 = kvserve_op<QuantA8>("kvserve::quant_linear_a8");
   c10::TypedOperatorHandle<Quant> quant = kvserve_op<Quant>("kvserve::quant_linear");
+  c10::TypedOperatorHandle<Wide> wide = kvserve_op<Wide>("kvserve::wide_linear");
   // oneDNN's packed linear has no C++ API in ATen: called boxed (one call per linear).
   c10::OperatorHandle packed =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -107,12 +110,13 @@ class DecodeLayers : public torch::CustomClassHolder {
   // One linear layer, appended; add_layer takes the last four (qkv, o, gate_up, down).
   // kind 0 (a8): w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed;
   // 2 (packed): w = oneDNN's packed weight; 3 (dense): w = the [N, K] weight, bias passed to
-  // at::linear as F.linear takes it. Unused tensors may be empty.
+  // at::linear as F.linear takes it; 4 (wide): w = WideLinear's 16-bit weight, bias likewise.
+  // Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
                   int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
                   bool has_zeros) {
-    TORCH_CHECK(kind >= kA8 && kind <= kDense, "DecodeLayers: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kA8 && kind <= kWide, "DecodeLayers: unknown linear kind ", kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
                               offset, direct_rows, half_scales, has_zeros});
@@ -179,6 +183,9 @@ class DecodeLayers : public torch::CustomClassHolder {
     const Ops& o = ops();
     if (lin.kind == kDense) {
       return at::linear(x, lin.w, lin.bias);
+    }
+    if (lin.kind == kWide) {
+      return o.wide.call(x, lin.w, lin.bias);
     }
     if (lin.kind == kPacked) {
       torch::jit::Stack stack{x, lin.w, lin.bias, std::string("none"),

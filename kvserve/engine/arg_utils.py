@@ -217,6 +217,12 @@ class EngineArgs:
         "--no-fused-ops keeps the PyTorch op chains",
     )  # fmt: skip
     prepack_weights: bool = _opt(True, "CPU bf16: oneDNN-prepacked linear weights (same numbers)")
+    weight_dtype: str = _opt(
+        "auto", "CPU float32: linear weights stored in bfloat16 or float16 and widened to "
+        "float32 in registers (half the bytes per decode step); auto: the checkpoint's 16-bit "
+        "dtype where kvserve computes in float32 (AVX2-only CPUs), else off; float32: off",
+        choices=("auto", "bfloat16", "float16", "float32"),
+    )  # fmt: skip
     warmup: bool = _opt(True, "with prepacked weights: one dummy max-size prefill before serving")
     num_threads: int | None = _opt(
         None,
@@ -517,6 +523,9 @@ class EngineArgs:
                 seed=self.seed,
                 served_name=served or name,
                 prepack_weights=self.prepack_weights,
+                weight_dtype=None
+                if self.weight_dtype == "auto"
+                else parse_dtype(self.weight_dtype),
                 attention_backend=self.attention_backend,  # type: ignore[arg-type]
                 fused_ops=self.fused_ops,
                 enforce_eager=self.enforce_eager,

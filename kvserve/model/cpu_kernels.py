@@ -25,6 +25,7 @@ _SOURCES = [
     _CSRC / "sampling_ops.cpp",
     _CSRC / "quant_linear.cpp",
     _CSRC / "quant_linear_a8.cpp",
+    _CSRC / "wide_linear.cpp",
     _CSRC / "decode_layers.cpp",  # after the kernels it calls (it looks them up at first use)
 ]
 

@@ -11,10 +11,11 @@ layers stay the reference (``enforce_eager=True`` keeps them for every step).
 
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
 (Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows)
-with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, a plain
-``nn.Linear`` (float32 layers packing does not win on; bf16 where oneDNN cannot pack bf16, as on
-AVX2-only CPUs) or a quantized kernel layer, one rank. Steps with prefill or speculative rows,
-or the SDPA decode path, take the Python layers (``DecodeLoop.runs``).
+with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, 16-bit
+weights computed in float32 (``WideLinear``), a plain ``nn.Linear`` (float32 layers packing
+does not win on; bf16 where oneDNN cannot pack bf16, as on AVX2-only CPUs) or a quantized
+kernel layer, one rank. Steps with prefill or speculative rows, or the SDPA decode path, take
+the Python layers (``DecodeLoop.runs``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from kvserve.distributed.layers import (
 from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.packed_linear import PackedLinear
+from kvserve.model.wide_linear import WideLinear
 from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 # csrc/decode_layers.cpp's linear kinds
-KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE = 0, 1, 2, 3
+KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE, KIND_WIDE = 0, 1, 2, 3, 4
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -121,6 +123,10 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
                           None if lin.bias is None else lin.bias.detach(), lin.out_features,
                           0, 0, 0, 0, False, False)  # fmt: skip
         return
+    if type(lin) is WideLinear:
+        layers.add_linear(KIND_WIDE, lin.weight, empty, empty, lin.bias, lin.out_features,
+                          0, 0, 0, 0, False, False)  # fmt: skip
+        return
     if isinstance(lin, PackedLinear):
         layers.add_linear(KIND_PACKED, lin.packed_weight, empty, empty, lin.bias,
                           lin.out_features, 0, 0, 0, 0, False, False)  # fmt: skip
@@ -139,7 +145,7 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
 def _linear_ok(lin: nn.Module) -> bool:
     """Exactly the classes whose forward the C++ loop reproduces (no tensor-parallel
     subclasses, no reference path, no input permutation: GPTQ act-order)."""
-    if type(lin) is PackedLinear or type(lin) in _DENSE:
+    if type(lin) in (PackedLinear, WideLinear) or type(lin) in _DENSE:
         return True
     return type(lin) is QuantLinear and lin.use_kernel and lin.in_perm is None
 

@@ -26,6 +26,7 @@ from kvserve.model.transformers_backend import (
     load_transformers_model,
     remote_code_error,
 )
+from kvserve.model.wide_linear import resolve_weight_dtype, widen_linears
 from kvserve.quantization.apply import RTN_METHODS, QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.checkpoint_linears import CheckpointLinears
 from kvserve.quantization.compressed_tensors import (
@@ -105,13 +106,16 @@ def load_model(
     quant: QuantOptions | None = None,
     tp: TPGroup | None = None,
     decode_loop: bool = False,
+    weight_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights: the
     native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
     ``quant`` swaps the linear layers (but the LM head) for quantized ones. ``tp``: this
     process's tensor-parallel rank; the model is then this rank's shard (every rank calls
     ``load_model`` with the same arguments but ``tp``). ``decode_loop``: with the fused ops,
-    decode-only steps run the layers in one C++ call where the model allows it."""
+    decode-only steps run the layers in one C++ call where the model allows it.
+    ``weight_dtype``: 16-bit stored linear weights computed in float32 (``wide_linear.py``;
+    None: auto, the checkpoint's 16-bit dtype where that applies)."""
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
@@ -158,6 +162,14 @@ def load_model(
         if quant.lm_head:
             quantize_lm_head(model, quant, torch.device(device), dtype, report)  # type: ignore[arg-type]
         model.quant_report = report  # type: ignore[attr-defined]
+    wide = resolve_weight_dtype(
+        weight_dtype, dtype, torch.device(device), getattr(config, "dtype", None),
+        native=cls is not TransformersForCausalLM,
+        quantized=quant is not None and quant.method is not None,
+        tp=tp.world_size if tp is not None else 1,
+    )  # fmt: skip
+    if wide is not None:  # before packing: the widened layers are packed no more
+        widen_linears(model, wide)
     if prepack and packing_supported(torch.device(device), dtype):
         # Any nn.Linear packs, transformers' modules too (bf16: all; float32: the LM head).
         pack_linears(model, only=FLOAT32_PACKED if dtype == torch.float32 else None)  # type: ignore[arg-type]

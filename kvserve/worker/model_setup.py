@@ -73,7 +73,7 @@ def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) 
     return load_model(
         mc.path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
         mc.fused_ops, mc.model_impl, quant, tp if tp.world_size > 1 else None,
-        decode_loop=not mc.enforce_eager,
+        decode_loop=not mc.enforce_eager, weight_dtype=mc.weight_dtype,
     )  # fmt: skip
 
 
@@ -99,6 +99,7 @@ def load_draft(
     return load_model(
         draft_path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
         mc.fused_ops, mc.model_impl, decode_loop=not mc.enforce_eager,
+        weight_dtype=mc.weight_dtype,
     )  # fmt: skip
 
 

@@ -1,0 +1,121 @@
+"""Linear layers with 16-bit stored weights computed in float32 (``--weight-dtype``).
+
+On CPUs without bf16 arithmetic (AVX2-only) kvserve computes in float32 (``dtype=auto``), and a
+decode step is paid in bytes of weights read. ``WideLinear`` keeps the weights in bfloat16 or
+float16, half the bytes, and widens them to float32 in registers (``csrc/wide_linear.cpp``):
+the product of the stored weights, exactly as ``F.linear(x, W.float())`` computes it but summed
+in another order. A checkpoint stored in bf16 (most are) loses nothing; a float32 one is
+rounded to bf16 once, at load.
+
+The reference is ``reference_wide_linear``; tests hold the kernel to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.distributed.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+
+# The classes whose forward at one rank is nn.Linear's F.linear (the tensor-parallel layers add
+# communication only for world_size > 1; ParallelLMHead gathers nothing at one rank).
+_PLAIN = (nn.Linear, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+          RowParallelLinear, ParallelLMHead)  # fmt: skip
+
+
+def reference_wide_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` float32 ``[..., K]``, ``weight`` 16-bit ``[N, K]`` -> float32 ``[..., N]`` (float64
+    ``x`` gives exact sums: the tests' yardstick)."""
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+class WideLinear(nn.Module):
+    """``y = x @ W^T + b`` with W stored in ``weight_dtype`` and x, y, b in float32."""
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype) -> None:
+        super().__init__()
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be bfloat16 or float16, got {weight_dtype}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        # Plain attributes, as PackedLinear's: model.to(dtype) must not widen them again.
+        self.weight = linear.weight.detach().to(weight_dtype).contiguous()  # [N, K]
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.kvserve.wide_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_dtype={self.weight.dtype}")  # fmt: skip
+
+
+def widen_linears(model: nn.Module, weight_dtype: torch.dtype) -> int:
+    """Replace every one-rank plain linear layer of float32 ``model`` (the LM head too, a tied
+    one with its own copy; the embedding keeps its float32 table) by a ``WideLinear``;
+    returns how many."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if type(child) in _PLAIN and getattr(getattr(child, "tp", None), "world_size", 1) == 1:
+            assert isinstance(child, nn.Linear)
+            setattr(model, name, WideLinear(child, weight_dtype))
+            count += 1
+        else:
+            count += widen_linears(child, weight_dtype)
+    return count
+
+
+def resolve_weight_dtype(
+    requested: torch.dtype | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpoint_dtype: torch.dtype | None,
+    *,
+    native: bool,
+    quantized: bool,
+    tp: int,
+) -> torch.dtype | None:
+    """The 16-bit dtype to store the linear weights in, or None to keep them in ``dtype``.
+
+    ``requested`` None is ``auto``: the checkpoint's own 16-bit dtype where kvserve computes
+    in float32 on a CPU (``dtype=auto`` on AVX2-only CPUs), so nothing is rounded; anything
+    else keeps ``dtype``. An explicit 16-bit request that cannot be honoured is refused.
+    """
+    from kvserve.model import cpu_kernels  # builds the kernels on first use
+
+    why = None
+    if dtype != torch.float32:
+        why = f"it is computed in float32, and dtype is {dtype}"
+    elif device.type != "cpu":
+        why = f"it is a CPU path, and the device is {device.type}"
+    elif not native:
+        why = "it needs one of kvserve's native model classes, not the transformers backend"
+    elif quantized:
+        why = "quantized linears keep their own weights"
+    elif tp != 1:
+        why = "it runs one rank (tensor_parallel_size 1)"
+    if requested is None:
+        ok = why is None and checkpoint_dtype in WEIGHT_DTYPES and cpu_kernels.available()
+        return checkpoint_dtype if ok else None
+    if requested == dtype:
+        return None
+    if requested not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be auto, bfloat16, float16 or float32: {requested}")
+    if why is None and not cpu_kernels.available():
+        why = "its kernel needs kvserve's C++ CPU kernels, which are not built"
+    if why is not None:
+        raise ValueError(f"weight_dtype {str(requested).removeprefix('torch.')}: {why}")
+    return requested
