@@ -42,4 +42,42 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     info["load_average"] = list(os.getloadavg())
+    info["cpu_paths"] = cpu_paths()
     return info
+
+
+# The CPU features kvserve's kernels choose between (the CPU kind changes between sessions).
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+def cpu_paths() -> dict[str, Any]:
+    """Which of kvserve's CPU paths this machine takes: the ISA flags they depend on, what
+    ``dtype=auto`` is, and each kernel's variant (results differ between CPU kinds by these)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    paths: dict[str, Any] = {"isa": [f for f in _ISA_FLAGS if f in flags]}
+    try:
+        import torch
+
+        from kvserve.config import auto_dtype
+        from kvserve.model import cpu_kernels
+        from kvserve.model.packed_linear import _onednn_bf16_packing
+        from kvserve.quantization.qlinear import _a8_kernel, bf16_native
+    except ImportError:
+        return paths
+    paths["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    paths["auto_dtype"] = str(auto_dtype("cpu")).removeprefix("torch.")
+    paths["onednn_bf16_packing"] = _onednn_bf16_packing()
+    paths["cpp_kernels"] = cpu_kernels.available()
+    if paths["cpp_kernels"]:
+        paths["quant_bf16_activations"] = "avx512_bf16" if bf16_native() else "widened_fp32"
+        paths["quant_int8_activations"] = _a8_kernel()
+        paths["wide_linear"] = str(torch.ops.kvserve.wide_linear_isa())
+    return paths

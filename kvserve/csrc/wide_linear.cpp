@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVSERVE_WIDE_AVX2 1
@@ -151,11 +152,21 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
 // The rows the kernel takes (the tests cover both sides of it).
 int64_t wide_linear_direct_rows() { return kDirectRows; }
 
+// The instruction set the kernel was built for (benchmarks record it).
+std::string wide_linear_isa() {
+#if defined(KVSERVE_WIDE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("wide_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("wide_linear_direct_rows() -> int", &wide_linear_direct_rows);
+  m.def("wide_linear_isa() -> str", &wide_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("wide_linear", &wide_linear); }
