@@ -1,0 +1,55 @@
+"""``csrc/wide_linear.cpp`` built for a forced instruction set, whatever the CPU at hand picks:
+its AVX2 path (what AVX2-only CPUs run; an AVX-512 build would take it too) and its scalar
+path (CPUs without AVX2/FMA/F16C), each built alone under its own op namespace and held to the
+reference, so that CI tests both variants on any CPU kind that can run them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model.wide_linear import reference_wide_linear
+
+SOURCE = Path(__file__).resolve().parents[2] / "kvserve" / "csrc" / "wide_linear.cpp"
+VARIANTS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],
+    "scalar": ["-mno-avx2", "-mno-fma", "-mno-f16c"],
+}
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.slow  # one compile of one file per variant, ~20 s each
+@pytest.mark.parametrize("isa", list(VARIANTS))
+def test_forced_isa_build_equals_reference(isa: str, tmp_path: Path) -> None:
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C to run the AVX2 build")
+    from torch.utils import cpp_extension
+
+    ns = f"kvserve_wide_{isa}"
+    cpp_extension.load(
+        name=ns, sources=[str(SOURCE)], build_directory=str(tmp_path), is_python_module=False,
+        extra_cflags=["-O2", "-fopenmp", "-ffp-contract=off", f"-DKVSERVE_NS={ns}",
+                      *VARIANTS[isa]],
+        extra_ldflags=["-fopenmp"], verbose=False,
+    )  # fmt: skip
+    ops = getattr(torch.ops, ns)
+    assert ops.wide_linear_isa() == isa
+    g = torch.Generator().manual_seed(7)
+    for wdtype in (torch.bfloat16, torch.float16):
+        for n, k in ((13, 64), (40, 131)):
+            w = torch.randn(n, k, generator=g).to(wdtype)
+            bias = torch.randn(n, generator=g)
+            for rows in (1, 3, int(ops.wide_linear_direct_rows())):
+                x = torch.randn(rows, k, generator=g)
+                got = ops.wide_linear(x, w, bias).double()
+                want = reference_wide_linear(x.double(), w, bias.double())
+                tol = 4 * k * 2.0**-24 * float((x.abs() @ w.float().abs().t()).max())
+                assert float((got - want).abs().max()) <= tol + 1e-6, (wdtype, n, k, rows)
