@@ -45,6 +45,9 @@ LOCK_NAME = "kvserve-build.lock"
 STAMP_NAME = "built"
 TORCH_LOCK_NAME = "lock"  # torch's FileBaton in the build folder
 POLL_S = 0.1
+# Only these files of the sources' folder count for the build's hash (not editors' temp files).
+SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".h", ".hpp", ".inc")
+_RUN_BUILDER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 def build_timeout() -> float:
@@ -122,12 +125,13 @@ class KernelBuild:
 
     @property
     def digest(self) -> str:
-        """Hash of every file beside the sources (headers included), flags and torch."""
+        """Hash of every C/C++ file beside the sources (headers too), the flags and torch."""
         import torch
 
         h = hashlib.sha256(f"{torch.__version__}\0{self.cflags}\0{self.ldflags}".encode())
         folders = sorted({s.parent for s in self.sources})
-        for path in sorted(p for d in folders for p in d.iterdir() if p.is_file()):
+        files = (p for d in folders for p in d.iterdir() if p.suffix in SOURCE_SUFFIXES)
+        for path in sorted(p for p in files if p.is_file()):
             h.update(f"\0{path.name}\0".encode())
             h.update(path.read_bytes())
         h.update(str([s.name for s in self.sources]).encode())  # their order is the link order
@@ -272,8 +276,10 @@ def _build_locked(build: KernelBuild, deadline: float, timeout: float) -> str | 
             return "the build was cancelled (the process is shutting down)"
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                # -I: no kvserve on the path (this file needs only stdlib and torch)
-                [sys.executable, "-I", __file__, spec],
+                # This file by its path (it needs only stdlib and torch): importing kvserve
+                # would cost seconds, and running it as a script would put its folder first
+                # on the path, shadowing modules with the names of its neighbours.
+                [sys.executable, "-c", _RUN_BUILDER, __file__, spec],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C is ours to pass on (kill_tree)
             )  # fmt: skip
@@ -327,4 +333,4 @@ def _builder_main(spec_json: str) -> None:
 
 
 if __name__ == "__main__":
-    _builder_main(sys.argv[1])
+    _builder_main(sys.argv[-1])
