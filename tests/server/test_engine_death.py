@@ -50,6 +50,14 @@ def workers(pid: int) -> list[int]:
     return sorted(out.values())
 
 
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (one not reaped yet has exited all the same)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def health_until_exit(srv: Server, limit: float) -> list[int | str]:
     """/health codes ("closed": no connection) until the process exits or ``limit`` s pass."""
     seen: list[int | str] = []
@@ -86,7 +94,7 @@ def test_a_rank_killed_while_idle_stops_the_server(tiny_model_dir: Path, tmp_pat
     assert first_down <= 2, seen  # the monitor saw it at once (each poll takes >= 50 ms)
     assert f"worker process rank 1 (pid {ranks[1]}) died" in log
     assert "exiting with code 1 so that a supervisor restarts the server" in log
-    assert not any(Path(f"/proc/{p}").exists() for p in ranks)  # rank 0 stopped too
+    assert not any(running(p) for p in ranks)  # rank 0 stopped too
 
 
 @pytest.mark.slow
