@@ -138,6 +138,9 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(
             target=self._run, name=f"kvserve-engine-{engine.model_name}", daemon=True
         )
+        # A worker process that dies while nothing runs is reported by the executor's monitor:
+        # the engine turns unhealthy at once instead of failing the next user's request.
+        engine.executor.on_death(self._executor_died)
         if start:
             self.start()
 
@@ -384,6 +387,14 @@ class AsyncLLMEngine:
         if not self._thread.is_alive():
             self.engine.close()  # worker processes end (mp executor)
 
+    def _executor_died(self, reason: str) -> None:
+        """The executor's monitor thread: a worker died. Wake the engine thread, which fails
+        every request in flight with ``EngineDeadError`` and stops."""
+        with self._cond:
+            if self._dead_reason is None:
+                self._dead_reason = reason
+            self._cond.notify()
+
     def _retry_after(self) -> int:
         """Seconds a rejected client should wait: about one finished request's latency."""
         ema = self._latency_ema or 1.0
@@ -394,9 +405,14 @@ class AsyncLLMEngine:
         failures = 0
         while True:
             with self._cond:
-                while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                while not (
+                    self._commands
+                    or self._stop
+                    or self._dead_reason is not None  # a worker died (_executor_died)
+                    or self.engine.has_unfinished_requests()
+                ):
                     self._cond.wait()
-                if self._stop:
+                if self._stop or self._dead_reason is not None:
                     break
                 while self._orphans:
                     self._abort_locked(self._orphans.popleft())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core.scheduler_output import SchedulerOutput
@@ -38,6 +39,12 @@ class Executor(ABC):
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> Any:
         """Call ``ModelRunner.<method>(*args)`` on every rank; returns rank 0's result."""
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once, from another thread, when a runner dies while no
+        call is running (an idle engine would otherwise notice only at its next step). A
+        runner in the engine's own process dies with it: nothing to watch by default."""
+        del callback
 
     @abstractmethod
     def shutdown(self) -> None:

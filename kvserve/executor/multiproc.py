@@ -12,6 +12,10 @@ ranks may wait forever in a collective it never reaches. After either, the worke
 stopped and the executor refuses every call. Workers are daemonic, stopped by ``shutdown``
 (engine ``close``, garbage collection or interpreter exit), and end by themselves when the
 driver's pipe closes.
+
+A monitor thread also waits on the sentinels between calls, so a worker that dies while the
+engine is idle is reported within ``MONITOR_POLL_S`` through ``on_death`` (the engine then
+turns unhealthy and the server exits, see docs/scaling.md) instead of at the next request.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import contextlib
 import logging
 import multiprocessing as mp
 import pickle
+import threading
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
@@ -38,6 +44,9 @@ logger = logging.getLogger("kvserve.executor")
 # worker that neither answers nor dies within this is reported stuck.
 STARTUP_TIMEOUT_S = 1800.0
 SHUTDOWN_TIMEOUT_S = 10.0
+# How often the monitor thread re-checks whether the executor is shutting down; a death is
+# seen at once (it waits on the process sentinels), this only bounds the thread's lifetime.
+MONITOR_POLL_S = 0.5
 
 
 class MultiprocExecutor(Executor):
@@ -50,6 +59,8 @@ class MultiprocExecutor(Executor):
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._dead: str | None = None
+        self._death_callbacks: list[Callable[[str], None]] = []
+        self._stopping = threading.Event()  # set by shutdown: exits are expected from then on
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -61,15 +72,43 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._conns.append(parent)
         # Workers go when the executor is collected or the interpreter exits, whichever first.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self._procs, self._conns, self._stopping
+        )
         infos = self._gather("start-up", STARTUP_TIMEOUT_S)
         self.info: RunnerInfo = infos[0]
+        threading.Thread(
+            target=_monitor, args=(weakref.ref(self), self._procs, self._stopping),
+            name="kvserve-worker-monitor", daemon=True,
+        ).start()  # fmt: skip
         logger.info("%d worker process(es) ready: pids %s", world_size,
                     [p.pid for p in self._procs])  # fmt: skip
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        self._death_callbacks.append(callback)
+
+    def _report_death(self, rank: int) -> None:
+        """The monitor saw rank ``rank`` exit: record why and tell the callbacks (the engine
+        thread, idle or not, then stops; a call running now fails by itself)."""
+        if self._dead is not None or self._stopping.is_set():
+            return  # already reported by a call, or an exit we asked for
+        proc = self._procs[rank]
+        proc.join(timeout=1.0)
+        reason = (
+            f"worker process rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}); "
+            "the engine cannot continue and must be restarted"
+        )
+        self._dead = reason
+        logger.error("%s", reason)
+        for callback in self._death_callbacks:
+            try:
+                callback(reason)
+            except Exception:
+                logger.exception("worker death callback failed")
 
     def collective_rpc(self, method: str, *args: Any) -> Any:
         if self._dead is not None:
@@ -147,8 +186,26 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
+def _monitor(
+    executor: weakref.ref[MultiprocExecutor], procs: list[BaseProcess], stopping: threading.Event
+) -> None:
+    """Wait on the workers' sentinels until one exits or the executor shuts down. Holds the
+    executor only weakly, so garbage collection still shuts it down."""
+    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while not stopping.is_set():
+        ready = wait(list(sentinels), MONITOR_POLL_S)
+        if ready and not stopping.is_set():
+            owner = executor()
+            if owner is not None:
+                owner._report_death(sentinels[ready[0]])  # type: ignore[index]
+            return
+
+
+def _stop_workers(
+    procs: list[BaseProcess], conns: list[Connection], stopping: threading.Event
+) -> None:
     """Ask each worker to stop, then make sure: join, terminate, kill (idempotent)."""
+    stopping.set()
     data = pickle.dumps(("shutdown", ()))
     for conn in conns:
         with contextlib.suppress(BrokenPipeError, OSError):

@@ -7,12 +7,15 @@ converted once into a float32 Hugging Face folder in a local cache and reused af
 Cache location: the ``cache_dir`` argument, else ``$KVSERVE_CACHE_DIR``, else
 ``~/.cache/kvserve``. Each converted folder's name carries a key built from the GGUF's path, size
 and mtime plus :data:`~kvserve.model.gguf_convert.CONVERTER_VERSION`, so a different GGUF or a
-newer converter gets a fresh folder instead of a stale one.
+newer converter gets a fresh folder instead of a stale one. The built-in GGUF is keyed by its
+content instead (the sha256 its wheel's RECORD lists, and its size): every virtual
+environment or clone that installs the same wheel shares one converted folder (~517 MB).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -64,18 +67,42 @@ def find_builtin_gguf() -> Path:
     )
 
 
-def _cache_key(gguf_path: Path) -> str:
+def _cache_key(gguf_path: Path, content_id: str | None = None) -> str:
     """A short key that changes when the GGUF file or the converter changes.
 
+    ``content_id``: the file's content identity when known (a hash its wheel recorded); then
+    the key holds only it and the size, so copies of one file anywhere share a key. Else
     size + mtime is cheap (no hashing of ~100 MB on every start) and changes on any reinstall;
     the resolved path keeps two different files of equal size and mtime apart.
     """
     stat = gguf_path.stat()
-    material = f"v{CONVERTER_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    if content_id is not None:
+        material = f"v{CONVERTER_VERSION}:{content_id}:{stat.st_size}"
+    else:
+        material = f"v{CONVERTER_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(material.encode()).hexdigest()[:12]
 
 
-def converted_gguf_path(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+def wheel_content_id(gguf_path: Path) -> str | None:
+    """The hash the built-in wheel's RECORD lists for ``gguf_path`` (``sha256=...``), if the
+    file is that wheel's GGUF and its size is the recorded one; else None. Free: read from
+    the installed metadata, not from the 98 MB file."""
+    try:
+        files = importlib.metadata.files(_BUILTIN_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    size = gguf_path.stat().st_size
+    for f in files:
+        if f.name != _BUILTIN_GGUF_NAME or f.hash is None or f.size != size:
+            continue
+        if Path(str(f.locate())).resolve() == gguf_path.resolve():
+            return f"{f.hash.mode}={f.hash.value}"
+    return None
+
+
+def converted_gguf_path(
+    gguf_path: str | Path, cache_dir: str | Path | None = None, content_id: str | None = None
+) -> Path:
     """Convert ``gguf_path`` into the cache once and return the HF folder.
 
     Returns at once when the folder already exists. A file lock makes concurrent first calls
@@ -84,7 +111,8 @@ def converted_gguf_path(gguf_path: str | Path, cache_dir: str | Path | None = No
     """
     gguf_path = Path(gguf_path).expanduser().resolve()
     cache = default_cache_dir(cache_dir)
-    target = cache / f"{gguf_path.stem}-v{CONVERTER_VERSION}-{_cache_key(gguf_path)}"
+    key = _cache_key(gguf_path, content_id)
+    target = cache / f"{gguf_path.stem}-v{CONVERTER_VERSION}-{key}"
     if target.is_dir():
         return target
 
@@ -104,7 +132,8 @@ def converted_gguf_path(gguf_path: str | Path, cache_dir: str | Path | None = No
 
 def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in model's HF folder, converting the shipped GGUF on first use."""
-    return converted_gguf_path(find_builtin_gguf(), cache_dir)
+    gguf = find_builtin_gguf()
+    return converted_gguf_path(gguf, cache_dir, wheel_content_id(gguf))
 
 
 def resolve_model(

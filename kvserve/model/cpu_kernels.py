@@ -2,9 +2,11 @@
 
 They are fast paths only: every kernel has a pure-PyTorch reference it is tested against, and
 when the build is impossible (no compiler, unusual CPU) the engine keeps using the reference.
-The build takes ~10 s once per machine and torch version; the result is cached under
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), guarded by a file lock so
-concurrent processes build it once.
+The build takes ~20 s once per machine, torch version and source edit; the result is cached
+under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a folder named by a
+hash of the sources and flags. ``kernel_build`` makes the build safe to kill: a lock that
+knows its owner (a killed build's lock is free), a log line when building or waiting, and a
+timeout (``$KVSERVE_KERNEL_BUILD_TIMEOUT``) after which the PyTorch paths are used.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from kvserve.model import kernel_build
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +41,32 @@ _CAPABILITY_FLAGS = {
 }
 
 
-@functools.cache
-def available() -> bool:
-    """Build (or load the cached build of) the kernels; False, with a warning, if impossible."""
-    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
-        return False
-    from torch.utils import cpp_extension
-
+def kernel_build_spec() -> kernel_build.KernelBuild:
+    """This CPU's build of the kernels: its name, sources, flags and cache folder."""
     cap = torch.backends.cpu.get_cpu_capability()
     # -ffp-contract=off: a*b+c must round twice, as the PyTorch op chains being fused do.
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_CAPABILITY_FLAGS.get(cap, [])]
+    return kernel_build.KernelBuild(
+        name=f"kvserve_cpu_kernels_{cap.lower()}",
+        sources=tuple(_SOURCES),
+        cflags=tuple(flags),
+        ldflags=("-fopenmp",),
+        root=kernel_build.default_root(),
+    )
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels; False, with a warning, if impossible
+    or not done within ``$KVSERVE_KERNEL_BUILD_TIMEOUT`` seconds."""
+    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
+        return False
     try:
-        cpp_extension.load(
-            name=f"kvserve_cpu_kernels_{cap.lower()}",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # any build failure means "use the reference path"
-        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
+        error = kernel_build.load(kernel_build_spec(), kernel_build.build_timeout())
+    except Exception as exc:  # any failure means "use the reference path"
+        error = repr(exc)
+    if error is not None:
+        logger.warning("CPU kernels unavailable, using the PyTorch paths: %s", error)
         return False
     return True
 

@@ -66,6 +66,9 @@ class ServerState:
     load_error: str | None = None
     # Set on SIGTERM/SIGINT (kvserve.server.drain): API requests get 503, /health 503 "draining"
     draining: bool = False
+    # Set when an engine dies once serving (kvserve.server.drain): /health 503 with it, the
+    # requests in flight fail, and the server exits with code 1 for a supervisor to restart it
+    fatal_error: str | None = None
     grpc_in_flight: int = 0  # gRPC calls being answered; the drain waits for them too
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -258,6 +261,8 @@ def _card(state: ServerState, name: str) -> ModelCard:
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
+        if state.fatal_error:
+            return error_response(503, state.fatal_error)
         if state.draining:
             return error_response(503, f"draining: {SHUTTING_DOWN}")
         if not state.ready:

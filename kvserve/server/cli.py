@@ -2,19 +2,21 @@
 
 uvicorn starts first and answers ``/health`` with 503 while the models load in a background
 thread; once every model has loaded ``/health`` turns 200. A model that fails to load stops
-the server with exit code 1.
+the server with exit code 1, and so does an engine that dies later (a killed tensor-parallel
+worker: ``kvserve.server.drain``), so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
@@ -29,6 +31,8 @@ from kvserve.server.tracing import RequestTracer, otlp_protocol
 logger = logging.getLogger("kvserve.server")
 
 API_KEY_ENV = "KVSERVE_API_KEY"
+# Exiting at once (see _exit_now): how long a killed worker process may take to be reaped.
+WORKER_KILL_WAIT_S = 2.0
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -255,13 +259,40 @@ def run_serve(args: argparse.Namespace) -> int:
             state.load_error = f"loading the models failed: {e}"
             server.should_exit = True
 
-    threading.Thread(target=loader, name="kvserve-loader", daemon=True).start()
+    loading = threading.Thread(target=loader, name="kvserve-loader", daemon=True)
+    loading.start()
     try:
         server.run()
     finally:
+        if loading.is_alive():
+            _exit_now(state, 1 if state.load_error else 0, "stopped while loading the models")
+        if state.fatal_error:
+            _exit_now(state, 1, "an engine died")
         state.shutdown()
         logger.info("engines stopped; exiting")
-    return 1 if state.load_error else 0
+    return 1 if state.load_error or state.fatal_error else 0
+
+
+def _exit_now(state: ServerState, code: int, why: str) -> NoReturn:
+    """Stop everything and leave without interpreter finalization.
+
+    Used when the models are still loading at SIGTERM / Ctrl-C (a load cannot be interrupted,
+    and finalizing under it aborted the process in C++, "terminate called without an active
+    exception", exit code 134, leaving the kernel build's compilers running), and when an
+    engine died (nothing left is worth an orderly stop: the supervisor is waiting).
+    """
+    from kvserve.model import kernel_build
+
+    killed = kernel_build.cancel_builds()  # the compilers too
+    for child in multiprocessing.active_children():  # worker processes: loading, or orphaned
+        child.kill()
+        child.join(WORKER_KILL_WAIT_S)
+    state.shutdown()  # the engines loaded so far (their workers are gone: no waiting)
+    logger.info("%s (%d C++ kernel build(s) killed); exiting with code %d", why, killed, code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,12 @@ the process dies by it (exit 143) before the engines are shut down. ``DrainingSe
    caller's shutdown code (``ServerState.shutdown``) runs and the process exits with 0.
 
 A second signal during the drain forces an immediate exit, as uvicorn's ``force_exit`` does.
+
+An engine that dies while serving (a tensor-parallel worker killed, even while idle: the
+executor's monitor reports it within a second) stops the server the same way, with no wait:
+``/health`` answers 503 with the reason at once, the requests in flight are failed, and
+``run()`` returns with ``state.fatal_error`` set, so the process exits with code 1 and a
+supervisor (systemd, Kubernetes, Ray) restarts it, as vLLM's API server does.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         # uvicorn's main loop calls this every 0.1 s: the first point after a signal where
         # starting a task is safe.
+        if self.state.ready and self.state.fatal_error is None and not self.force_exit:
+            self._check_engines()
         if self.state.draining and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain(), name="kvserve-drain")
         if self.force_exit and not self._forced:
@@ -83,6 +91,19 @@ class DrainingServer(uvicorn.Server):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.lifespan.shutdown(), FORCED_LIFESPAN_SECONDS)
 
+    def _check_engines(self) -> None:
+        """An engine that died makes the whole server exit (see the module doc)."""
+        dead = {n: e.dead_reason for n, e in self.state.engines.items() if not e.is_healthy}
+        if not dead:
+            return
+        self.state.fatal_error = f"engine died, the server is exiting: {dead}"
+        logger.error(
+            "%s; failing the requests in flight and exiting with code 1 so that a supervisor "
+            "restarts the server", self.state.fatal_error,
+        )  # fmt: skip
+        self.shutdown_timeout = 0.0  # nothing can finish on a dead engine: fail them now
+        self.state.draining = True
+
     def _in_flight(self) -> int:
         """HTTP requests and gRPC calls being answered. uvicorn's request tasks, not the
         engines' requests: they also cover a request between the guard and the engine
@@ -94,7 +115,8 @@ class DrainingServer(uvicorn.Server):
         return sum(e.num_unfinished_requests() for e in self.state.engines.values())
 
     def _abort_all(self) -> int:
-        error = EngineDeadError(SHUTTING_DOWN)  # the handlers answer it with 503
+        # the handlers answer it with 503; after an engine died, the client is told so
+        error = EngineDeadError(self.state.fatal_error or SHUTTING_DOWN)
         return sum(e.abort_all(error) for e in self.state.engines.values())
 
     async def _drain(self) -> None:
