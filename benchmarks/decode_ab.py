@@ -9,6 +9,9 @@ server's own overhead is measured by ``benchmarks/quantization.py``.
 
     python benchmarks/decode_ab.py --model tinyllama --repeats 15 \\
         --settings bf16,int8,int8-lmhead,int4,int4-lmhead,int4-lmhead-eager
+    # AVX2-only CPUs (issue 31): float32 weights against bf16-stored ones
+    python benchmarks/decode_ab.py --model tinyllama --repeats 9 \\
+        --settings fp32,fp32-bf16w,fp32-unfused
 
 A decode step's time is ``(t(1 + n tokens) - t(1 token)) / n`` for one 128-token prompt.
 """
@@ -32,8 +35,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import machine_info  # noqa: E402
 
-# setting -> LLM keyword arguments (bf16 weights unless quantized; "eager": Python layers)
+# setting -> LLM keyword arguments (bf16 weights unless quantized; "eager": Python layers;
+# fp32: float32 compute, the weights in float32 or stored in bf16 (weight_dtype); fp32-unfused
+# is float32 as it ran before the fused float32 ops and decode loop: op chains, Python layers)
 SETTINGS: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32", "weight_dtype": "float32"},
+    "fp32-bf16w": {"dtype": "float32", "weight_dtype": "bfloat16"},
+    "fp32-bf16w-eager": {"dtype": "float32", "weight_dtype": "bfloat16", "enforce_eager": True},
+    "fp32-unfused": {"dtype": "float32", "weight_dtype": "float32", "fused_ops": False},
     "bf16": {},
     "bf16-eager": {"enforce_eager": True},
     "int8": {"quantization": "int8"},
@@ -46,7 +55,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "enforce_eager": True,
     },
 }
-BASELINE = "bf16"
 
 
 def parse_settings(text: str) -> list[str]:
@@ -74,23 +82,24 @@ def step_ms(llm: Any, prompt: dict[str, list[int]], tokens: int) -> float:
 
 def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
     """Median step ms per setting, and per setting the median of its per-repeat speed-ups
-    over the baseline (baseline ms / setting ms, both from the same repeat)."""
+    over the baseline, the first setting (baseline ms / setting ms, from the same repeat)."""
+    baseline = next(iter(times))
     out: dict[str, Any] = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
-    if BASELINE in times:
-        base = times[BASELINE]
-        out["speedup_vs_bf16"] = {
-            k: statistics.median(b / t for b, t in zip(base, v, strict=True))
-            for k, v in times.items()
-            if k != BASELINE
-        }
+    base = times[baseline]
+    out["baseline"] = baseline
+    out["speedup"] = {
+        k: statistics.median(b / t for b, t in zip(base, v, strict=True))
+        for k, v in times.items()
+        if k != baseline
+    }
     return out
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| setting | decode step ms (median) | x bf16 (median of per-repeat ratios) |",
-             "|---|---|---|"]  # fmt: skip
+    lines = [f"| setting | decode step ms (median) | x {summary['baseline']} (median of "
+             "per-repeat ratios) |", "|---|---|---|"]  # fmt: skip
     for key, ms in summary["median_ms"].items():
-        ratio = summary.get("speedup_vs_bf16", {}).get(key)
+        ratio = summary["speedup"].get(key)
         lines.append(f"| {key} | {ms:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} |")
     return "\n".join(lines)
 
@@ -119,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = None if args.model == "builtin" else str(model.path)
     llms = {
         key: LLM(
-            model=path, dtype="bfloat16", kv_cache_memory="128MiB", warmup=False, **SETTINGS[key]
+            model=path, **{"dtype": "bfloat16", **SETTINGS[key]}, kv_cache_memory="128MiB",
+            warmup=False,
         )
         for key in args.settings
     }

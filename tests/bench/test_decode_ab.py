@@ -27,7 +27,8 @@ def test_ratios_are_taken_within_a_repeat() -> None:
     median 3, where the ratio of the medians would say 20 / 5 = 4."""
     times = {"bf16": [10.0, 20.0, 30.0], "int4": [5.0, 5.0, 10.0]}
     summary = decode_ab.summarize(times)
-    assert summary == {"median_ms": {"bf16": 20.0, "int4": 5.0}, "speedup_vs_bf16": {"int4": 3.0}}
+    assert summary == {"median_ms": {"bf16": 20.0, "int4": 5.0}, "baseline": "bf16",
+                       "speedup": {"int4": 3.0}}  # fmt: skip
     assert decode_ab.markdown(summary).splitlines()[2:] == ["| bf16 | 20.00 | - |",
                                                             "| int4 | 5.00 | 3.00 |"]  # fmt: skip
 
@@ -40,5 +41,17 @@ def test_a_run_on_a_tiny_llama(tmp_path: Path) -> None:
     assert decode_ab.main(argv) == 0
     record = json.loads(out.read_text())
     assert [len(v) for v in record["times_ms"].values()] == [3, 3]
-    assert set(record["summary"]["speedup_vs_bf16"]) == {"int8"}
+    assert set(record["summary"]["speedup"]) == {"int8"}
     assert record["machine"]["cores"] >= 1
+    assert "avx2" in record["machine"]["cpu_paths"]["isa"]  # every CI CPU kind has it
+
+
+def test_float32_settings_take_their_dtype(tmp_path: Path) -> None:
+    """fp32 settings run float32 compute, with the weights in float32 or stored in bf16."""
+    make_tiny_model("llama", tmp_path / "m")
+    out = tmp_path / "ab.json"
+    argv = ["--model", str(tmp_path / "m"), "--settings", "fp32,fp32-bf16w", "--repeats", "1",
+            "--tokens", "2", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert decode_ab.main(argv) == 0
+    assert json.loads(out.read_text())["summary"]["baseline"] == "fp32"
+    assert decode_ab.SETTINGS["fp32-bf16w"] == {"dtype": "float32", "weight_dtype": "bfloat16"}
