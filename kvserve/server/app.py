@@ -7,6 +7,7 @@ process (tests).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -25,7 +26,7 @@ from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
-from kvserve.server.http_guard import CorsOptions
+from kvserve.server.http_guard import DEFAULT_BODY_READ_TIMEOUT, CorsOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openapi import error_responses, generation_responses, install_openapi
 from kvserve.server.protocol import (
@@ -58,6 +59,7 @@ class ServerState:
 
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # seconds (--body-read-timeout)
     limits: Limits = field(default_factory=Limits)
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # tool calling, templates
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
@@ -140,11 +142,10 @@ class GuardMiddleware:
         if key and path.startswith(_PROTECTED_PREFIXES):
             refused = _auth_error(scope, key)
             if refused is not None:
-                # Connection: close, so that a body the client goes on sending is never read.
-                resp = error_response(
-                    401, refused, code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
-                )  # fmt: skip
+                headers = {"WWW-Authenticate": "Bearer"}
+                if _has_body(scope):  # closed, so that the body is never read
+                    headers["Connection"] = "close"
+                resp = error_response(401, refused, code="invalid_api_key", headers=headers)
                 await resp(scope, receive, send)
                 return
         if self.state.draining and path.startswith(_PROTECTED_PREFIXES):
@@ -155,7 +156,18 @@ class GuardMiddleware:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        body = await self._read_body(scope, receive)
+        timeout = self.state.body_read_timeout
+        try:
+            # bounded in time too: a body that trickles in would hold its connection (which
+            # has a request in flight, so --max-connections never evicts it) for ever
+            body = await asyncio.wait_for(self._read_body(scope, receive), timeout)
+        except asyncio.TimeoutError:
+            resp = error_response(
+                408, f"the request body took longer than {timeout:g}s (--body-read-timeout)",
+                headers={"Connection": "close"},
+            )  # fmt: skip
+            await resp(scope, receive, send)
+            return
         if body is None:
             limit = self.state.max_request_body_bytes
             resp = error_response(
@@ -199,6 +211,13 @@ class GuardMiddleware:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
 
 
 def _auth_error(scope: Scope, key: str) -> str | None:

@@ -199,6 +199,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
     return ServerState(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        body_read_timeout=args.body_read_timeout,
         limits=Limits(
             max_tokens_limit=args.max_tokens_limit,
             max_n=args.max_n,

@@ -44,6 +44,7 @@ logger = logging.getLogger("kvserve.server")
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # nginx's default head buffers are 32 KiB; Node's 16 KiB
 DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
 DEFAULT_HEADER_READ_TIMEOUT = 10.0  # seconds
+DEFAULT_BODY_READ_TIMEOUT = 60.0  # seconds for a whole body (at most --max-request-body-bytes)
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # seconds: uvicorn's and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_BACKLOG = 2048  # uvicorn's
@@ -56,6 +57,7 @@ class HttpLimits:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_header_count: int = DEFAULT_MAX_HEADER_COUNT
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # enforced by the app's guard
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     backlog: int = DEFAULT_BACKLOG
@@ -65,8 +67,11 @@ class HttpLimits:
             raise ValueError("--max-header-bytes must be at least 1KiB")
         if self.max_header_count < 1 or self.max_connections < 1 or self.backlog < 1:
             raise ValueError("--max-header-count, --max-connections and --backlog must be >= 1")
-        if not (self.header_read_timeout > 0 and self.keep_alive_timeout > 0):  # rejects nan
-            raise ValueError("--header-read-timeout and --keep-alive-timeout must be > 0")
+        timeouts = (self.header_read_timeout, self.body_read_timeout, self.keep_alive_timeout)
+        if not all(t > 0 for t in timeouts):  # also rejects nan
+            raise ValueError(
+                "--header-read-timeout, --body-read-timeout and --keep-alive-timeout must be > 0"
+            )
 
 
 LOG_EVERY_SECONDS = 10.0  # an attack must not flood the log: one line per kind this often
@@ -313,6 +318,10 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a request's line and headers may take to arrive; then 408 and close",
     )  # fmt: skip
     g.add_argument(
+        "--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
+        help="seconds a request's body may take to arrive once its headers are in; then 408",
+    )  # fmt: skip
+    g.add_argument(
         "--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
         help="seconds an idle connection is kept open between requests",
     )  # fmt: skip
@@ -351,6 +360,7 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
         max_header_bytes=args.max_header_bytes,
         max_header_count=args.max_header_count,
         header_read_timeout=args.header_read_timeout,
+        body_read_timeout=args.body_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections,
         backlog=args.backlog,

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 MAX_CONNECTIONS = 50
 HEADER_TIMEOUT = 4.0  # seconds; long enough to count evictions before any head times out
+BODY_TIMEOUT = 6.0  # seconds
 ORIGIN = "https://app.example"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MiB = 1024 * 1024
@@ -55,6 +56,7 @@ def guard_server(
             "--scheduling-policy", "priority",  # any int64 priority is a valid request
             "--max-connections", str(MAX_CONNECTIONS),
             "--header-read-timeout", str(HEADER_TIMEOUT), "--keep-alive-timeout", "2",
+            "--body-read-timeout", str(BODY_TIMEOUT),
             "--allowed-origins", json.dumps([ORIGIN]),  # vLLM's JSON form
         ],
         log,
@@ -198,9 +200,10 @@ def test_a_half_sent_head_gets_408_after_the_timeout(guard_server: Server) -> No
     assert waited > HEADER_TIMEOUT - 0.5  # cut by the timer, not by anything sooner
 
 
-def test_connections_with_requests_in_flight_are_never_cut(guard_server: Server) -> None:
+def test_connections_with_requests_in_flight_are_not_evicted(guard_server: Server) -> None:
     """--max-connections requests whose bodies never come hold every slot: a new connection
-    gets 503 instead of cutting one of them; once they leave, clients are served again."""
+    gets 503 instead of cutting one of them, until --body-read-timeout cuts them with 408;
+    then clients are served again."""
     busy = []
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
@@ -217,8 +220,10 @@ def test_connections_with_requests_in_flight_are_never_cut(guard_server: Server)
     assert refused.headers["retry-after"] == "1"
     assert not any(map(closed_now, busy))
     for sock in busy:
+        answer = read_until_closed(sock, BODY_TIMEOUT + 20)
         sock.close()
-    time.sleep(0.5)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b"--body-read-timeout" in answer
     innocent_is_served(guard_server)
 
 
@@ -350,6 +355,7 @@ def test_http_flags_defaults_and_vllm_spellings() -> None:
     assert limits == HttpLimits()
     assert (limits.max_header_bytes, limits.max_header_count) == (64 * 1024, 256)
     assert (limits.header_read_timeout, limits.keep_alive_timeout) == (10.0, 5.0)
+    assert limits.body_read_timeout == 60.0
     assert (limits.max_connections, limits.backlog) == (1024, 2048)
     assert not cors_from_args(parse()).enabled
     args = parse("--h11-max-incomplete-event-size", "4MiB", "--h11-max-header-count", "100")
@@ -367,6 +373,7 @@ def test_bad_http_flags_exit_2_naming_the_flag() -> None:
     for flags, name in [
         (("--max-connections", "0"), "--max-connections"),
         (("--header-read-timeout", "nan"), "--header-read-timeout"),
+        (("--body-read-timeout", "0"), "--body-read-timeout"),
         (("--max-header-bytes", "100"), "--max-header-bytes"),
     ]:
         with pytest.raises(ValueError, match=name):
