@@ -379,7 +379,8 @@ def cors_from_args(args: argparse.Namespace) -> CorsOptions:
 def raise_fd_limit(limits: HttpLimits) -> HttpLimits:
     """Raise the soft file-descriptor limit toward the hard one (as vLLM's ``set_ulimit``
     does), so that --max-connections, not the OS, is what turns clients away; if the hard
-    limit is too low, lower the cap to fit with a warning (a refused accept loops in uvicorn)."""
+    limit is too low, lower the cap to fit with a warning (out of descriptors, asyncio's accept
+    loop fails and pauses, turning every client away, innocent or not)."""
     try:
         import resource
     except ImportError:  # Windows
