@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.structured import (
@@ -31,8 +30,9 @@ MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default
 # alike): larger values would overflow inside the engine step instead of failing here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Fields bound them with ``lt=INT64_END``, not ``le=INT64_MAX``: FastAPI's OpenAPI models hold
-# bounds as floats, and 2**63 - 1 becomes the float 2**63, so the published schema would admit
-# 2**63 while the server refuses it. 2**63 is exact as a float: both then agree.
+# bounds as floats, and 2**63 - 1 has none (it becomes 2**63), so the published schema would
+# admit 2**63 while the server refuses it. 2**63 is exact as a float (and openapi.py publishes
+# it as the integer): the schema and the server then agree.
 INT64_END = 2**63
 
 
@@ -282,19 +282,24 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+def _one_input_schema(schema: dict[str, Any]) -> None:
+    """Exactly one of ``prompt`` / ``messages``, neither null (``_one_input``), in the
+    published schema too, so that it refuses what the server refuses."""
+    for name in ("prompt", "messages"):
+        prop = schema["properties"][name]
+        (given,) = [arm for arm in prop.pop("anyOf") if arm.get("type") != "null"]
+        prop.pop("default", None)
+        prop.update(given)
+    schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    schema["examples"] = [{"prompt": "Hello world"}]
+
+
 class TokenizeRequest(_Request):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [{"prompt": "Hello world"}],
-            # exactly one input (vLLM's two request shapes in one), so that the published
-            # schema refuses what the server refuses
-            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=_one_input_schema)
 
     model: str | None = None
-    prompt: str | SkipJsonSchema[None] = None  # not nullable: give it or leave it out
-    messages: list[ChatMessage] | SkipJsonSchema[None] = None
+    prompt: str | None = None  # None: not given (an explicit null is refused)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     # with messages, the chat template's other inputs (as /v1/chat/completions)

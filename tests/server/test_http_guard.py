@@ -327,7 +327,7 @@ def test_the_schema_refuses_what_the_server_refuses(
 
 
 def test_tokenize_input_rules_match_the_schema(guard_server: Server) -> None:
-    for body in ({}, {"prompt": None}, {"prompt": "hi", "messages": None}):
+    for body in ({}, {"prompt": None}, {"prompt": "hi", "messages": None}, {"messages": []}):
         assert schema_errors("TokenizeRequest", body), body
         r = httpx.post(f"{guard_server.url}/tokenize", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 400, (body, r.text)
