@@ -384,3 +384,23 @@ def test_bad_http_flags_exit_2_naming_the_flag() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "--max-connections" in r.stderr
+
+
+def test_the_fd_limit_is_raised_to_fit_the_cap_or_the_cap_lowered() -> None:
+    """In a child process (the limits are per process): a low soft limit is raised to fit
+    --max-connections; a hard limit too low for it lowers the cap instead."""
+    script = """
+import resource
+from kvserve.server.http_guard import HttpLimits, raise_fd_limit
+N = resource.RLIMIT_NOFILE
+resource.setrlimit(N, (300, 5000))
+print(raise_fd_limit(HttpLimits()).max_connections, resource.getrlimit(N)[0])
+resource.setrlimit(N, (500, 500))
+print(raise_fd_limit(HttpLimits()).max_connections, resource.getrlimit(N)[0])
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["1024 1280", "244 500"]
+    assert "--max-connections 1024 lowered to 244" in r.stderr
