@@ -7,6 +7,7 @@ process (tests).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,6 +26,7 @@ from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from kvserve.server.http_guard import DEFAULT_BODY_READ_TIMEOUT, CorsOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openapi import error_responses, generation_responses, install_openapi
 from kvserve.server.protocol import (
@@ -56,10 +59,12 @@ class ServerState:
 
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # seconds (--body-read-timeout)
     limits: Limits = field(default_factory=Limits)
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # tool calling, templates
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request
+    cors: CorsOptions = field(default_factory=CorsOptions)  # --allowed-origins etc.
     engines: dict[str, AsyncLLMEngine] = field(default_factory=dict)  # served name -> engine
     model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
     ready: bool = False  # every model has loaded
@@ -137,13 +142,15 @@ class GuardMiddleware:
             return
         path: str = scope["path"]
         key = self.state.api_key
-        if key and path.startswith(_PROTECTED_PREFIXES) and not _authorized(scope, key):
-            resp = error_response(
-                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
-            await resp(scope, receive, send)
-            return
+        if key and path.startswith(_PROTECTED_PREFIXES):
+            refused = _auth_error(scope, key)
+            if refused is not None:
+                headers = {"WWW-Authenticate": "Bearer"}
+                if _has_body(scope):  # closed, so that the body is never read
+                    headers["Connection"] = "close"
+                resp = error_response(401, refused, code="invalid_api_key", headers=headers)
+                await resp(scope, receive, send)
+                return
         if self.state.draining and path.startswith(_PROTECTED_PREFIXES):
             # Connection: close, so that a client (or load balancer) reconnects elsewhere.
             resp = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"})
@@ -152,12 +159,24 @@ class GuardMiddleware:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        body = await self._read_body(scope, receive)
+        timeout = self.state.body_read_timeout
+        try:
+            # bounded in time too: a body that trickles in would hold its connection (which
+            # has a request in flight, so --max-connections never evicts it) for ever
+            body = await asyncio.wait_for(self._read_body(scope, receive), timeout)
+        except asyncio.TimeoutError:
+            resp = error_response(
+                408, f"the request body took longer than {timeout:g}s (--body-read-timeout)",
+                headers={"Connection": "close"},
+            )  # fmt: skip
+            await resp(scope, receive, send)
+            return
         if body is None:
             limit = self.state.max_request_body_bytes
             resp = error_response(
-                413, f"the request body is larger than this server's limit of {limit} bytes",
-                code="request_too_large",
+                413, f"the request body is larger than this server's limit of {limit} bytes "
+                "(--max-request-body-bytes)",
+                code="request_too_large", headers={"Connection": "close"},
             )  # fmt: skip
             await resp(scope, receive, send)
             return
@@ -197,11 +216,23 @@ class GuardMiddleware:
         return b"".join(chunks)
 
 
-def _authorized(scope: Scope, key: str) -> bool:
+def _has_body(scope: Scope) -> bool:
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            return bearer_matches(value, key)
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
     return False
+
+
+def _auth_error(scope: Scope, key: str) -> str | None:
+    """Why the request's ``Authorization`` does not grant access, or None if it does."""
+    values = [value for name, value in scope["headers"] if name == b"authorization"]
+    if len(values) > 1:
+        # A singleton field (RFC 9110): which copy a proxy or the app would read differs, so
+        # neither counts.
+        return f"the request has {len(values)} Authorization headers; send exactly one"
+    if values and bearer_matches(values[0], key):
+        return None
+    return "Incorrect or missing API key: send 'Authorization: Bearer <key>'"
 
 
 def bearer_matches(value: bytes, key: str) -> bool:
@@ -220,6 +251,16 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app, _PROTECTED_PREFIXES if state.api_key else None)
     app.add_middleware(GuardMiddleware, state=state)  # type: ignore[arg-type]
+    if state.cors.enabled:
+        # Added last, so outermost: a preflight (OPTIONS) is answered before the key check,
+        # and every answer, a 401 included, carries the CORS headers a browser needs to read it.
+        app.add_middleware(
+            CORSMiddleware,  # type: ignore[arg-type]
+            allow_origins=list(state.cors.allowed_origins),
+            allow_methods=list(state.cors.allowed_methods),
+            allow_headers=list(state.cors.allowed_headers),
+            allow_credentials=state.cors.allow_credentials,
+        )
     _add_openai_routes(app, state)
     _add_ops_routes(app, state)
     return app
@@ -288,9 +329,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", responses=error_responses(400, 404, 413, 500, 503))
     async def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
-        engine = state.engine_for(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
+        engine = state.engine_for(req.model)  # exactly one of prompt / messages: the model's check
         if req.messages is not None:
             template = template_args(
                 state.chat_options,

@@ -22,6 +22,13 @@ from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.ray.options import add_ray_args
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
+from kvserve.server.http_guard import (
+    add_http_args,
+    cors_from_args,
+    http_limits_from_args,
+    raise_fd_limit,
+    uvicorn_options,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import Limits
 from kvserve.server.tool_parsers import TOOL_PARSERS
@@ -96,6 +103,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the HTTP server's (uvicorn's) log level; --uvicorn-log-level is vLLM's name",
     )  # fmt: skip
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    add_http_args(p)  # header limits and timeouts, --max-connections, CORS (http_guard.py)
     tools = p.add_argument_group("tool calling and chat templates (vLLM's flags)")
     tools.add_argument(
         "--enable-auto-tool-choice", action="store_true",
@@ -195,6 +203,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
     return ServerState(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        body_read_timeout=args.body_read_timeout,
         limits=Limits(
             max_tokens_limit=args.max_tokens_limit,
             max_n=args.max_n,
@@ -208,6 +217,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
         ),
         metrics=ServerMetrics(engine_args.metrics_prefix),
         tracer=_tracer(engine_args.otlp_traces_endpoint),
+        cors=cors_from_args(args),
     )
 
 
@@ -227,6 +237,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = replace(EngineArgs.from_cli_args(args), model=None, served_model_name=None)
     for model, _ in specs:
         replace(engine_args, model=model)  # per-model checks (e.g. --tokenizer)
+    http_limits = raise_fd_limit(http_limits_from_args(args))
     state = build_state(args, engine_args)
     config = uvicorn.Config(
         build_app(state),
@@ -237,6 +248,7 @@ def run_serve(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         # uvicorn's own wait comes after the drain, which has finished or failed every request.
         timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
+        **uvicorn_options(http_limits),  # the guarded HTTP layer (http_guard.py)
     )
     server = DrainingServer(config, state, args.shutdown_timeout)
     if args.grpc_port is not None:

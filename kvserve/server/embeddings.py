@@ -22,7 +22,7 @@ from kvserve.outputs import EmbeddingRequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.server.completions import prompt_items
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import INT64_MAX, INT64_MIN, PromptInput, _examples, _Request
+from kvserve.server.protocol import INT64_END, INT64_MIN, PromptInput, _examples, _Request
 from kvserve.server.serving import (
     Limits,
     PromptInfo,
@@ -53,7 +53,7 @@ class EmbeddingRequest(_Request):
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
     add_special_tokens: bool = True
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, lt=INT64_END)
 
 
 class EmbeddingData(BaseModel):

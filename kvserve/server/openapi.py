@@ -71,6 +71,7 @@ def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...] | None) ->
         if app.openapi_schema is None:
             schema = generate()  # cached by FastAPI in app.openapi_schema, edited in place
             _drop_422(schema)
+            _integer_bounds(schema)
             if protected_prefixes is not None:
                 _add_auth(schema, protected_prefixes)
         return app.openapi_schema  # type: ignore[return-value]
@@ -80,6 +81,28 @@ def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...] | None) ->
 
 def _operations(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(path, op) for path, item in schema["paths"].items() for op in item.values()]
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integer_bounds(node: Any) -> None:
+    """Integer fields' bounds as integers. FastAPI's OpenAPI models hold every bound as a
+    float, so ``ge=0`` is published as ``0.0`` and a generator (schemathesis) sends ``0.0``,
+    which strict validation refuses as no integer; and a bound near 2**63 must be exact."""
+    if isinstance(node, list):
+        for item in node:
+            _integer_bounds(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "integer":
+        for key in _BOUNDS:
+            value = node.get(key)
+            if isinstance(value, float) and value.is_integer():
+                node[key] = int(value)
+    for value in node.values():
+        _integer_bounds(value)
 
 
 def _drop_422(schema: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,6 +29,11 @@ MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default
 # Seeds, priorities and top_k reach torch / the scheduler as 64-bit integers (vLLM bounds them
 # alike): larger values would overflow inside the engine step instead of failing here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Fields bound them with ``lt=INT64_END``, not ``le=INT64_MAX``: FastAPI's OpenAPI models hold
+# bounds as floats, and 2**63 - 1 has none (it becomes 2**63), so the published schema would
+# admit 2**63 while the server refuses it. 2**63 is exact as a float (and openapi.py publishes
+# it as the integer): the schema and the server then agree.
+INT64_END = 2**63
 
 
 def _omit_none(value: object) -> bool:
@@ -68,7 +73,7 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, lt=INT64_END)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -77,7 +82,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     # vLLM extras
-    top_k: int | None = Field(None, le=INT64_MAX)  # the sampler holds it in an int64 tensor
+    top_k: int | None = Field(None, lt=INT64_END)  # the sampler holds it in an int64 tensor
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -87,7 +92,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, lt=INT64_END)
     # vLLM's extra field: top logprobs per prompt token (plus the prompt's own token)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = None  # only these ids may be generated
@@ -99,7 +104,7 @@ class _SamplingFields(_Request):
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)  # [] has nothing to choose
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # "auto" / "xgrammar"; others are refused
     guided_whitespace_pattern: str | None = None  # refused: xgrammar has no such option
@@ -277,12 +282,24 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+def _one_input_schema(schema: dict[str, Any]) -> None:
+    """Exactly one of ``prompt`` / ``messages``, neither null (``_one_input``), in the
+    published schema too, so that it refuses what the server refuses."""
+    for name in ("prompt", "messages"):
+        prop = schema["properties"][name]
+        (given,) = [arm for arm in prop.pop("anyOf") if arm.get("type") != "null"]
+        prop.pop("default", None)
+        prop.update(given)
+    schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    schema["examples"] = [{"prompt": "Hello world"}]
+
+
 class TokenizeRequest(_Request):
-    model_config = _examples({"prompt": "Hello world"})
+    model_config = ConfigDict(json_schema_extra=_one_input_schema)
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | None = None  # None: not given (an explicit null is refused)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     # with messages, the chat template's other inputs (as /v1/chat/completions)
@@ -291,12 +308,24 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_input(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [k for k in ("prompt", "messages") if k in data]
+            if len(given) != 1:
+                raise ValueError("send exactly one of 'prompt' or 'messages'")
+            if data[given[0]] is None:
+                raise ValueError(f"'{given[0]}' must not be null")
+        return data
+
 
 class DetokenizeRequest(_Request):
     model_config = _examples({"tokens": [19556, 905]})
 
     model: str | None = None
-    tokens: list[int]
+    # ids are never negative (the vocabulary's size, which bounds them above, is the model's)
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class StructuredOutputsRequest(_Strict):
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(None, min_length=1)  # [] has nothing to choose
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None

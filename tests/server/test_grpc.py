@@ -158,7 +158,10 @@ async def test_stream_adds_up_to_generate(grpc_server: Server, fields: dict) -> 
 def test_api_key_is_required(grpc_server: Server) -> None:
     with grpc.insecure_channel(target(grpc_server)) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", API_KEY),)):
+        good = ("authorization", f"Bearer {API_KEY}")
+        for metadata in (
+            (), (("authorization", "Bearer wrong"),), (("authorization", API_KEY),), (good, good),
+        ):  # fmt: skip
             for method in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
                 with pytest.raises(grpc.RpcError) as e:
                     method(request(max_tokens=1), metadata=metadata)

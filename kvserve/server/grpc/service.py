@@ -196,7 +196,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 for k, v in context.invocation_metadata() or ()
                 if k == "authorization"
             ]
-            if not (values and bearer_matches(values[0], key)):
+            # two copies are refused, as over HTTP: which one counts would depend on the reader
+            if not (len(values) == 1 and bearer_matches(values[0], key)):
                 raise APIError(401, UNAUTHENTICATED, code="invalid_api_key")
         if self.state.draining:
             raise APIError(503, SHUTTING_DOWN)
