@@ -75,7 +75,8 @@ using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
                          int64_t, double);
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, bool, bool);
-using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        int64_t);
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 
@@ -185,7 +186,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       return at::linear(x, lin.w, lin.bias);
     }
     if (lin.kind == kWide) {
-      return o.wide.call(x, lin.w, lin.bias);
+      return o.wide.call(x, lin.w, lin.bias, -1);  // -1: the kernel's own row threshold
     }
     if (lin.kind == kPacked) {
       torch::jit::Stack stack{x, lin.w, lin.bias, std::string("none"),

@@ -108,8 +108,9 @@ void channels(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_
 }
 
 // x [M, K] float32, w [N, K] bf16 or fp16, bias [N] float32 or none -> [M, N] float32.
+// direct_rows: the most rows the kernel takes (default kDirectRows; benchmarks move it).
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, int64_t direct_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "wide_linear: x must be a float32 [M, K] CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
@@ -121,7 +122,7 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
                 "wide_linear: bias must be float32 [N]");
   }
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  if (m > kDirectRows) {
+  if (m > (direct_rows < 0 ? kDirectRows : direct_rows)) {
     return at::linear(x, w.to(at::kFloat), bias);
   }
   const at::Tensor xc = x.contiguous();
@@ -170,7 +171,7 @@ std::string wide_linear_isa() {
 #endif
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("wide_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("wide_linear(Tensor x, Tensor w, Tensor? bias, int direct_rows=-1) -> Tensor");
   m.def("wide_linear_direct_rows() -> int", &wide_linear_direct_rows);
   m.def("wide_linear_isa() -> str", &wide_linear_isa);
 }
