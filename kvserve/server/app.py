@@ -38,6 +38,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.request_limits import check_chat, check_tools
 from kvserve.server.serving import Limits, tokenize
 from kvserve.server.tools import ChatOptions, template_args
 from kvserve.server.tracing import RequestTracer
@@ -287,6 +288,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
         if req.messages is not None:
+            check_chat(state.limits, req.messages)
+            check_tools(state.limits, req.tools)
             template = template_args(
                 state.chat_options,
                 tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
