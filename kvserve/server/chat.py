@@ -11,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.outputs import CompletionOutput, TokenLogprobs
 from kvserve.server.errors import bad_request, error_event
-from kvserve.server.offload import run_cpu
+from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -89,10 +89,13 @@ async def chat_prompt(
         # The template already holds the special tokens: do not add BOS again.
         return PromptInfo(text, tok.encode(text, add_special_tokens=False))
 
-    # Off the event loop whatever the conversation's size (request_limits bounds it).
-    size = sum(len(m["content"]) for m in conv)
+    # Off the event loop whatever the conversation's size (request_limits bounds it); tools,
+    # documents and a request's own template make a render larger than its messages.
+    small = sum(len(m["content"]) for m in conv) <= SMALL_JOB_CHARS and not (
+        args.tools or args.documents or args.chat_template
+    )
     try:
-        return await run_cpu(render, size)
+        return await run_cpu(render, small)
     except Exception as e:  # jinja errors (e.g. a template that rejects the roles given)
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
 

@@ -39,9 +39,10 @@ def _pool(lane: str) -> ThreadPoolExecutor:
         return pool
 
 
-async def run_cpu(fn: Callable[[], T], size: int) -> T:
-    """``fn()`` on a worker thread of the small or large lane (``size``: characters of input).
+async def run_cpu(fn: Callable[[], T], small: bool) -> T:
+    """``fn()`` on a worker thread of the small lane (``small``: its input is at most
+    ``SMALL_JOB_CHARS`` characters) or the large one.
 
     A job that has not started when its request is cancelled (the client left) never runs."""
-    lane = "small" if size <= SMALL_JOB_CHARS else "large"
-    return await asyncio.get_running_loop().run_in_executor(_pool(lane), fn)
+    pool = _pool("small" if small else "large")
+    return await asyncio.get_running_loop().run_in_executor(pool, fn)

@@ -28,7 +28,7 @@ from kvserve.pooling_params import PoolingParams
 from kvserve.sample.sampler import NO_TOKEN_ALLOWED
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.offload import run_cpu
+from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import (
     PromptLogprob,
     PromptLogprobsJSON,
@@ -162,7 +162,7 @@ async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool =
         raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
     # Off the event loop whatever the size (a 1 MB text takes seconds), in the bounded pool.
     encode = functools.partial(tok.encode, text, add_special_tokens=add_special_tokens)
-    return await run_cpu(encode, len(text))
+    return await run_cpu(encode, small=len(text) <= SMALL_JOB_CHARS)
 
 
 def resolve_max_tokens(
