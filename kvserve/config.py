@@ -189,8 +189,16 @@ class ModelConfig:
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
     # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)
     generation_config: GenerationConfigSource = GenerationConfigSource.AUTO
+    # most logprobs a request may ask per token, sampled (logprobs) or prompt
+    # (prompt_logprobs); vLLM's max_logprobs, -1: no cap (the vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs (--max-logprobs) must be >= 0, or -1 for no cap, got "
+                f"{self.max_logprobs}"
+            )
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
         source = GenerationConfigSource(self.generation_config)
         object.__setattr__(self, "generation_config", source)

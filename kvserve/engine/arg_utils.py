@@ -308,6 +308,10 @@ class EngineArgs:
         "of native Llama-family models on CPU run their layers in one C++ call (kvserve's "
         "analog of CUDA graphs; same numbers)",
     )  # fmt: skip
+    max_logprobs: int = _opt(
+        20, "vLLM's flag: most logprobs one request may ask per token, counted for logprobs, "
+        "top_logprobs and prompt_logprobs (echo with logprobs too); above: 400 (-1: no cap)",
+    )  # fmt: skip
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
@@ -337,6 +341,9 @@ class EngineArgs:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         self._check_quantization()
+        if self.max_logprobs < -1:
+            raise ValueError("max_logprobs (--max-logprobs) must be >= 0, or -1 for no cap, "
+                             f"got {self.max_logprobs}")  # fmt: skip
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size (--tensor-parallel-size) must be positive, "
                              f"got {self.tensor_parallel_size}")  # fmt: skip
@@ -544,6 +551,7 @@ class EngineArgs:
                 gguf_file=self._gguf_file(),
                 model_impl=self.model_impl,  # type: ignore[arg-type]
                 generation_config=self.generation_config,  # type: ignore[arg-type]
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

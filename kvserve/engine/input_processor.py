@@ -93,6 +93,7 @@ class InputProcessor:
                 f"stop_token_ids: token id {bad[0]} is out of the vocabulary (size {vocab})"
             )
         self._check_priority(priority)
+        check_max_logprobs(params, self.config.model.max_logprobs, vocab)
         validate_decoding_fields(params, self.tokenizer, vocab)
         for cls in self.config.model.logits_processors:
             cls.validate_params(params)  # a custom processor may refuse the request
@@ -157,3 +158,30 @@ class InputProcessor:
                 f"got priority {priority} but priority scheduling is not enabled "
                 f"(scheduling_policy is {policy.value!r}; use --scheduling-policy priority)"
             )
+
+
+def logprobs_over_cap(
+    params: SamplingParams, max_logprobs: int, vocab_size: int
+) -> tuple[str, int, int] | None:
+    """(field, value, cap) of the first logprobs field above ``max_logprobs`` (vLLM's check;
+    -1: the vocabulary), else None. Prompt logprobs count too: each prompt token's top-k is a
+    full-vocabulary softmax and a k-entry dict in the answer, so ``prompt_logprobs`` on a
+    long prompt is the costliest thing a small request can ask for."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > cap:
+            return name, value, cap
+    return None
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """Raise ``ParamError`` naming the field when ``logprobs_over_cap`` finds one."""
+    over = logprobs_over_cap(params, max_logprobs, vocab_size)
+    if over is not None:
+        name, value, cap = over
+        raise ParamError(
+            name,
+            f"{name} is {value}, above the engine's limit of {cap} logprobs per token "
+            f"(max_logprobs, --max-logprobs)",
+        )

@@ -41,6 +41,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.request_limits import check_chat, check_tools
 from kvserve.server.serving import Limits, tokenize
 from kvserve.server.tools import ChatOptions, template_args
 from kvserve.server.tracing import RequestTracer
@@ -331,6 +332,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
         engine = state.engine_for(req.model)  # exactly one of prompt / messages: the model's check
         if req.messages is not None:
+            check_chat(state.limits, req.messages)
+            check_tools(state.limits, req.tools)
             template = template_args(
                 state.chat_options,
                 tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,

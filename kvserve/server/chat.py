@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.outputs import CompletionOutput, TokenLogprobs
 from kvserve.server.errors import bad_request, error_event
+from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -22,6 +22,7 @@ from kvserve.server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from kvserve.server.request_limits import check_chat, check_request_cost, check_tools
 from kvserve.server.serving import (
     SSE_DONE,
     ChunkEncoder,
@@ -88,8 +89,13 @@ async def chat_prompt(
         # The template already holds the special tokens: do not add BOS again.
         return PromptInfo(text, tok.encode(text, add_special_tokens=False))
 
+    # Off the event loop whatever the conversation's size (request_limits bounds it); tools,
+    # documents and a request's own template make a render larger than its messages.
+    small = sum(len(m["content"]) for m in conv) <= SMALL_JOB_CHARS and not (
+        args.tools or args.documents or args.chat_template
+    )
     try:
-        return await asyncio.to_thread(render) if len(conv) > 32 else render()
+        return await run_cpu(render, small)
     except Exception as e:  # jinja errors (e.g. a template that rejects the roles given)
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
 
@@ -133,6 +139,8 @@ async def create_chat_completion(
     options: ChatOptions | None = None,
 ) -> Response:
     _check_unsupported(req)
+    check_chat(limits, req.messages, req.documents)  # before any work on the messages
+    check_tools(limits, req.tools)
     options = options or ChatOptions()
     tools = plan_tools(req, options)  # tool_choice, the grammar, parsing the output
     check_fan_out(limits, req.n, 1)
@@ -146,6 +154,7 @@ async def create_chat_completion(
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req.sampling_params, max_tokens, top_k, defaults)
     tools.apply_grammar(params)  # tool_choice required / named
+    check_request_cost(limits, engine, params, req, "top_logprobs")
     await check_grammar(engine, params)
     request_id = new_id("chatcmpl")
     streams = start_streams(engine, [prompt], params, request_id, req.priority)

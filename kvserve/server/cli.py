@@ -92,6 +92,43 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-prompts-per-request", type=int, default=Limits.max_prompts_per_request,
         help="most prompts in one completions request; above: 400",
     )  # fmt: skip
+    cost = p.add_argument_group(
+        "the cost of one request (above a limit: 400 naming its flag; --max-logprobs is "
+        "with the engine's flags)"
+    )
+    cost.add_argument(
+        "--max-num-seqs-per-request", type=int, default=Limits.max_num_seqs_per_request,
+        help="most sequences one request may start: prompts x n",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-tools-per-request", type=int, default=Limits.max_tools_per_request,
+        help="most tools in one chat request (/tokenize with messages too)",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-json-schema-bytes", type=parse_bytes, default=Limits.max_json_schema_bytes,
+        help="largest JSON schema a structured output is compiled from (response_format, "
+             "guided_json, structured_outputs.json, the schema tool_choice 'required' or a "
+             "named tool builds from the tools), as compact JSON; accepts e.g. 64KiB",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-json-schema-enum-members", type=int,
+        default=Limits.max_json_schema_enum_members,
+        help="most enum members across that schema; guided_choice's choices count too",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-grammar-bytes", type=parse_bytes, default=Limits.max_grammar_bytes,
+        help="largest regex, grammar or structural tag (guided_regex, guided_grammar, "
+             "structured_outputs...), or guided_choice's strings together",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-chat-messages", type=int, default=Limits.max_chat_messages,
+        help="most messages in one conversation (chat, /tokenize)",
+    )  # fmt: skip
+    cost.add_argument(
+        "--max-chat-bytes", type=parse_bytes, default=Limits.max_chat_bytes,
+        help="most UTF-8 bytes of text in one conversation: the messages, their tool calls' "
+             "arguments and the documents",
+    )  # fmt: skip
     p.add_argument(
         "--shutdown-timeout", type=float, default=0.0,
         help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish (new ones "
@@ -159,6 +196,7 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
         raise ValueError("--max-num-queued-tokens must be >= 0")
     if args.max_n < 1 or args.max_prompts_per_request < 1:
         raise ValueError("--max-n and --max-prompts-per-request must be >= 1")
+    _check_cost_limits(args)
     if args.grpc_port is not None and not (
         0 <= args.grpc_port <= 65535 and args.grpc_port != args.port
     ):
@@ -166,6 +204,24 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
     if not args.shutdown_timeout >= 0:  # also rejects nan
         raise ValueError("--shutdown-timeout must be >= 0")
     return list(zip(models, names, strict=True))
+
+
+# The request-cost flags: (attribute, flag) pairs; each must be >= 1.
+_COST_FLAGS = (
+    ("max_num_seqs_per_request", "--max-num-seqs-per-request"),
+    ("max_tools_per_request", "--max-tools-per-request"),
+    ("max_json_schema_bytes", "--max-json-schema-bytes"),
+    ("max_json_schema_enum_members", "--max-json-schema-enum-members"),
+    ("max_grammar_bytes", "--max-grammar-bytes"),
+    ("max_chat_messages", "--max-chat-messages"),
+    ("max_chat_bytes", "--max-chat-bytes"),
+)
+
+
+def _check_cost_limits(args: argparse.Namespace) -> None:
+    for attr, flag in _COST_FLAGS:
+        if getattr(args, attr) < 1:
+            raise ValueError(f"{flag} must be >= 1, got {getattr(args, attr)}")
 
 
 def load_models(
@@ -208,6 +264,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
             max_tokens_limit=args.max_tokens_limit,
             max_n=args.max_n,
             max_prompts_per_request=args.max_prompts_per_request,
+            **{attr: getattr(args, attr) for attr, _ in _COST_FLAGS},
         ),
         chat_options=ChatOptions(
             enable_auto_tool_choice=args.enable_auto_tool_choice,

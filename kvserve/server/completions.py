@@ -19,6 +19,7 @@ from kvserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from kvserve.server.request_limits import check_request_cost
 from kvserve.server.serving import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -153,6 +154,7 @@ async def prepare_completion(
     ]
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
     params = make_params(req.sampling_params, max_tokens, req.logprobs, defaults)
+    check_request_cost(limits, engine, params, req, "logprobs")
     await check_grammar(engine, params)
     return prompts, params
 

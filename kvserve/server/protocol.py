@@ -25,7 +25,6 @@ from kvserve.server.structured import (
     structured_outputs_params,
 )
 
-MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default cap)
 # Seeds, priorities and top_k reach torch / the scheduler as 64-bit integers (vLLM bounds them
 # alike): larger values would overflow inside the engine step instead of failing here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -93,8 +92,9 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
     priority: int = Field(0, ge=INT64_MIN, lt=INT64_END)
-    # vLLM's extra field: top logprobs per prompt token (plus the prompt's own token)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extra field: top logprobs per prompt token (plus the prompt's own token); the
+    # logprobs fields are capped by --max-logprobs (request_limits.py), not by the schema
+    prompt_logprobs: int | None = Field(None, ge=0)
     allowed_token_ids: list[int] | None = None  # only these ids may be generated
     # vLLM's per-request arguments for custom logits processors (SamplingParams.extra_args)
     vllm_xargs: dict[str, str | int | float | bool | list[str | int | float]] | None = None
@@ -184,7 +184,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     # 0 only with echo (OpenAI's "score the prompt"): one token is computed, none returned
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None  # accepted only when equal to n
     suffix: str | None = None  # unsupported: rejected when set
@@ -261,7 +261,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     # Tool calling (kvserve/server/tools.py): vLLM's defaults, "auto" when tools are given
     tools: list[ChatCompletionTool] | None = None

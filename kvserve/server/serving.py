@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -27,6 +28,7 @@ from kvserve.pooling_params import PoolingParams
 from kvserve.sample.sampler import NO_TOKEN_ALLOWED
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import (
     PromptLogprob,
     PromptLogprobsJSON,
@@ -36,8 +38,6 @@ from kvserve.server.protocol import (
 
 T = TypeVar("T")
 
-# Texts longer than this are tokenized in a worker thread so the event loop keeps serving.
-_TOKENIZE_IN_THREAD_CHARS = 4096
 # How often a non-streaming handler checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -50,6 +50,15 @@ class Limits:
     max_tokens_limit: int | None = None  # most tokens one request may ask to generate
     max_n: int = 128  # most completions per prompt
     max_prompts_per_request: int = 256  # most prompts in one completions request
+    # -- the cost of one request (issue 28; checked in request_limits.py) ---------------------
+    # most sequences (prompts x n) one request starts: 256 x 128 would queue 32,768
+    max_num_seqs_per_request: int = 256
+    max_tools_per_request: int = 128  # OpenAI's own limit on tools
+    max_json_schema_bytes: int = 64 * 1024  # a grammar's JSON schema, compact JSON
+    max_json_schema_enum_members: int = 1024  # enum members across the schema (and choices)
+    max_grammar_bytes: int = 64 * 1024  # regex, grammar, structural tag, choices together
+    max_chat_messages: int = 1024
+    max_chat_bytes: int = 1024 * 1024  # the conversation's text (UTF-8)
 
 
 def check_fan_out(limits: Limits, n: int, num_prompts: int) -> None:
@@ -64,6 +73,13 @@ def check_fan_out(limits: Limits, n: int, num_prompts: int) -> None:
             f"the request has {num_prompts} prompts, above this server's limit of "
             f"{limits.max_prompts_per_request} (--max-prompts-per-request)",
             "prompt",
+        )
+    if n * num_prompts > limits.max_num_seqs_per_request:
+        raise bad_request(
+            f"the request asks for {num_prompts} prompts x n={n} = {n * num_prompts} sequences, "
+            f"above this server's limit of {limits.max_num_seqs_per_request} "
+            f"(--max-num-seqs-per-request)",
+            "n",
         )
 
 
@@ -144,9 +160,9 @@ async def tokenize(engine: AsyncLLMEngine, text: str, add_special_tokens: bool =
     tok = engine.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
-    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
-    return tok.encode(text, add_special_tokens=add_special_tokens)
+    # Off the event loop whatever the size (a 1 MB text takes seconds), in the bounded pool.
+    encode = functools.partial(tok.encode, text, add_special_tokens=add_special_tokens)
+    return await run_cpu(encode, small=len(text) <= SMALL_JOB_CHARS)
 
 
 def resolve_max_tokens(

@@ -70,8 +70,8 @@ def test_unset_fields_take_the_http_defaults() -> None:
             "temperature",
         ),
         (
-            pb.GenerateRequest(text="x", params=pb.SamplingParameters(logprobs=21)),
-            "logprobs: Input should be less than or equal to 20",
+            pb.GenerateRequest(text="x", params=pb.SamplingParameters(logprobs=-1)),
+            "logprobs: Input should be greater than or equal to 0",
             "logprobs",
         ),
     ],
