@@ -383,6 +383,30 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+# -- structured outputs: grammar compilation limits ------------------------------------------
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """What one grammar compile (structured outputs, ``tool_choice`` required or named) may
+    take: each compiles in a worker process that is killed past these limits, failing only
+    its own request (vLLM's class name; its limits are kvserve's own)."""
+
+    compile_timeout: float = 10.0  # seconds one compile may run before it is killed
+    compile_max_memory: int = 512 * 2**20  # bytes one compile may add to its worker process
+    cache_memory: int = 64 * 2**20  # bytes of compiled grammars kept for reuse (LRU)
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout > 0:  # also rejects nan
+            raise ValueError(
+                f"grammar_compile_timeout must be positive, got {self.compile_timeout}."
+            )
+        if self.compile_max_memory <= 0:
+            raise ValueError(
+                f"grammar_compile_max_memory must be positive, got {self.compile_max_memory}."
+            )
+        if self.cache_memory < 0:
+            raise ValueError(f"grammar_cache_memory must be non-negative, got {self.cache_memory}.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -391,3 +415,4 @@ class EngineConfig:
     device: str = "cpu"  # torch device string; everything is placed there
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -126,6 +126,8 @@ class Scheduler:
             for pending in (self.waiting_for_grammar, self.grammar_failed):
                 if req in pending:
                     pending.remove(req)
+            if req.structured_output is not None:
+                req.structured_output.release()  # a compile nobody else waits for stops
             self.kv.free(rid)
             self._finished_ids.add(rid)
             self.runner_views.forget(rid)

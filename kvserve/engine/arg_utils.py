@@ -29,6 +29,7 @@ from kvserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     auto_dtype,
     parse_bytes,
     parse_dtype,
@@ -315,6 +316,19 @@ class EngineArgs:
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
+    # -- grammar compilation limits (structured outputs, tool_choice required) --------------
+    grammar_compile_timeout: float = _opt(
+        10.0, "seconds one grammar compile (structured outputs, tool_choice required or "
+        "named) may run; its worker process is then killed and the request fails with 400",
+    )  # fmt: skip
+    grammar_compile_max_memory: str = _opt(
+        "512MiB", "memory one grammar compile may add to its worker process, e.g. 512MiB; "
+        "past it the worker is killed and the request fails with 400", type=str,
+    )  # fmt: skip
+    grammar_cache_memory: str = _opt(
+        "64MiB", "compiled grammars kept for reuse, in bytes (e.g. 64MiB; least recently "
+        "used dropped first; vLLM's VLLM_XGRAMMAR_CACHE_MB)", type=str,
+    )  # fmt: skip
     # -- serve only (SERVER_ONLY): observability of the HTTP server -----------------------
     otlp_traces_endpoint: str | None = _opt(
         None, "vLLM's flag: send an OpenTelemetry span per request (vLLM's llm_request with "
@@ -576,6 +590,11 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,  # type: ignore[arg-type]
                 num_threads=self.num_threads,
+            ),
+            structured_outputs=StructuredOutputsConfig(
+                compile_timeout=self.grammar_compile_timeout,
+                compile_max_memory=parse_bytes(self.grammar_compile_max_memory),
+                cache_memory=parse_bytes(self.grammar_cache_memory),
             ),
         )
 

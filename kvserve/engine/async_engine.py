@@ -288,9 +288,10 @@ class AsyncLLMEngine:
         return stream
 
     async def compile_grammar(self, params: SamplingParams) -> None:
-        """Wait until the request's grammar is compiled (on the compile thread, cached by its
-        text), so an invalid schema fails here, before the request is queued; raises
-        ``GrammarError`` (a ``ValueError``) with the compiler's reason."""
+        """Wait until the request's grammar is compiled (in a compile worker process, cached
+        by its text), so an invalid schema fails here, before the request is queued; raises
+        ``GrammarError`` (a ``ValueError``) with the compiler's reason or the limit it hit.
+        Cancelling the caller cancels the compile unless another request waits for it."""
         future = self.engine.compile_grammar(params)
         if future is not None:
             await asyncio.wrap_future(future)

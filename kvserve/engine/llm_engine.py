@@ -128,16 +128,20 @@ class LLMEngine:
         self._child_parent: dict[str, ParentRequest] = {}
         self._child_state: dict[str, CompletionState] = {}
         self._token_texts: dict[int, str] = {}  # token id -> text, for Logprob.decoded_token
-        # Structured outputs; cheap to build (xgrammar's tokenizer info is built on its thread
-        # with the first grammar), and built here so no two threads race to build it.
+        # Structured outputs; cheap to build (the compile workers and xgrammar's tokenizer
+        # info start with the first grammar, or warm_up), built here so no two threads race.
         self._grammar: GrammarCompiler | None = None
         if self.tokenizer is not None:
-            self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammar = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs
+            )
 
     def close(self) -> None:
         """Stop the runner(s): worker processes end (idempotent; also at exit)."""
         self.executor.shutdown()
         self.runner = None
+        if self._grammar is not None:
+            self._grammar.shutdown()  # its compile workers end
 
     # -- requests -----------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:

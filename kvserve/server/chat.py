@@ -155,7 +155,7 @@ async def create_chat_completion(
     params = make_params(req.sampling_params, max_tokens, top_k, defaults)
     tools.apply_grammar(params)  # tool_choice required / named
     check_request_cost(limits, engine, params, req, "top_logprobs")
-    await check_grammar(engine, params)
+    await check_grammar(raw, engine, params)
     request_id = new_id("chatcmpl")
     streams = start_streams(engine, [prompt], params, request_id, req.priority)
     raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)

@@ -237,6 +237,8 @@ def load_models(
     for model, name in specs:
         config = replace(engine_args, model=model, served_model_name=name).create_engine_config()
         engine = LLMEngine(config)
+        if engine.tokenizer is not None:
+            engine.grammar_compiler.warm_up()  # fork the compile workers before any grammar
         queue = AsyncLLMEngine(
             engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens
         )

@@ -133,11 +133,12 @@ def _prompt_text(engine: AsyncLLMEngine, p: PromptInfo) -> str:
 
 
 async def prepare_completion(
-    req: CompletionRequest, engine: AsyncLLMEngine, limits: Limits
+    req: CompletionRequest, engine: AsyncLLMEngine, limits: Limits, raw: Request | None = None
 ) -> tuple[list[PromptInfo], SamplingParams]:
     """Every check of a completion request and its engine inputs: the tokenized prompts and
     their ``SamplingParams``; raises ``APIError`` (400). Shared with the gRPC API, so both
-    validate alike."""
+    validate alike (``raw``: the HTTP request, whose disconnect cancels the grammar compile;
+    a cancelled gRPC call cancels it through its task)."""
     _check_unsupported(req)
     items = prompt_items(req.prompt)
     check_fan_out(limits, req.n, len(items))
@@ -155,14 +156,14 @@ async def prepare_completion(
     max_tokens = None if resolved[0] is None else min(r for r in resolved if r is not None)
     params = make_params(req.sampling_params, max_tokens, req.logprobs, defaults)
     check_request_cost(limits, engine, params, req, "logprobs")
-    await check_grammar(engine, params)
+    await check_grammar(raw, engine, params)
     return prompts, params
 
 
 async def create_completion(
     req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
 ) -> Response:
-    prompts, params = await prepare_completion(req, engine, limits)
+    prompts, params = await prepare_completion(req, engine, limits, raw)
     request_id = new_id("cmpl")
     streams = start_streams(engine, prompts, params, request_id, req.priority)
     raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)

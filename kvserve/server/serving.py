@@ -217,9 +217,18 @@ def make_params(build: Any, *args: Any) -> SamplingParams:
         raise bad_request(str(e), getattr(e, "param", None)) from e
 
 
-async def check_grammar(engine: AsyncLLMEngine, params: SamplingParams) -> None:
-    """Compile the request's structured-output grammar now: an invalid one is a 400 with the
-    compiler's reason, and the engine never sees the request."""
+async def check_grammar(
+    raw: Request | None, engine: AsyncLLMEngine, params: SamplingParams
+) -> None:
+    """Compile the request's structured-output grammar now: an invalid one (or one past
+    --grammar-compile-timeout / --grammar-compile-max-memory) is a 400 with the reason, and
+    the engine never sees the request. An HTTP client that leaves (``raw``) cancels the
+    compile, as does cancelling the caller's task."""
+    if params.structured_outputs is None:
+        return
+    if raw is not None:
+        await run_watching_disconnect(raw, engine.compile_grammar(params))
+        return
     try:
         await engine.compile_grammar(params)
     except ValueError as e:

@@ -1,130 +1,215 @@
-"""Compiling constraints with xgrammar, off the engine thread, and one matcher per request.
+"""Compiling constraints with xgrammar in killable worker processes, and one matcher per request.
 
-``GrammarCompiler.compile`` hands back a ``Future``: the compile runs on one worker thread
-(xgrammar's compiler is C++ and releases the GIL), and equal constraints share one future, so
-a schema sent by a thousand requests compiles once. A request whose grammar is not ready yet
-waits (``RequestStatus.WAITING_FOR_GRAMMAR``) while the others are admitted.
+``GrammarCompiler.compile`` hands back a ``Future`` per caller. The compile itself runs in a
+worker process (``compile_worker.py``) under a time and a memory limit, in one of two lanes
+by input size (``compile_pool.py``), so a small grammar never queues behind a large one.
+Equal constraints share one compile, so a schema sent by a thousand requests compiles once;
+when every caller has cancelled its future (the clients went away), the compile is dropped
+or its worker killed. Results are kept in an LRU bounded in bytes (``cache_memory``), and
+failures (the compiler's reason, or a limit) by count, so a resent bad schema fails at once.
+A request whose grammar is not ready yet waits (``RequestStatus.WAITING_FOR_GRAMMAR``) while
+the others are admitted.
 
 Measured on the built-in SmolLM2 tokenizer (49152 tokens, AMD EPYC, 2 cores): building the
-tokenizer info 0.17 s (once per engine, on the worker thread), compiling a small JSON schema
-~1 ms, filling one row's bitmask ~0.07 ms.
+tokenizer info 0.25 s (once per engine, on a lane's thread), compiling a small JSON schema
+~50 ms in the worker and again in the lane's thread (``REPLAY_SECONDS``), a choice ~2 ms,
+filling one row's bitmask ~0.07 ms.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
 
+from kvserve.config import StructuredOutputsConfig
+from kvserve.structured_output.compile_pool import CompileJob, CompileLane, CompileLimits
+from kvserve.structured_output.compile_worker import (
+    MAX_WHITESPACE,
+    choice_grammar,
+    compile_params,
+)
 from kvserve.structured_output.params import GrammarError, StructuredOutputsParams
 
 logger = logging.getLogger("kvserve.grammar")
 
-# JSON: the most whitespace characters in a row between two tokens. Unbounded, the built-in
-# 135M model at temperature 0.8 wrote newlines until max_tokens (3 of 8 outputs in one run:
-# vLLM's known "endless whitespace" failure); with 24, 2 of 64 outputs of the benchmark's
-# schema still ran out of max_tokens=256 in 24-newline gaps; with 12, 0 of 128. 12 still allows
-# a newline and 5 levels of 2-space indentation.
-MAX_WHITESPACE = 12
-# Compiled grammars kept (LRU); each is small (KBs to a few MB for large schemas).
-_CACHE_SIZE = 256
-# xgrammar prefixes its errors with a time stamp and a C++ source location.
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+__all__ = ["MAX_WHITESPACE", "GrammarCompiler", "StructuredOutputRequest", "choice_grammar"]
+
+# Constraints up to this many characters compile in the small lane, longer ones in the
+# large lane (a 20-tool chat request's schema is ~10-20 KB; 4,000 tools ~300 KB).
+SMALL_GRAMMAR_CHARS = 32 * 1024
+# Failed constraints remembered (by hash, with the reason): a resent bad schema fails at once.
+_FAILURES_KEPT = 256
 
 
-def _reason(exc: BaseException) -> str:
-    return _LOCATION.sub("", str(exc).strip())
+def _done(result: Any = None, exc: BaseException | None = None) -> Future[Any]:
+    future: Future[Any] = Future()
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+    return future
 
 
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are valid
-    EBNF string escapes)."""
-    import json
+class _Pending:
+    """A compile in flight and how many callers still wait for it."""
 
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    def __init__(self, job: CompileJob, lane: CompileLane) -> None:
+        self.job = job
+        self.lane = lane
+        self.waiters = 0
 
 
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and model vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
+        self.config = config or StructuredOutputsConfig()
         self._tokenizer = tokenizer
         self._stop_token_ids = list(stop_token_ids)
-        self._compiler: Any = None  # xgrammar.GrammarCompiler, built on the worker thread
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
-        self._lock = threading.Lock()
-        self._futures: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._info: Any = None  # xgrammar.TokenizerInfo, built once on a lane's thread
+        self._info_lock = threading.Lock()
+        self._local = threading.local()  # each lane thread's own xgrammar compiler (replays)
+        # Reentrant: a future done at once (a closed lane) runs _finished inside compile()
+        self._lock = threading.RLock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # hash -> CompiledGrammar
+        self.cache_bytes = 0
+        self._failures: OrderedDict[str, str] = OrderedDict()  # hash -> reason
+        self._inflight: dict[str, _Pending] = {}
+        limits = CompileLimits(self.config.compile_timeout, self.config.compile_max_memory)
+        self.lanes = {
+            name: CompileLane(name, self._tokenizer_info, limits, self._decode, self._replay)
+            for name in ("small", "large")
+        }
 
     def compile(self, params: StructuredOutputsParams) -> Future[Any]:
-        """The compiled grammar, as a future; its exception is a ``GrammarError`` with the
-        compiler's reason. Equal constraints share one future (cached, LRU)."""
+        """The compiled grammar, as a future of the caller's own: cancelling it tells the
+        compiler this caller no longer waits (the compile stops once no caller does). Its
+        exception is a ``GrammarError`` with the compiler's reason or the limit hit."""
         key = params.key()  # raises GrammarError for JSON text that is not JSON
+        # A hash, so a 1 MB schema is not kept (twice) as a dictionary key.
+        digest = hashlib.sha256(f"{key[0]}\0{key[1]}".encode()).hexdigest()
         with self._lock:
-            future = self._futures.get(key)
-            if future is not None:
-                self._futures.move_to_end(key)
-                return future
-            future = self._executor.submit(self._compile, params)
-            self._futures[key] = future
-            while len(self._futures) > _CACHE_SIZE:
-                self._futures.popitem(last=False)
-            return future
+            grammar = self._cache.get(digest)
+            if grammar is not None:
+                self._cache.move_to_end(digest)
+                return _done(grammar)
+            if digest in self._failures:
+                return _done(exc=GrammarError(self._failures[digest]))
+            pending = self._inflight.get(digest)
+            if pending is None:
+                lane = self.lanes["small" if len(key[1]) <= SMALL_GRAMMAR_CHARS else "large"]
+                pending = self._inflight[digest] = _Pending(CompileJob(params), lane)
+                pending.job.future.add_done_callback(lambda f: self._finished(digest, pending))
+                lane.submit(pending.job)
+            pending.waiters += 1
+        waiter: Future[Any] = Future()
+        pending.job.future.add_done_callback(lambda f: _relay(f, waiter))
+        waiter.add_done_callback(lambda w: w.cancelled() and self._release(digest, pending))
+        return waiter
 
     def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A request's matcher state over the (possibly still compiling) grammar."""
         return StructuredOutputRequest(self.compile(params), self.vocab_size)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def warm_up(self) -> None:
+        """Fork the lanes' workers now (a server calls this), not with the first grammar."""
+        for lane in self.lanes.values():
+            lane.warm_up()
 
-    def _xgrammar(self) -> Any:
-        if self._compiler is None:
+    def shutdown(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+
+    def _release(self, digest: str, pending: _Pending) -> None:
+        """A caller stopped waiting; with no caller left the compile is cancelled."""
+        with self._lock:
+            pending.waiters -= 1
+            if pending.waiters > 0 or pending.job.future.done():
+                return
+            if self._inflight.get(digest) is pending:
+                del self._inflight[digest]
+        logger.info("grammar compile cancelled: no request waits for it any more")
+        pending.lane.cancel(pending.job)
+
+    def _finished(self, digest: str, pending: _Pending) -> None:
+        """Keep the result (or the reason it failed) for the next request with this text."""
+        future = pending.job.future
+        with self._lock:
+            if self._inflight.get(digest) is pending:
+                del self._inflight[digest]
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is None:
+                self._remember(digest, future.result())
+            elif isinstance(exc, GrammarError):
+                self._failures[digest] = str(exc)
+                while len(self._failures) > _FAILURES_KEPT:
+                    self._failures.popitem(last=False)
+
+    def _remember(self, digest: str, grammar: Any) -> None:
+        """Cache ``grammar``; the least recently used go while over the byte limit (the
+        newest stays even alone over it, so the request that compiled it finds it)."""
+        self._cache[digest] = grammar
+        self.cache_bytes += grammar.memory_size_bytes
+        while self.cache_bytes > self.config.cache_memory and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self.cache_bytes -= old.memory_size_bytes
+
+    def _tokenizer_info(self) -> Any:
+        with self._info_lock:
+            if self._info is None:
+                import xgrammar
+
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids,
+                )
+            return self._info
+
+    def _replay(self, params: StructuredOutputsParams) -> Any:
+        """Compile again in this (lane) thread what a worker just compiled fast."""
+        compiler = getattr(self._local, "compiler", None)
+        if compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+            compiler = xgrammar.GrammarCompiler(
+                self._tokenizer_info(), max_threads=1, cache_enabled=False
             )
-            # One thread: the engine's forward passes need both cores.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+            self._local.compiler = compiler
+        return compile_params(compiler, params)
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        kind = params.kind
-        try:
-            compiler = self._xgrammar()
-            if kind == "json":
-                return compiler.compile_json_schema(
-                    params.json,
-                    any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                )
-            if kind == "json_object":
-                # OpenAI's json_object is an object; xgrammar's built-in JSON grammar would
-                # also allow `[true]` or `3`.
-                return compiler.compile_json_schema(
-                    '{"type": "object"}',
-                    any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                )
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(list(params.choice or [])))
-            if kind == "grammar":
-                text = params.grammar or ""
-                # vLLM's rule: EBNF (GBNF) uses ``::=``; anything else is read as Lark.
-                if "::=" in text:
-                    return compiler.compile_grammar(text)
-                return compiler.compile_lark(text)
-            return compiler.compile_structural_tag(params.structural_tag)
-        except Exception as e:
-            raise GrammarError(f"invalid {kind} for structured outputs: {_reason(e)}") from e
+    def _decode(self, serialized: str) -> Any:
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._tokenizer_info())
+
+
+def _relay(job: Future[Any], waiter: Future[Any]) -> None:
+    """Hand a finished compile to one caller's future (unless that caller cancelled)."""
+    try:
+        if job.cancelled():
+            waiter.set_exception(GrammarError("the grammar compile was cancelled"))
+        elif job.exception() is not None:
+            waiter.set_exception(job.exception())  # type: ignore[arg-type]
+        else:
+            waiter.set_result(job.result())
+    except InvalidStateError:
+        pass  # the caller cancelled first
 
 
 class StructuredOutputRequest:
@@ -140,6 +225,11 @@ class StructuredOutputRequest:
         self._matcher: Any = None
         # Why the request cannot go on: the compiler's reason, or a token the grammar refused
         self.error: str | None = None
+
+    def release(self) -> None:
+        """The request ended: stop waiting for its grammar (if still compiling, the compile
+        stops once no other request waits for it)."""
+        self.grammar.cancel()
 
     def is_ready(self) -> bool:
         """The compile has finished (successfully or not: see ``check_failed``)."""

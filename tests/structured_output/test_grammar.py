@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ def tokenizer(builtin_model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, VOCAB, [EOS])
+def compiler(tokenizer: PreTrainedTokenizerBase) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [EOS])
+    yield compiler
+    compiler.shutdown()
 
 
 def walk(so: StructuredOutputRequest, ids: list[int]) -> list[bool]:
@@ -59,9 +62,12 @@ def test_params_need_exactly_one_constraint() -> None:
 
 def test_equal_constraints_compile_once(compiler: GrammarCompiler) -> None:
     first = compiler.compile(StructuredOutputsParams(regex="[ab]+"))
-    again = compiler.compile(StructuredOutputsParams(regex="[ab]+"))
-    assert first is again
-    assert compiler.compile(StructuredOutputsParams(regex="[ab]*")) is not first
+    again = compiler.compile(StructuredOutputsParams(regex="[ab]+"))  # while it compiles
+    grammar = first.result(timeout=120)
+    assert again.result(timeout=30) is grammar  # one compile, two callers
+    assert compiler.compile(StructuredOutputsParams(regex="[ab]+")).result() is grammar  # cached
+    other = compiler.compile(StructuredOutputsParams(regex="[ab]*")).result(timeout=30)
+    assert other is not grammar
 
 
 @pytest.mark.parametrize(
