@@ -60,6 +60,10 @@ INNOCENT: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
+# The attack groups (--only runs some, e.g. to find which one keeps memory).
+GROUPS = ("http", "limits", "heavy", "big_chats", "overload")
+
+
 @dataclass(frozen=True)
 class Scale:
     """How hard each attack pushes (``--quick`` shrinks them to prove the script works)."""
@@ -225,6 +229,7 @@ async def attacks(
         workload.prompts, scale.long_prompt_chars
     )
     host, flood = "127.0.0.1", scale.header_flood_mib << 20
+    groups = set(args.only.split(","))
 
     async def http_layer() -> list[Probe]:
         *single, slow = await asyncio.gather(
@@ -236,26 +241,30 @@ async def attacks(
         return [*single, *slow]
 
     async def requests() -> tuple[list[Probe], dict[str, int]]:
-        out = list(await asyncio.gather(
-            *(probes.expect(session, base, *p) for p in probes.limit_probes(long_prompt)),
-            probes.n_stream(session, base, scale.n_stream)))  # fmt: skip
-        out += await probes.big_chats(
-            session,
-            base,
-            probes.big_text(workload.prompts, scale.big_chat_bytes),
-            scale.big_chats,
-            scale.big_tokenizes,
-        )
+        # The cheap refusals and the heavy valid requests at once, then the large chats, then
+        # the overload mix (so each wave's memory shows in the RSS samples).
+        limits = [p for p in probes.limit_probes(long_prompt)
+                  if ("heavy" if p[3] == 200 else "limits") in groups]  # fmt: skip
+        waves = [probes.expect(session, base, *p) for p in limits]
+        if "heavy" in groups:
+            waves.append(probes.n_stream(session, base, scale.n_stream))
+        out = list(await asyncio.gather(*waves))
+        if "big_chats" in groups:
+            text = probes.big_text(workload.prompts, scale.big_chat_bytes)
+            out += await probes.big_chats(session, base, text, scale.big_chats, scale.big_tokenizes)
         cap = asyncio.Semaphore(8)
 
         async def mixed() -> str:
             async with cap:
                 return (await overload_send(session, base, workload.draw(BURST_MIX))).outcome
 
-        outcomes = await asyncio.gather(*(mixed() for _ in range(scale.overload_requests)))
+        count = scale.overload_requests if "overload" in groups else 0
+        outcomes = await asyncio.gather(*(mixed() for _ in range(count)))
         return out, dict(Counter(outcomes))
 
-    http, (reqs, mix) = await asyncio.gather(http_layer(), requests())
+    http, (reqs, mix) = await asyncio.gather(
+        http_layer() if "http" in groups else asyncio.sleep(0, []), requests()
+    )
     return [*http, *reqs], mix
 
 
@@ -281,39 +290,59 @@ async def soak(args: argparse.Namespace, pid: int, port: int) -> dict[str, Any]:
         # Solo runs, twice (the second is what counts), and one small grammar so the compile
         # workers are part of the idle server, not of what the attack grows.
         solo: dict[str, list[int]] = {}
+        solo_s: dict[str, float] = {}
         for _ in range(2):
             for name, path, extra in INNOCENT:
+                t = time.perf_counter()
                 status, solo[name], _ = await innocent_stream(session, base, path, extra,
                                                               args.max_tokens)  # fmt: skip
                 assert status == 200, f"solo {name}: {status}"
-        await probes.expect(session, base, "warm_grammar", CHAT, {"model": MODEL_NAME,
+                solo_s[name] = round(time.perf_counter() - t, 2)
+        warm = [await probes.expect(session, base, "warm_grammar", CHAT, {"model": MODEL_NAME,
             "messages": [{"role": "user", "content": "yes?"}], "max_tokens": 2,
-            "guided_choice": ["yes", "no"]}, 200)  # fmt: skip
+            "guided_choice": ["yes", "no"]}, 200)]  # fmt: skip
+        # and one long prompt, as any server meets: its prefill buffers are part of idle too
+        long_prompt = probes.big_text(Workload(args.seed).prompts, Scale().long_prompt_chars)
+        warm.append(await probes.expect(session, base, "warm_long", COMPLETIONS, {
+            "model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 1}, 200))  # fmt: skip
+        assert all(p.ok for p in warm), f"warm-up: {warm}"
         sampler.phase = "idle"
         await asyncio.sleep(args.settle_seconds)
-        sampler.phase, stop, t0 = "attack", asyncio.Event(), time.monotonic()
-        loop = asyncio.create_task(innocent_loop(session, base, solo, args, stop))
-        found, mix = await attacks(session, base, port, scale, args)
-        stop.set()
-        innocent = await loop
-        attack_s = time.monotonic() - t0
-        print(f"attacks done in {attack_s:.0f} s", flush=True)
-        sampler.phase = "drain"
-        _, _, idle = await wait_idle(session, base, 60.0)
-        sampler.phase = "settle"
-        await asyncio.sleep(args.settle_seconds)
-        sampler.phase = "after"
-        await asyncio.sleep(3.0)
+        found: list[Probe] = []
+        innocent: list[dict[str, Any]] = []
+        mix: Counter[str] = Counter()
+        attack_s: list[float] = []
+        idle = True
+        for r in range(args.rounds):  # a second round tells a leak from a high-water mark
+            sampler.phase, stop, t0 = "attack", asyncio.Event(), time.monotonic()
+            loop = asyncio.create_task(innocent_loop(session, base, solo, args, stop))
+            got, outcomes = await attacks(session, base, port, scale, args)
+            stop.set()
+            innocent += await loop
+            found += got
+            mix.update(outcomes)
+            attack_s.append(round(time.monotonic() - t0, 1))
+            print(f"round {r + 1}: attacks done in {attack_s[-1]:.0f} s", flush=True)
+            sampler.phase = "drain"
+            idle = (await wait_idle(session, base, 60.0))[2] and idle
+            sampler.phase = "settle"
+            await asyncio.sleep(args.settle_seconds)
+            sampler.phase = f"after{r}"
+            await asyncio.sleep(3.0)
     stop_health.set()
     health = queue.get(timeout=30)
     poller.join(10)
     sampler_task.cancel()
     m = Measurements(
-        rss_idle=sampler.level("idle"), rss_peak=sampler.peak(), rss_after=sampler.level("after"),
+        rss_idle=sampler.level("idle"), rss_peak=sampler.peak(),
+        rss_after=sampler.level(f"after{args.rounds - 1}"),
         health_ms=[h[1] for h in health], health_status=dict(Counter(str(h[2]) for h in health)),
-        innocent=innocent, probes=found, overload_outcomes=mix)  # fmt: skip
-    return {"measurements": m, "attack_seconds": round(attack_s, 1), "idle_reached": idle,
-            "rss_samples": sampler.samples, "solo": solo, "scale": asdict(scale)}  # fmt: skip
+        innocent=innocent, probes=found, overload_outcomes=dict(mix))  # fmt: skip
+    after = [sampler.level(f"after{r}") for r in range(args.rounds)]
+    return {"measurements": m, "attack_seconds": attack_s, "idle_reached": idle,
+            "rss_after_each_round": after,
+            "rss_samples": sampler.samples, "solo": solo, "solo_seconds": solo_s,
+            "scale": asdict(scale)}  # fmt: skip
 
 
 # -- report and main ----------------------------------------------------------------------------
@@ -340,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--header-read-timeout", type=float, default=10.0, help="the server's")
     ap.add_argument("--server-extra-args", default="", help="more `kvserve serve` flags")
     ap.add_argument("--quick", action="store_true", help="smaller attacks (prove it works)")
+    ap.add_argument("--only", default=",".join(GROUPS), help=f"attack groups, of {GROUPS}")
+    ap.add_argument("--rounds", type=int, default=1, help="attack rounds (RSS after each)")
     ap.add_argument("--max-tokens", type=int, default=24, help="per innocent stream")
     ap.add_argument("--settle-seconds", type=float, default=5.0, help="before RSS is read")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per request, s")
@@ -349,7 +380,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-file", type=Path, default=None)
     ap.add_argument("--server-log", type=Path, default=None, help="default: a temp file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(GROUPS)
+    if unknown:
+        ap.error(f"--only: unknown groups {sorted(unknown)}; choose from {GROUPS}")
+    return args
 
 
 def server_cmd(args: argparse.Namespace, port: int) -> list[str]:
@@ -367,9 +402,11 @@ def report(doc: dict[str, Any]) -> None:
         print(f"| {r['name']} | {r['count']} | {r['ok']} | {r['statuses']} | {r['max_s']} | "
               f"{r['detail'][:80]} |")  # fmt: skip
     print(f"\nstatuses {doc['statuses']}\nhealth latency ms {doc['health_latency_ms']}")
+    print(f"innocent streams: solo s {doc['solo_seconds']}, during s {doc['innocent_seconds']}")
     print(
         f"RSS MiB idle {doc['rss']['idle']}, peak {doc['rss']['peak']}, after {doc['rss']['after']}"
     )
+    print(f"RSS MiB after each round: {doc['rss_after_each_round']}")
     for name, ok, detail in doc["checks"]:
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}")
 
@@ -412,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                                  (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
            "health_status": m.health_status, "overload_outcomes": m.overload_outcomes,
            "rss": {"idle": m.rss_idle, "peak": m.rss_peak, "after": m.rss_after},
+           "innocent_seconds": {q: percentile([r["seconds"] for r in m.innocent], v)
+                                for q, v in (("p50", 0.5), ("max", 1.0))},
            "innocent": m.innocent, "server_log": log_scan, "checks": checks}  # fmt: skip
     report(doc)
     if args.result_file:

@@ -169,5 +169,9 @@ def test_parse_args_and_server_command() -> None:
     assert cmd[cmd.index("--port") + 1] == "1234" and cmd[-2:] == ["--max-connections", "64"]
     assert "127.0.0.1" in cmd  # loopback only
     assert soak.parse_args(["--quick"]).quick
+    assert soak.parse_args([]).only.split(",") == list(soak.GROUPS)
+    assert soak.parse_args(["--only", "http,big_chats"]).only == "http,big_chats"
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--only", "http,nonsense"])
     assert soak.QUICK.slowloris < soak.Scale().slowloris
     assert soak.Scale().big_chats == 12 and soak.Scale().header_flood_mib == 256
