@@ -220,7 +220,7 @@ def test_builtin_model_tp3_equals_tp1_and_tp2_is_refused(builtin_model_dir: Path
         e.close()
 
 
-def _spawned_children(pid: int) -> list[int]:
+def spawned_children(pid: int) -> list[int]:
     """The multiprocessing-spawned child processes of ``pid`` (Linux /proc)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -260,6 +260,6 @@ def test_serve_tensor_parallel_answers_openai(tiny_model_dir: Path, tmp_path: Pa
             c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices
         )
         assert streamed == expected_text
-        assert len(_spawned_children(srv.proc.pid)) == 2  # one worker process per rank
+        assert len(spawned_children(srv.proc.pid)) == 2  # one worker process per rank
     finally:
         srv.stop()

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.executor.test_tensor_parallel import spawned_children
 from tests.server.conftest import Server, start_server
 
 # The issue's figure: a killed idle rank makes the server exit within 5 s.
@@ -37,17 +38,8 @@ def start_tp2(model: Path, log: Path) -> Server:
 
 
 def workers(pid: int) -> list[int]:
-    """The server's multiprocessing-spawned worker processes, by rank (their names)."""
-    out: dict[str, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if ppid == pid and b"spawn_main" in cmdline:
-            out[stat.parent.name] = int(stat.parent.name)
-    return sorted(out.values())
+    """The server's multiprocessing-spawned worker processes, by rank (their pids)."""
+    return sorted(spawned_children(pid))
 
 
 def running(pid: int) -> bool:
