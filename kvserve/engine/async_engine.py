@@ -41,6 +41,7 @@ from kvserve.executor import WorkerDiedError
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -404,17 +405,26 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         failures = 0
+        worked = False  # a step ran since the last heap trim
         while True:
             with self._cond:
-                while not (
-                    self._commands
-                    or self._stop
-                    or self._dead_reason is not None  # a worker died (_executor_died)
-                    or self.engine.has_unfinished_requests()
-                ):
-                    self._cond.wait()
+                idle_trim = False
+                while not self._has_work_locked():
+                    # Idle after work: wait IDLE_TRIM_SECONDS, then give the freed heap back.
+                    if worked and not self._cond.wait(IDLE_TRIM_SECONDS):
+                        idle_trim = not self._has_work_locked()
+                        if idle_trim:
+                            break
+                    elif not worked:
+                        self._cond.wait()
                 if self._stop or self._dead_reason is not None:
                     break
+                if idle_trim:
+                    worked = False
+            if idle_trim:
+                self._trim_heaps()
+                continue
+            with self._cond:
                 while self._orphans:
                     self._abort_locked(self._orphans.popleft())
                 commands, self._commands = self._commands, []
@@ -428,6 +438,7 @@ class AsyncLLMEngine:
                     break
                 continue
             failures = 0
+            worked = worked or bool(outputs) or bool(commands)
             # Stats first: a consumer that sees an output also sees the step's stats.
             self._publish_stats()
             self._deliver(outputs, [c for c in commands if isinstance(c, str)])
@@ -435,6 +446,23 @@ class AsyncLLMEngine:
             self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
         except Exception:  # the engine is going away anyway; just do not die silently
             logger.exception("could not abort the remaining requests at shutdown")
+
+    def _has_work_locked(self) -> bool:
+        return bool(
+            self._commands
+            or self._stop
+            or self._dead_reason is not None  # a worker died (_executor_died)
+            or self.engine.has_unfinished_requests()
+        )
+
+    def _trim_heaps(self) -> None:
+        """Every rank and this process give their freed C heap back to the OS: a burst of
+        work (long prompts, prompt logprobs) otherwise stays in the RSS for good."""
+        try:
+            self.engine.executor.collective_rpc("trim_heap")
+            trim_heap()
+        except Exception:  # a dead rank is the monitor's business; never fail the loop here
+            logger.warning("heap trim on idle failed", exc_info=True)
 
     def _apply(self, commands: list[Command]) -> None:
         aborts = [c for c in commands if isinstance(c, str)]

@@ -18,8 +18,6 @@ the wrapped loader shape-checks and copies into the meta weight as a no-op.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -40,7 +38,7 @@ from kvserve.quantization.apply import (
     linears,
     quantized_layer,
 )
-from kvserve.worker.malloc_tuning import glibc_function
+from kvserve.worker.malloc_tuning import trim_heap
 
 if TYPE_CHECKING:
     from kvserve.quantization.checkpoint_linears import CheckpointLinears
@@ -185,28 +183,3 @@ class StreamingQuantizer:
             raise ValueError(f"the checkpoint is missing weights of {sorted(self.pending)[:3]}")
         logger.info("quantized %s", self.report.summary())
         return self.report
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere a no-op).
-
-    A layer's dense weight and temporaries are freed once it is quantized, but glibc keeps
-    freed blocks below its mmap threshold (raised up to 32 MB as large blocks are freed) in
-    the heap, between the quantized layers' long-lived codes, and does not give them back.
-    Measured with ``load_model`` on the TinyLlama-1.1B-shaped model (bf16, prepacked;
-    ``benchmarks/load_memory.py --mode load``), a trim after each layer against none:
-    int4 peak 1.69 GB (1.89), RSS after loading 1.26 GB (1.71); int8 1.92 GB (2.07),
-    1.61 GB (1.95). It costs load time (freed pages are faulted in again: int4 13 s, 10 s
-    without). A fixed 1 MB mmap threshold instead (``mallopt``) peaked lower still (int4
-    1.40 GB) but doubled the load time and would change the process's allocator for good."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    fn = glibc_function("malloc_trim")
-    if fn is not None:
-        fn.argtypes = [ctypes.c_size_t]
-    return fn  # type: ignore[no-any-return]

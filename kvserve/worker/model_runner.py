@@ -45,7 +45,7 @@ from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
-from kvserve.worker.malloc_tuning import keep_freed_memory
+from kvserve.worker.malloc_tuning import keep_freed_memory, trim_heap
 from kvserve.worker.model_setup import (
     kv_cache_size,
     load_draft,
@@ -186,6 +186,11 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, md)  # [rows * row_len, hidden]
         self.model.compute_logits(hidden[row_len - 1 :: row_len])  # [rows, V]
         return rows * row_len
+
+    def trim_heap(self) -> None:
+        """Hand this process's freed C heap back to the OS: the engine calls it on every rank
+        once it has been idle for ``IDLE_TRIM_SECONDS`` (``worker/malloc_tuning.py``)."""
+        trim_heap()
 
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's swap copies (swap-out first, then swap-in)."""

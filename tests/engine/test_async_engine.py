@@ -22,6 +22,7 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.malloc_tuning import glibc_function
 from tests.engine.utils import StubEngine, random_prompts
 
 PROMPTS = random_prompts([5, 9, 3, 12])
@@ -233,6 +234,26 @@ async def test_idle_thread_sleeps(make_engine: MakeEngine) -> None:
     cpu0 = time.process_time()
     await asyncio.sleep(0.5)
     assert time.process_time() - cpu0 < 0.1  # a busy loop would burn ~0.5 s of CPU
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
+@pytest.mark.skipif(glibc_function("malloc_trim") is None, reason="glibc's malloc_trim")
+async def test_an_idle_engine_gives_the_freed_heap_back(make_engine: MakeEngine) -> None:
+    """The runner keeps freed heap for speed (malloc_tuning); once idle the engine trims it."""
+    engine = make_engine()
+    await collect(engine.generate(PROMPTS[0], SHORT))
+    garbage = b"\x01" * (96 * 2**20)  # touched heap pages, as a big prefill leaves behind
+    held = rss_mib()
+    del garbage  # freed, but kept in the heap: the trim threshold is 2 GiB
+    await asyncio.sleep(0.2)
+    assert rss_mib() > held - 16, "freed heap went back before the idle trim"
+    await asyncio.sleep(ae.IDLE_TRIM_SECONDS + 1.5)
+    assert rss_mib() < held - 80  # the trim handed the 96 MiB back
 
 
 async def test_finished_callback_runs_once_per_request(make_engine: MakeEngine) -> None:
