@@ -252,10 +252,16 @@ def apply_penalties(
             vocab_size,
             device,
         )  # [N, Ls], [N]
-        rep = repetition_penalties.to(device=device, dtype=dtype)  # [N]
+        # A tiny penalty (any positive float is valid, 5e-324 too) must stay positive in
+        # ``dtype`` (5e-324 is 0 in float32, and a masked -inf times 0 is NaN, which argmax
+        # picks) and its quotients finite (x / 1e-38 overflows to inf, and softmax of inf is
+        # NaN): the penalty is clamped to the dtype's smallest normal, the result to its max.
+        finfo = torch.finfo(dtype)
+        rep = repetition_penalties.to(device=device, dtype=dtype).clamp_min(finfo.tiny)  # [N]
         rep = torch.where(empty, torch.ones_like(rep), rep).unsqueeze(1)  # [N, 1]
         seen = logits.gather(1, seen_ids)  # [N, Ls]
-        logits.scatter_(1, seen_ids, torch.where(seen > 0, seen / rep, seen * rep))
+        penalised = torch.where(seen > 0, seen / rep, seen * rep).clamp_max(finfo.max)
+        logits.scatter_(1, seen_ids, penalised)
     freq = frequency_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
     presence = presence_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
     if bool((freq != 0.0).any() or (presence != 0.0).any()):

@@ -29,6 +29,7 @@ from kvserve.server.errors import APIError, bad_request, error_response, install
 from kvserve.server.http_guard import DEFAULT_BODY_READ_TIMEOUT, CorsOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openapi import error_responses, generation_responses, install_openapi
+from kvserve.server.openapi_limits import PublishedLimits
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,6 +67,9 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request
     cors: CorsOptions = field(default_factory=CorsOptions)  # --allowed-origins etc.
+    # engine options the published document states (openapi_limits.py)
+    max_logprobs: int = 20  # --max-logprobs
+    priority_scheduling: bool = False  # --scheduling-policy priority
     engines: dict[str, AsyncLLMEngine] = field(default_factory=dict)  # served name -> engine
     model_paths: dict[str, str] = field(default_factory=dict)  # served name -> folder
     ready: bool = False  # every model has loaded
@@ -244,13 +248,28 @@ def bearer_matches(value: bytes, key: str) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
 
 
+def published_limits(state: ServerState) -> PublishedLimits:
+    """What ``/openapi.json`` states of this server's limits."""
+    limits = state.limits
+    return PublishedLimits(
+        max_tokens=limits.max_tokens_limit,
+        max_n=limits.max_n,
+        max_prompts=limits.max_prompts_per_request,
+        max_logprobs=state.max_logprobs,
+        max_tools=limits.max_tools_per_request,
+        max_messages=limits.max_chat_messages,
+        priority_scheduling=state.priority_scheduling,
+        request_chat_template=state.chat_options.trust_request_chat_template,
+    )
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app serving ``state``'s engines."""
     # /openapi.json is served (no key needed, like /health); the HTML docs are not.
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.kvserve = state
     install_error_handlers(app)
-    install_openapi(app, _PROTECTED_PREFIXES if state.api_key else None)
+    install_openapi(app, _PROTECTED_PREFIXES if state.api_key else None, published_limits(state))
     app.add_middleware(GuardMiddleware, state=state)  # type: ignore[arg-type]
     if state.cors.enabled:
         # Added last, so outermost: a preflight (OPTIONS) is answered before the key check,

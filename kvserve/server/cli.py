@@ -277,6 +277,8 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
         metrics=ServerMetrics(engine_args.metrics_prefix),
         tracer=_tracer(engine_args.otlp_traces_endpoint),
         cors=cors_from_args(args),
+        max_logprobs=engine_args.max_logprobs,
+        priority_scheduling=engine_args.scheduling_policy == "priority",
     )
 
 

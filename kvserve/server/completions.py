@@ -147,9 +147,11 @@ async def prepare_completion(
     requested = 1 if req.max_tokens == 0 else req.max_tokens  # 0: see _prompt_only
     defaults = engine.default_sampling_params  # the model's (--generation-config auto)
     default = defaults.get("max_tokens")
-    if default is not None and requested is not None and "max_tokens" not in req.model_fields_set:
-        # not sent: the smaller of the field's 16 and the model's max_new_tokens (vLLM's rule)
-        requested = min(requested, default)
+    if requested is not None and "max_tokens" not in req.model_fields_set:
+        # not sent: the smaller of the field's 16 and the model's max_new_tokens (vLLM's
+        # rule), and never above --max-tokens-limit (a request that asks nothing is no 400)
+        caps = [c for c in (default, limits.max_tokens_limit) if c is not None]
+        requested = min(requested, *caps)
     resolved = [
         resolve_max_tokens(engine, len(p.token_ids), requested, limits, default) for p in prompts
     ]

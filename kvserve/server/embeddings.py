@@ -22,7 +22,7 @@ from kvserve.outputs import EmbeddingRequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.server.completions import prompt_items
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import INT64_END, INT64_MIN, PromptInput, _examples, _Request
+from kvserve.server.protocol import INT64_END, INT64_MIN, Int, PromptInput, _examples, _Request
 from kvserve.server.serving import (
     Limits,
     PromptInfo,
@@ -46,14 +46,14 @@ class EmbeddingRequest(_Request):
     input: PromptInput  # a string, strings, token ids, or lists of token ids
     model: str | None = None  # None serves the first model, as vLLM does
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32
-    dimensions: int | None = None  # only the model's hidden size is possible
+    dimensions: Int | None = None  # only the model's hidden size is possible
     user: str | None = None  # accepted and ignored
     # vLLM extras: keep the last k tokens of each input (-1: the context length); whether to
     # L2-normalise (vLLM's default: yes); tokenizer special tokens; the priority policy's value
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     normalize: bool | None = None
     add_special_tokens: bool = True
-    priority: int = Field(0, ge=INT64_MIN, lt=INT64_END)
+    priority: Int = Field(0, ge=INT64_MIN, lt=INT64_END)
 
 
 class EmbeddingData(BaseModel):

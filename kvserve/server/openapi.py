@@ -13,6 +13,12 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from kvserve.server.openapi_limits import (
+    PublishedLimits,
+    assistant_only_tool_calls,
+    json_schema_needs_its_schema,
+    publish_limits,
+)
 from kvserve.server.protocol import ErrorResponse
 
 _WHEN = {
@@ -60,10 +66,13 @@ def generation_responses(body: type[BaseModel]) -> dict[int | str, dict[str, Any
     }
 
 
-def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...] | None) -> None:
+def install_openapi(
+    app: FastAPI, protected_prefixes: tuple[str, ...] | None, limits: PublishedLimits
+) -> None:
     """Post-process FastAPI's generated document (FastAPI's documented way to extend it).
 
     ``protected_prefixes``: the paths that need the API key, or None when there is no key.
+    ``limits``: this server's, stated in the request schemas (``openapi_limits.py``).
     """
     generate = app.openapi
 
@@ -72,6 +81,9 @@ def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...] | None) ->
             schema = generate()  # cached by FastAPI in app.openapi_schema, edited in place
             _drop_422(schema)
             _integer_bounds(schema)
+            publish_limits(schema, limits)
+            assistant_only_tool_calls(schema)
+            json_schema_needs_its_schema(schema)
             if protected_prefixes is not None:
                 _add_auth(schema, protected_prefixes)
         return app.openapi_schema  # type: ignore[return-value]
@@ -84,12 +96,17 @@ def _operations(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# An ``int`` with a validator in front (protocol.Int) gets its Field bounds as pydantic's
+# names (``{"ge": 1}``), which JSON Schema ignores: they are written as JSON Schema's.
+_CONSTRAINTS = {
+    "ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum",
+}  # fmt: skip
 
 
 def _integer_bounds(node: Any) -> None:
-    """Integer fields' bounds as integers. FastAPI's OpenAPI models hold every bound as a
-    float, so ``ge=0`` is published as ``0.0`` and a generator (schemathesis) sends ``0.0``,
-    which strict validation refuses as no integer; and a bound near 2**63 must be exact."""
+    """Integer fields' bounds, by JSON Schema's names, as integers. FastAPI's OpenAPI models
+    hold every bound as a float, so ``ge=0`` is published as ``0.0``; and a bound near 2**63
+    must be exact."""
     if isinstance(node, list):
         for item in node:
             _integer_bounds(item)
@@ -97,6 +114,9 @@ def _integer_bounds(node: Any) -> None:
     if not isinstance(node, dict):
         return
     if node.get("type") == "integer":
+        for constraint, key in _CONSTRAINTS.items():
+            if constraint in node:  # a bound pydantic left by its name (see _CONSTRAINTS)
+                node[key] = node.pop(constraint)
         for key in _BOUNDS:
             value = node.get(key)
             if isinstance(value, float) and value.is_integer():

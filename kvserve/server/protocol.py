@@ -5,7 +5,9 @@ meaning kvserve cannot honour (``suffix``...) are declared so that
 a non-trivial value is rejected with a 400 instead of being silently dropped.
 
 Requests validate strictly: JSON ``true`` is not the integer 1 (nor a token id), ``"2"`` is not
-a number, and ``NaN`` / ``Infinity`` (which Python's JSON parser accepts) are not floats.
+a number, and ``NaN`` / ``Infinity`` (which Python's JSON parser accepts) are not floats. An
+integral number written as a float (``2.0``, ``1e3``) is an integer, as JSON Schema says (the
+published document's ``integer`` admits it; ``Int``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.structured import (
@@ -33,6 +35,17 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # admit 2**63 while the server refuses it. 2**63 is exact as a float (and openapi.py publishes
 # it as the integer): the schema and the server then agree.
 INT64_END = 2**63
+
+
+def _integral(value: object) -> object:
+    """``2.0`` as 2: JSON Schema's integers include integral floats, and strict validation
+    alone would refuse them (schemathesis sends them as valid integers)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]  # a request's integer field
 
 
 def _omit_none(value: object) -> bool:
@@ -68,11 +81,11 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None serves the first model, as vLLM does
-    n: int = Field(1, ge=1)  # capped by the server's --max-n (serving.Limits)
+    n: Int = Field(1, ge=1)  # capped by the server's --max-n (serving.Limits)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, lt=INT64_END)
+    seed: Int | None = Field(None, ge=INT64_MIN, lt=INT64_END)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -81,21 +94,21 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     # vLLM extras
-    top_k: int | None = Field(None, lt=INT64_END)  # the sampler holds it in an int64 tensor
+    top_k: Int | None = Field(None, lt=INT64_END)  # the sampler holds it in an int64 tensor
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
-    priority: int = Field(0, ge=INT64_MIN, lt=INT64_END)
+    priority: Int = Field(0, ge=INT64_MIN, lt=INT64_END)
     # vLLM's extra field: top logprobs per prompt token (plus the prompt's own token); the
     # logprobs fields are capped by --max-logprobs (request_limits.py), not by the schema
-    prompt_logprobs: int | None = Field(None, ge=0)
-    allowed_token_ids: list[int] | None = None  # only these ids may be generated
+    prompt_logprobs: Int | None = Field(None, ge=0)
+    allowed_token_ids: list[Int] | None = None  # only these ids may be generated
     # vLLM's per-request arguments for custom logits processors (SamplingParams.extra_args)
     vllm_xargs: dict[str, str | int | float | bool | list[str | int | float]] | None = None
     bad_words: list[str] | None = None  # words never generated
@@ -167,7 +180,7 @@ class _SamplingFields(_Request):
         )
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[Int] | list[list[Int]]
 
 
 def _examples(*examples: dict[str, Any]) -> ConfigDict:
@@ -183,10 +196,10 @@ class CompletionRequest(_SamplingFields):
 
     prompt: PromptInput
     # 0 only with echo (OpenAI's "score the prompt"): one token is computed, none returned
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: Int | None = Field(16, ge=0)
+    logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = None  # accepted only when equal to n
+    best_of: Int | None = None  # accepted only when equal to n
     suffix: str | None = None  # unsupported: rejected when set
 
     @property
@@ -258,10 +271,10 @@ class ChatCompletionRequest(_SamplingFields):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     # Tool calling (kvserve/server/tools.py): vLLM's defaults, "auto" when tools are given
     tools: list[ChatCompletionTool] | None = None
@@ -325,7 +338,7 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     # ids are never negative (the vocabulary's size, which bounds them above, is the model's)
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[Int, Field(ge=0)]]
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -311,6 +311,25 @@ def test_repetition_penalty_matches_transformers() -> None:
     assert out.sampled_token_ids == hf.argmax(dim=-1).tolist()
 
 
+def test_a_tiny_repetition_penalty_makes_no_nan() -> None:
+    """5e-324 is a valid penalty (positive), but 0 in float32: -inf * 0 was NaN, which argmax
+    picked over the grammar's mask, and x / 1e-38 overflowed to inf (NaN in softmax)."""
+    logits = torch.tensor([[5.0, NEG_INF, 3.0, -1.0], [NEG_INF, NEG_INF, NEG_INF, NEG_INF]])
+    out = apply_penalties(
+        logits.clone(), [[0, 1, 3], [0, 1]], [[], []], torch.tensor([5e-324, 5e-324]),
+        torch.zeros(2), torch.zeros(2),
+    )  # fmt: skip
+    big = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).tiny
+    # 5 / tiny overflows: clamped to the largest float32; -1 * tiny stays negative.
+    assert torch.equal(out[0], torch.tensor([big, NEG_INF, 3.0, -1.0 * tiny]))
+    assert torch.equal(out[1], logits[1])  # masked stays masked, no NaN
+    # Sampled (temperature 1) over the penalised row: the finite maximum wins, no NaN.
+    params = [SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=0)]
+    picked = sample(logits[:1], make_md(params, prompts=[[0, 1, 3]], outputs=[[]]))
+    assert picked.sampled_token_ids == [0]
+
+
 @pytest.mark.parametrize(
     ("params", "outputs", "expected"),
     [

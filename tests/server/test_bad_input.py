@@ -95,7 +95,7 @@ def test_malformed_authorization_is_401(server: Server, value: bytes) -> None:
         ('"temperature": Infinity', "temperature"),
         ('"presence_penalty": -Infinity', "presence_penalty"),
         ('"n": true', "n"),
-        ('"max_tokens": 2.0', "max_tokens"),
+        ('"max_tokens": 2.5', "max_tokens"),
         ('"top_k": "5"', "top_k"),
         ('"seed": 9223372036854775808', "seed"),
         ('"seed": 9223372036854775807, "n": 2, "stream": true', "seed"),  # choice 1: seed + 1
@@ -120,7 +120,22 @@ def test_int64_edges_are_accepted(server: Server) -> None:
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
-@pytest.mark.parametrize("prompt", [[True, 1], [[1, 2], [True]], [1, 2.0]])
+def test_integral_floats_are_integers(server: Server) -> None:
+    """JSON Schema's integers include 2.0 (the published document admits it): so does the
+    server, as the very integer."""
+    body = {"model": TINY, "prompt": [5, 9.0], "max_tokens": 3.0, "n": 2.0, "seed": 1e3}
+    as_ints = {"model": TINY, "prompt": [5, 9], "max_tokens": 3, "n": 2, "seed": 1000}
+    got = [
+        httpx.post(f"{server.url}/v1/completions", json=b, headers=AUTH, timeout=60)
+        for b in (body, as_ints)
+    ]
+    assert [r.status_code for r in got] == [200, 200], got[0].text
+    texts = [[c["text"] for c in r.json()["choices"]] for r in got]
+    assert texts[0] == texts[1] and len(texts[0]) == 2
+    assert got[0].json()["usage"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("prompt", [[True, 1], [[1, 2], [True]], [1, 2.5]])
 def test_booleans_and_floats_are_no_token_ids(server: Server, prompt: list[object]) -> None:
     body = {"model": TINY, "prompt": prompt, "max_tokens": 1}
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
@@ -129,7 +144,7 @@ def test_booleans_and_floats_are_no_token_ids(server: Server, prompt: list[objec
 
 def test_detokenize_takes_integers_only(server: Server) -> None:
     url = f"{server.url}/detokenize"
-    for tokens in ([True], [1.0], ["1"]):
+    for tokens in ([True], [1.5], ["1"]):
         r = httpx.post(url, json={"model": TINY, "tokens": tokens}, headers=AUTH, timeout=30)
         assert_400(r, "tokens")
     ids = httpx.post(
