@@ -57,8 +57,8 @@ def variants(
         ptrs = {a: _PTR[dt] for a in ("out_ptr", "q_ptr", "k_cache", "v_cache")}
         ints = {a: "*i32" for a in ("entry_row", "entry_tok", "entry_len")}
         fl = {"part_acc": "*fp32", "part_ml": "*fp32", "scale": "fp32", "cap": "fp32"}
-        common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, HAS_WINDOW=opt, HAS_CAP=opt,
-                      DOT_PRECISION=dot)  # fmt: skip
+        common = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, HAS_WINDOW=opt,
+                      HAS_CAP=opt, DOT_PRECISION=dot)  # fmt: skip
         block_g = 1 << (group - 1).bit_length()
         out.append((
             decode_kernel,

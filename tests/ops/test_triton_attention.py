@@ -32,8 +32,11 @@ pytest.importorskip("triton")
 from kvserve.model.attention import AttentionMetadata, reference_paged_attention
 from kvserve.ops.triton.paged_attention import (
     KernelTuning,
+    decode_partition_size,
     interpreted,
     paged_decode_attention,
+    plan_attention,
+    run_attention,
     triton_paged_attention,
 )
 
@@ -179,8 +182,9 @@ def test_verification_rows(spec: bool, dtype: torch.dtype, dev: torch.device) ->
 
 
 def test_rows_subset_leaves_other_tokens(dev: torch.device) -> None:
-    """``rows`` and ``out`` as the reference takes them: other tokens keep ``out``'s values."""
-    q, k, v, md = make_batch([10, 20, 30], [1, 5, 1], (4, 2), torch.float32, dev)
+    """``rows`` and ``out`` as the reference takes them: other tokens keep ``out``'s values.
+    Blocks of 5 tokens: nothing assumes a power of two."""
+    q, k, v, md = make_batch([10, 20, 30], [1, 5, 1], (4, 2), torch.float32, dev, block_size=5)
     scale = 0.25
     out = torch.full_like(q, 7.0)
     triton_paged_attention(q, k, v, md, scale, rows=[1], out=out, tuning=SMALL)
@@ -192,6 +196,40 @@ def test_rows_subset_leaves_other_tokens(dev: torch.device) -> None:
 def test_default_tuning(dev: torch.device) -> None:
     """The production tile sizes (64-token tiles, 512-token partitions) on a mixed batch."""
     check(*make_batch([3, 80, 40], [1, 1, 24], (4, 2), torch.float32, dev), KernelTuning())
+
+
+def test_small_batch_cuts_smaller_partitions(dev: torch.device) -> None:
+    """One request, 2 KV heads, asked for 16 programs: 70 tokens in 16-token partitions (5),
+    not one 64-token partition and a remainder; the window case reads only its 20 keys."""
+    tuning = KernelTuning(partition_size=64, decode_block_n=16, min_programs=16)
+    assert decode_partition_size(1, 2, 70, 16, tuning) == 16
+    q, k, v, md = make_batch([70], [1], (8, 2), torch.float32, dev)
+    check(q, k, v, md, tuning)
+    check(q, k, v, md, tuning, sliding_window=20)
+
+
+def test_decode_partition_size() -> None:
+    """Partitions shrink (powers of two, down to one tile) only while programs are short."""
+    t = KernelTuning()  # 512-token partitions, 64-token tiles
+    assert decode_partition_size(64, 8, 4096, 264, t) == 512  # 512 programs per partition
+    assert decode_partition_size(1, 8, 1024, 264, t) == 32 * 2  # 33 wanted: 1024/33 -> 64
+    assert decode_partition_size(1, 8, 8192, 264, t) == 256  # 8192/33 = 249 -> 256
+    assert decode_partition_size(1, 8, 100_000, 264, t) == 512  # never above the maximum
+    assert decode_partition_size(1, 8, 1024, 0, t) == 512  # no minimum: the maximum
+
+
+def test_plan_once_run_per_layer(dev: torch.device) -> None:
+    """One plan serves every layer: two layers' caches, each equal to the reference."""
+    q, k, v, md = make_batch([40, 25, 30], [1, 25, 3], (4, 2), torch.float16, dev)
+    md.spec_rows = frozenset({2})
+    plan = plan_attention(md, 2, dev, tuning=SMALL)
+    scale = q.shape[-1] ** -0.5
+    for layer in range(2):
+        kl, vl = (k, v) if layer == 0 else (v, k)  # another layer's cache: K and V swapped
+        out = torch.empty_like(q)
+        run_attention(plan, q, kl, vl, scale, out, soft_cap=2.0, tuning=SMALL)
+        want = reference_paged_attention(q, kl, vl, md, scale, soft_cap=2.0)
+        torch.testing.assert_close(out, want, atol=3e-3, rtol=3e-3)
 
 
 def test_lower_level_decode_entries(dev: torch.device) -> None:

@@ -51,11 +51,11 @@ def _attend_range(
     window,
     scale,
     cap,
-    block_size,
     stride_kb,
     stride_kt,
     stride_vb,
     stride_vt,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -78,8 +78,8 @@ def _attend_range(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n  # [N] token positions of this tile
         in_ctx = pos < hi
-        block = tl.load(table_row + pos // block_size, mask=in_ctx, other=0).to(tl.int64)
-        offset = (pos % block_size).to(tl.int64)
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        offset = (pos % BLOCK_SIZE).to(tl.int64)
         k_off = block * stride_kb + offset * stride_kt  # [N]
         kt = tl.load(
             k_base + k_off[None, :] + offs_d[:, None],
@@ -128,7 +128,6 @@ def decode_kernel(
     scale,
     cap,
     window,
-    block_size,
     partition_size,
     stride_qt,
     stride_qh,
@@ -141,6 +140,7 @@ def decode_kernel(
     stride_vb,
     stride_vh,
     stride_vt,
+    BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -191,11 +191,11 @@ def decode_kernel(
         window,
         scale,
         cap,
-        block_size,
         stride_kb,
         stride_kt,
         stride_vb,
         stride_vt,
+        BLOCK_SIZE,
         HEAD_DIM,
         HEAD_DIM_PAD,
         BLOCK_N,
@@ -275,7 +275,6 @@ def prefill_kernel(
     scale,
     cap,
     window,
-    block_size,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -287,6 +286,7 @@ def prefill_kernel(
     stride_vb,
     stride_vh,
     stride_vt,
+    BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -342,11 +342,11 @@ def prefill_kernel(
         window,
         scale,
         cap,
-        block_size,
         stride_kb,
         stride_kt,
         stride_vb,
         stride_vt,
+        BLOCK_SIZE,
         HEAD_DIM,
         HEAD_DIM_PAD,
         BLOCK_N,

@@ -8,12 +8,15 @@ through one decode launch (plus the split-K reduce when a context spans several 
 every other multi-token row through one prefill launch. The step's lists become one int32
 device tensor per call (one host-to-device copy, pinned and non-blocking on CUDA).
 
-The lower-level ``paged_decode_attention`` / ``paged_prefill_attention`` take device tensors
-(for a backend that builds them once per step and reuses them across layers).
+A backend plans a step once (``plan_attention``: the rows split between the kernels, the
+lists on the device) and runs every layer on it (``run_attention``); the lower-level
+``paged_decode_attention`` / ``paged_prefill_attention`` take the device tensors themselves.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,12 +30,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TUNING",
+    "AttentionPlan",
     "KernelTuning",
+    "decode_partition_size",
     "interpreted",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "plan_attention",
     "prefill_block_q",
     "prefill_tiles",
+    "run_attention",
     "triton_paged_attention",
 ]
 
@@ -43,26 +50,59 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class KernelTuning:
     """Tile sizes (powers of two, at least 16, as ``tl.dot`` needs).
 
-    ``partition_size``: decode context tokens per split-K program (vLLM's paged-attention v2
-    uses 512); contexts up to it take one program per (entry, KV head) and no reduce.
-    ``prefill_block_m``: query rows per prefill program (query tokens times the GQA group).
+    ``partition_size``: the most decode context tokens per split-K program (vLLM's
+    paged-attention v2 uses 512). ``min_programs``: a decode launch with fewer (entry, KV
+    head) programs than this cuts contexts into smaller partitions (down to one tile) until it
+    has this many, so that a batch-1 step still fills the GPU; None: twice the GPU's SM count
+    on CUDA, no minimum elsewhere. ``prefill_block_m``: query rows per prefill program (query
+    tokens times the GQA group).
     """
 
     partition_size: int = 512
     decode_block_n: int = 64
     prefill_block_m: int = 64
     prefill_block_n: int = 64
+    min_programs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.partition_size % self.decode_block_n:
-            raise ValueError("partition_size must be a multiple of decode_block_n")
+        if self.partition_size < self.decode_block_n:
+            raise ValueError("partition_size must be at least decode_block_n")
+        if self.min_programs is not None and self.min_programs < 0:
+            raise ValueError(f"min_programs must be >= 0 or None, got {self.min_programs}")
 
 
 DEFAULT_TUNING = KernelTuning()
+
+
+def decode_partition_size(
+    entries: int, kv_heads: int, span: int, min_programs: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> int:
+    """Context tokens per decode program: ``tuning.partition_size``, or less (a power of two,
+    at least one tile) when ``entries * kv_heads`` programs per partition are fewer than
+    ``min_programs`` and ``span`` (the longest context read) can be cut further."""
+    per_part = max(1, entries * kv_heads)
+    want = -(-min_programs // per_part)  # partitions per (entry, head) wanted
+    if want <= 1:
+        return tuning.partition_size
+    size = _pow2(-(-span // want), tuning.decode_block_n)
+    return min(size, tuning.partition_size)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _min_programs(device: torch.device, tuning: KernelTuning) -> int:
+    if tuning.min_programs is not None:
+        return tuning.min_programs
+    if device.type != "cuda":
+        return 0
+    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def interpreted() -> bool:
@@ -147,7 +187,8 @@ def paged_decode_attention(
     if e == 0:
         return
     span = max_len if sliding_window is None else min(max_len, sliding_window)
-    parts = max(1, -(-span // tuning.partition_size))
+    size = decode_partition_size(e, hkv, span, _min_programs(q.device, tuning), tuning)
+    parts = max(1, -(-span // size))
     d_pad = _pow2(d, 16)
     f32 = dict(dtype=torch.float32, device=q.device)
     split = parts > 1
@@ -155,11 +196,10 @@ def paged_decode_attention(
     part_ml = torch.empty(2, e, q.shape[1], parts, **f32) if split else part_acc
     decode_kernel[(e, hkv, parts)](
         out, q, k_cache, v_cache, block_tables, entry_rows, entry_tokens, entry_lens,
-        part_acc, part_ml, parts, float(scale), float(soft_cap or 0.0), sliding_window or 0, bs,
-        tuning.partition_size,
+        part_acc, part_ml, parts, float(scale), float(soft_cap or 0.0), sliding_window or 0, size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=bs,
         GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=d, HEAD_DIM_PAD=d_pad,
         BLOCK_N=tuning.decode_block_n, SPLIT=split, HAS_WINDOW=sliding_window is not None,
         HAS_CAP=soft_cap is not None, DOT_PRECISION=_dot_precision(q.dtype),
@@ -222,10 +262,10 @@ def paged_prefill_attention(
         return
     prefill_kernel[(n, hkv)](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tile_rows, tile_q0,
-        float(scale), float(soft_cap or 0.0), sliding_window or 0, k_cache.shape[2],
+        float(scale), float(soft_cap or 0.0), sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=k_cache.shape[2],
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_DIM_PAD=_pow2(d, 16),
         BLOCK_N=tuning.prefill_block_n, HAS_WINDOW=sliding_window is not None,
         HAS_CAP=soft_cap is not None,
@@ -238,6 +278,85 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     blocking the host (``torch.tensor(list, device=cuda)`` is a blocking pageable copy)."""
     host = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's rows as the kernels take them: built once per step from the metadata's
+    lists (one host-to-device copy) and shared by every layer."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] the metadata's
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    entry_rows: torch.Tensor  # [E] int32: decode entries (one-token rows, verification queries)
+    entry_tokens: torch.Tensor  # [E] int32
+    entry_lens: torch.Tensor  # [E] int32
+    max_entry_len: int  # the longest entry context (0: no entries)
+    tile_rows: torch.Tensor  # [n] int32: prefill query tiles
+    tile_q0: torch.Tensor  # [n] int32
+    block_q: int  # query tokens per prefill tile
+
+
+def plan_attention(
+    md: AttentionMetadata,
+    group: int,
+    device: torch.device,
+    rows: list[int] | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> AttentionPlan:
+    """Split ``md``'s rows (or only ``rows``) between the kernels for GQA group ``group``
+    (query heads per KV head): one-token rows and ``md.spec_rows`` become decode entries
+    (query ``t`` of a row whose last query is ``qe - 1`` sees ``L - (qe - 1 - t)`` keys), the
+    other multi-token rows prefill tiles."""
+    qsl, lens = md.query_start_loc, md.seq_lens
+    entries: tuple[list[int], list[int], list[int]] = ([], [], [])
+    prefill: list[int] = []
+    for i in range(md.num_rows) if rows is None else rows:
+        lq = qsl[i + 1] - qsl[i]
+        if lens[i] < lq:
+            raise ValueError(f"row {i}: {lq} queries but a context of only {lens[i]} tokens")
+        if lq > 1 and i not in md.spec_rows:
+            prefill.append(i)
+            continue
+        for t in range(qsl[i], qsl[i + 1]):
+            entries[0].append(i)
+            entries[1].append(t)
+            entries[2].append(lens[i] - (qsl[i + 1] - 1 - t))
+    block_q = prefill_block_q(group, tuning)
+    tiles = prefill_tiles(qsl, prefill, block_q)
+    e, b, n = len(entries[0]), len(lens), len(tiles[0])
+    meta = _device_ints([*qsl, *lens, *entries[0], *entries[1], *entries[2], *tiles[0], *tiles[1]],
+                        device)  # fmt: skip
+    cut = list(itertools.accumulate([b + 1, b, e, e, e, n, n]))
+    parts = [meta[lo:hi] for lo, hi in zip([0, *cut[:-1]], cut, strict=True)]
+    return AttentionPlan(md.block_tables, *parts[:5], max(entries[2], default=0), *parts[5:],
+                         block_q)  # fmt: skip
+
+
+def run_attention(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """One layer: the decode launch (and its reduce) and the prefill launch of ``plan``."""
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, tuning=tuning)
+    if plan.entry_rows.numel():
+        paged_decode_attention(
+            out, q, k_cache, v_cache, plan.block_tables, plan.entry_rows, plan.entry_tokens,
+            plan.entry_lens, scale, max_len=plan.max_entry_len, **opts,
+        )  # fmt: skip
+    if plan.tile_rows.numel():
+        paged_prefill_attention(
+            out, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
+            plan.tile_rows, plan.tile_q0, scale, block_q=plan.block_q, **opts,
+        )  # fmt: skip
 
 
 def triton_paged_attention(
@@ -254,40 +373,14 @@ def triton_paged_attention(
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``reference_paged_attention``'s contract on the Triton kernels: attention for each row
-    (or only ``rows``; other tokens of ``out`` are left as they are). Returns ``[T, H, D]``."""
+    (or only ``rows``; other tokens of ``out`` are left as they are). Returns ``[T, H, D]``.
+    Plans the step on every call; a backend plans once per step (``plan_attention``) and
+    calls ``run_attention`` per layer."""
     _check_options(sliding_window, soft_cap)
     if out is None:
         out = torch.empty_like(q)
-    qsl, lens = md.query_start_loc, md.seq_lens
-    entries: tuple[list[int], list[int], list[int]] = ([], [], [])
-    prefill: list[int] = []
-    for i in range(md.num_rows) if rows is None else rows:
-        lq = qsl[i + 1] - qsl[i]
-        if lens[i] < lq:
-            raise ValueError(f"row {i}: {lq} queries but a context of only {lens[i]} tokens")
-        if lq > 1 and i not in md.spec_rows:
-            prefill.append(i)
-            continue
-        for t in range(qsl[i], qsl[i + 1]):
-            entries[0].append(i)
-            entries[1].append(t)
-            entries[2].append(lens[i] - (qsl[i + 1] - 1 - t))
     group = q.shape[1] // max(1, k_cache.shape[1])
-    block_q = prefill_block_q(group, tuning)
-    tiles = prefill_tiles(qsl, prefill, block_q)
-    e, b, n = len(entries[0]), len(lens), len(tiles[0])
-    meta = _device_ints([*qsl, *lens, *entries[0], *entries[1], *entries[2], *tiles[0], *tiles[1]],
-                        q.device)  # fmt: skip
-    q_loc, seq, rest = meta[: b + 1], meta[b + 1 : 2 * b + 1], meta[2 * b + 1 :]
-    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, tuning=tuning)
-    if e:
-        paged_decode_attention(
-            out, q, k_cache, v_cache, md.block_tables, rest[:e], rest[e : 2 * e],
-            rest[2 * e : 3 * e], scale, max_len=max(entries[2]), **opts,
-        )  # fmt: skip
-    if n:
-        paged_prefill_attention(
-            out, q, k_cache, v_cache, md.block_tables, q_loc, seq, rest[3 * e : 3 * e + n],
-            rest[3 * e + n :], scale, block_q=block_q, **opts,
-        )  # fmt: skip
+    plan = plan_attention(md, group, q.device, rows, tuning)
+    run_attention(plan, q, k_cache, v_cache, scale, out, sliding_window=sliding_window,
+                  soft_cap=soft_cap, tuning=tuning)  # fmt: skip
     return out
