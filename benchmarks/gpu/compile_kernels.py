@@ -3,8 +3,8 @@
 Triton's interpreter (the CPU tests) never lowers a kernel, so it cannot catch what only the
 compiler checks: ``tl.dot`` tile shapes, loop-carried types, constexpr branches, register
 use. This compiles the kernels ahead of time for a CUDA target (Triton's bundled ptxas; no
-GPU, no driver) in each variant the wrapper launches and prints each one's registers,
-spills and shared memory. Run with ``TRITON_INTERPRET`` unset:
+GPU, no driver) in each variant the wrapper launches and prints each one's registers, stack
+(a stack means spills to local memory) and shared memory. Run with ``TRITON_INTERPRET`` unset:
 
     python benchmarks/gpu/compile_kernels.py [--arch 90] [--dtypes bf16] [--groups 8]
 """
@@ -14,19 +14,26 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvserve.ops.triton.attention_kernels import decode_kernel, prefill_kernel, reduce_kernel
+from kvserve.ops.triton.paged_attention import DEFAULT_TUNING, tile_keys
 
 _PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+_TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _signature(fn: triton.JITFunction, types: dict[str, str], consts: dict) -> dict[str, str]:
@@ -34,14 +41,31 @@ def _signature(fn: triton.JITFunction, types: dict[str, str], consts: dict) -> d
     return {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
 
 
-def _compile(fn: triton.JITFunction, types: dict[str, str], consts: dict, target: GPUTarget):
+_CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+
+
+def _compile(
+    fn: triton.JITFunction, types: dict[str, str], consts: dict, target: GPUTarget
+) -> tuple[float, str]:
+    """Seconds to compile, and the cubin's registers, stack (spills) and shared memory as
+    ``cuobjdump --dump-resource-usage`` reads them (the driver fills Triton's own n_regs and
+    n_spills only when it loads a binary, which needs a GPU)."""
     src = ASTSource(fn, _signature(fn, types, consts), consts)
     t = time.perf_counter()
-    k = triton.compile(src, target=target, options={"num_warps": 4})
-    meta = k.metadata
-    shared = getattr(meta, "shared", "?")
-    # n_regs / n_spills are filled by the driver when the binary is loaded, not here
-    return time.perf_counter() - t, shared
+    # the wrapper's warps; the reduce kernel launches with Triton's default, 4
+    warps = 4 if fn is reduce_kernel else DEFAULT_TUNING.num_warps
+    k = triton.compile(src, target=target, options={"num_warps": warps})
+    secs = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        dump = subprocess.run(
+            [str(_CUOBJDUMP), "--dump-resource-usage", str(cubin)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", dump)
+    regs, stack, _ = usage.groups() if usage else ("?", "?", "?")
+    return secs, f"regs {regs:>3} stack {stack:>5} B shared {k.metadata.shared:>6} B"
 
 
 def variants(
@@ -60,18 +84,21 @@ def variants(
         common = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, HAS_WINDOW=opt,
                       HAS_CAP=opt, DOT_PRECISION=dot)  # fmt: skip
         block_g = 1 << (group - 1).bit_length()
+        t = DEFAULT_TUNING
+        dec_n = tile_keys(t.decode_block_n, head_dim, _TORCH[dt], t)
+        pre_n = tile_keys(t.prefill_block_n, head_dim, _TORCH[dt], t)
         out.append((
             decode_kernel,
             {**ptrs, **ints, **fl, "block_tables": "*i64"},
-            dict(common, GROUP=group, BLOCK_G=max(16, block_g), BLOCK_N=64, SPLIT=split),
+            dict(common, GROUP=group, BLOCK_G=max(16, block_g), BLOCK_N=dec_n, SPLIT=split),
         ))  # fmt: skip
         if not split:
             ints = {a: "*i32" for a in ("query_start_loc", "seq_lens", "tile_row", "tile_q0")}
             out.append((
                 prefill_kernel,
                 {**ptrs, **ints, "scale": "fp32", "cap": "fp32", "block_tables": "*i64"},
-                dict(common, GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(1, 64 // block_g),
-                     BLOCK_N=64),
+                dict(common, GROUP=group, BLOCK_G=block_g,
+                     BLOCK_Q=max(1, t.prefill_block_m // block_g), BLOCK_N=pre_n),
             ))  # fmt: skip
     for dt in dtypes:
         out.append((
@@ -92,9 +119,9 @@ def main() -> None:
     target = GPUTarget("cuda", args.arch, 32)
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     for fn, types, consts in variants(args.dtypes, args.groups, args.head_dims):
-        secs, shared = _compile(fn, types, consts, target)
-        flags = {k: v for k, v in consts.items() if k not in ("HEAD_DIM_PAD",)}
-        print(f"{fn.__name__:15s} {secs:5.1f} s shared {shared:>6} B  {flags}")
+        secs, usage = _compile(fn, types, consts, target)
+        flags = " ".join(f"{k}={v}" for k, v in consts.items() if k != "HEAD_DIM_PAD")
+        print(f"{fn.__name__:15s} {secs:5.1f} s  {usage}  {flags}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from kvserve.ops.triton.paged_attention import (
     paged_decode_attention,
     plan_attention,
     run_attention,
+    tile_keys,
     triton_paged_attention,
 )
 
@@ -216,6 +217,16 @@ def test_decode_partition_size() -> None:
     assert decode_partition_size(1, 8, 8192, 264, t) == 256  # 8192/33 = 249 -> 256
     assert decode_partition_size(1, 8, 100_000, 264, t) == 512  # never above the maximum
     assert decode_partition_size(1, 8, 1024, 0, t) == 512  # no minimum: the maximum
+
+
+def test_tile_keys() -> None:
+    """A K tile holds at most 8 KB (no spills in the sm_90 cubins), at least 16 keys."""
+    t = KernelTuning()
+    assert tile_keys(64, 64, torch.bfloat16, t) == 64
+    assert tile_keys(64, 128, torch.bfloat16, t) == 32
+    assert tile_keys(64, 64, torch.float32, t) == 32
+    assert tile_keys(64, 256, torch.float32, t) == 16
+    assert tile_keys(16, 24, torch.float16, t) == 16
 
 
 def test_plan_once_run_per_layer(dev: torch.device) -> None:

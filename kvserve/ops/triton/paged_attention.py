@@ -40,6 +40,7 @@ __all__ = [
     "prefill_block_q",
     "prefill_tiles",
     "run_attention",
+    "tile_keys",
     "triton_paged_attention",
 ]
 
@@ -56,6 +57,13 @@ class KernelTuning:
     has this many, so that a batch-1 step still fills the GPU; None: twice the GPU's SM count
     on CUDA, no minimum elsewhere. ``prefill_block_m``: query rows per prefill program (query
     tokens times the GQA group).
+
+    ``decode_block_n``/``prefill_block_n`` are the most keys per tile; a tile holds at most
+    ``tile_bytes`` of one of K or V (``tile_keys``), and programs run ``num_warps`` warps. In
+    the sm_90 cubins (``benchmarks/gpu/compile_kernels.py``, Triton 3.7.1, no GPU to time
+    them on) 64 keys of head_dim 128 at 4 warps used all 255 registers and spilled 440-1240 B
+    of stack; at most 8 KB per tile and 8 warps, no variant spills (bf16 head_dim 64:
+    decode 184 registers, prefill 162; head_dim 128: 160 and 189; fp32 64: 108 and 185).
     """
 
     partition_size: int = 512
@@ -63,6 +71,8 @@ class KernelTuning:
     prefill_block_m: int = 64
     prefill_block_n: int = 64
     min_programs: int | None = None
+    tile_bytes: int = 8192
+    num_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"):
@@ -71,11 +81,23 @@ class KernelTuning:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.partition_size < self.decode_block_n:
             raise ValueError("partition_size must be at least decode_block_n")
+        if self.tile_bytes < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError("tile_bytes must be positive and num_warps a power of two <= 16")
         if self.min_programs is not None and self.min_programs < 0:
             raise ValueError(f"min_programs must be >= 0 or None, got {self.min_programs}")
 
 
 DEFAULT_TUNING = KernelTuning()
+
+
+def tile_keys(max_keys: int, head_dim: int, dtype: torch.dtype, tuning: KernelTuning) -> int:
+    """Keys per tile: ``max_keys``, halved while one tile of K is over ``tuning.tile_bytes``
+    (never below 16, the smallest dot tile)."""
+    row = _pow2(head_dim, 16) * torch.empty(0, dtype=dtype).element_size()
+    keys = max_keys
+    while keys > 16 and keys * row > tuning.tile_bytes:
+        keys //= 2
+    return keys
 
 
 def decode_partition_size(
@@ -201,8 +223,9 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=bs,
         GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=d, HEAD_DIM_PAD=d_pad,
-        BLOCK_N=tuning.decode_block_n, SPLIT=split, HAS_WINDOW=sliding_window is not None,
-        HAS_CAP=soft_cap is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=tile_keys(tuning.decode_block_n, d, q.dtype, tuning), SPLIT=split,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
     )  # fmt: skip
     if split:
         reduce_kernel[(e, q.shape[1])](
@@ -267,9 +290,9 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=k_cache.shape[2],
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_DIM_PAD=_pow2(d, 16),
-        BLOCK_N=tuning.prefill_block_n, HAS_WINDOW=sliding_window is not None,
-        HAS_CAP=soft_cap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=tile_keys(tuning.prefill_block_n, d, q.dtype, tuning),
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
     )  # fmt: skip
 
 
