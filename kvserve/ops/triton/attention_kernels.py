@@ -241,7 +241,7 @@ def reduce_kernel(
     offs_p = tl.arange(0, PARTS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     p_mask = offs_p < num_parts
-    base = (e * tl.num_programs(1) + h) * num_parts
+    base = ((e * tl.num_programs(1) + h) * num_parts).to(tl.int64)  # x Dp may pass 2^31
     plane = tl.num_programs(0) * tl.num_programs(1) * num_parts
     m = tl.load(part_ml + base + offs_p, mask=p_mask, other=float("-inf"))
     l_p = tl.load(part_ml + plane + base + offs_p, mask=p_mask, other=0.0)
