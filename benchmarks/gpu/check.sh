@@ -5,6 +5,8 @@
 #     benchmarks/gpu/fetch_wheels.sh     # here, with network: fills benchmarks/gpu/wheels/
 #     benchmarks/gpu/check.sh            # there: about 2-3 minutes, most of it Triton compiling
 #
+# The wheel folder is git-ignored: a device run must carry it (carry: benchmarks/gpu/wheels).
+#
 # It installs the missing wheels into a private folder (nothing in the machine's environment
 # changes), runs the CUDA cases of the tests (`pytest -m cuda`: the kernels compiled, bf16
 # included), then benchmarks/gpu/check.py (kernels against the reference in fp32/fp16/bf16,
