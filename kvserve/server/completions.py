@@ -151,7 +151,7 @@ async def prepare_completion(
         # not sent: the smaller of the field's 16 and the model's max_new_tokens (vLLM's
         # rule), and never above --max-tokens-limit (a request that asks nothing is no 400)
         caps = [c for c in (default, limits.max_tokens_limit) if c is not None]
-        requested = min(requested, *caps)
+        requested = min([requested, *caps])
     resolved = [
         resolve_max_tokens(engine, len(p.token_ids), requested, limits, default) for p in prompts
     ]
