@@ -71,7 +71,6 @@ class StoredResponse:
 
     response_json: str
     conversation: tuple[dict[str, Any], ...]
-    model: str  # the served model that answered: a later turn must use the same one
     size: int  # bytes counted against --responses-store-max-bytes
 
 
@@ -142,19 +141,25 @@ def add_responses_args(parser: argparse.ArgumentParser) -> None:
     """The store's ``kvserve serve`` flags."""
     g = parser.add_argument_group("/v1/responses store (store: true, previous_response_id, GET)")
     g.add_argument(
-        "--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+        "--responses-store-max-entries",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
         help="most stored responses; the oldest are evicted first (0: no store: GET, DELETE "
-             "and previous_response_id get 400, and responses are answered with store: false)",
-    )  # fmt: skip
+        "and previous_response_id get 400, and responses are answered with store: false)",
+    )
     g.add_argument(
-        "--responses-store-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES,
+        "--responses-store-max-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BYTES,
         help="most bytes of stored responses (each: its response and conversation as JSON); "
-             "accepts e.g. 64MiB",
-    )  # fmt: skip
+        "accepts e.g. 64MiB",
+    )
     g.add_argument(
-        "--responses-store-ttl", type=float, default=DEFAULT_TTL_S,
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
         help="seconds a stored response is kept",
-    )  # fmt: skip
+    )
 
 
 def store_limits_from_args(args: argparse.Namespace) -> StoreLimits:
