@@ -96,3 +96,27 @@ def test_flags() -> None:
                 ["--responses-store-ttl", "0"], ["--responses-store-ttl", "nan"]):  # fmt: skip
         with pytest.raises(ValueError, match="--responses-store"):
             store_limits_from_args(parser.parse_args(bad))
+
+
+def test_behind_ray_get_delete_and_chaining_are_refused_naming_ray() -> None:
+    """A Ray replica's state (kvserve/ray/replica.py) has the store off: reading a stored
+    response is a 400 that says why, not a 404 that looks like an eviction."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import ServerState, build_app
+
+    state = ServerState(responses=ResponseStore(StoreLimits(disabled_reason=RAY_STORE_OFF)))
+    with TestClient(build_app(state)) as http:
+        for method in ("GET", "DELETE"):
+            r = http.request(method, "/v1/responses/resp_1")
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert "--ray" in error["message"] and error["param"] == "response_id"
+    from kvserve.server.errors import APIError
+    from kvserve.server.responses import _history
+    from kvserve.server.responses_protocol import ResponsesRequest
+
+    req = ResponsesRequest(input="hi", previous_response_id="resp_1")
+    with pytest.raises(APIError, match="--ray") as e:
+        _history(req, state.responses)
+    assert (e.value.status, e.value.param) == (400, "previous_response_id")
