@@ -146,7 +146,9 @@ def _finish(
         conversation = (*turn.conversation, *assistant_messages(output))
         text = to_json(body)
         size = len(text.encode()) + len(to_json(list(conversation)).encode())
-        store.put(turn.response_id, StoredResponse(text, conversation, size))
+        if store.put(turn.response_id, StoredResponse(text, conversation, size)):
+            return body
+        body["store"] = False  # alone larger than --responses-store-max-bytes: not kept
     return body
 
 

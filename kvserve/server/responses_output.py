@@ -221,9 +221,11 @@ class OutputBuilder:
         return events
 
     def _close_all(self, status: str) -> list[str]:
-        if not self.items:  # an empty answer is still one (empty) message
-            self._content("")
-        return [e for item in list(self.items) if item.open for e in self._close(item, status)]
+        events = [] if self.items else self._content("")  # an empty answer: one empty message
+        for item in list(self.items):
+            if item.open:
+                events += self._close(item, status)
+        return events
 
     def _close(self, item: _Item, status: str) -> list[str]:
         index = self.items.index(item)
