@@ -172,16 +172,9 @@ def _response(
     tool_choice: Any = plan.mode
     if plan.mode == "named":
         tool_choice = {"type": "function", "name": plan.function_name}
-    tools = [
-        {
-            "type": "function",
-            "name": t["function"]["name"],
-            "description": t["function"].get("description"),
-            "parameters": t["function"].get("parameters"),
-            "strict": t["function"].get("strict"),
-        }
-        for t in (plan.template_tools or [])
-    ]
+    # the request's function tools (all function tools: others were refused), as given
+    keys = ("name", "description", "parameters", "strict")
+    tools = [{"type": "function", **{k: t.get(k) for k in keys}} for t in req.tools or ()]
     return {
         "id": turn.response_id,
         "object": "response",

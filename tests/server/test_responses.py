@@ -151,6 +151,7 @@ def _call(server: Server, **kw: Any) -> Any:
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert [(t.name, t.parameters) for t in r.tools] == [("get_weather", WEATHER)]  # type: ignore[union-attr]
     return r
 
 

@@ -142,3 +142,31 @@ def test_bad_items_are_400s_on_input(item: dict[str, Any]) -> None:
     with pytest.raises(APIError) as e:
         input_messages([item])
     assert (e.value.status, e.value.param) == (400, "input")
+
+
+def test_auto_text_then_a_hermes_call_streams_as_the_unary_items() -> None:
+    from kvserve.server.tool_parsers import HermesToolParser
+
+    text = 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    plan = ToolPlan("auto", parser=HermesToolParser)
+    streamed = OutputBuilder(plan)
+    evs = events(streamed, *[(text[:n], None) for n in range(1, len(text), 7)], (text, "stop"))
+    unary = OutputBuilder(plan)
+    unary.step(text, "stop")
+
+    def strip(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
+
+    assert strip(streamed.output("completed")) == strip(unary.output("completed"))
+    message, call = streamed.output("completed")
+    assert message["content"][0]["text"] == "Checking.\n"
+    assert (call["name"], json.loads(call["arguments"])) == ("f", {"city": "Oslo"})
+    types = [e["type"] for e in evs]
+    # the message is done before the call is added; each item is added once and done once
+    assert types.index("response.output_item.done") < types.index(
+        "response.function_call_arguments.delta"
+    )
+    assert (
+        types.count("response.output_item.added") == types.count("response.output_item.done") == 2
+    )
+    assert [e["output_index"] for e in evs if e["type"] == "response.output_item.done"] == [0, 1]
