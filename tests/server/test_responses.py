@@ -132,6 +132,8 @@ def test_streamed_text_events_in_order_equal_the_unary_answer(server: Server) ->
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output[0].id == item_id
     assert _without_ids(final.model_dump()) == _without_ids(unary.model_dump())
+    # a streamed response is stored once it finishes, as the last event has it
+    assert client(server).responses.retrieve(final.id).model_dump() == final.model_dump()
 
 
 def test_stream_helper_gets_the_final_response(server: Server) -> None:
