@@ -120,3 +120,18 @@ def test_behind_ray_get_delete_and_chaining_are_refused_naming_ray() -> None:
     with pytest.raises(APIError, match="--ray") as e:
         _history(req, state.responses)
     assert (e.value.status, e.value.param) == (400, "previous_response_id")
+
+
+def test_kvserve_serve_checks_the_store_flags_before_loading() -> None:
+    from kvserve.server.cli import _model_specs, add_serve_parser, build_state
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(ValueError, match="--responses-store-ttl"):
+        _model_specs(parser.parse_args(["serve", "--responses-store-ttl", "0"]))
+    args = parser.parse_args(["serve", "--responses-store-max-entries", "5",
+                              "--responses-store-max-bytes", "2MiB"])  # fmt: skip
+    from kvserve.engine.arg_utils import EngineArgs
+
+    state = build_state(args, EngineArgs.from_cli_args(args))
+    assert state.responses.limits == StoreLimits(5, 2 * 1024 * 1024, 3600.0)
