@@ -32,6 +32,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.ray.options import replica_threads
 from kvserve.server.app import build_app
 from kvserve.server.cli import build_state, load_models
+from kvserve.server.responses_store import RAY_STORE_OFF, ResponseStore, StoreLimits
 
 logger = logging.getLogger("kvserve.ray")
 
@@ -87,6 +88,8 @@ class KVServeReplica:
             num_threads=threads,
         )  # fmt: skip
         self.state = build_state(args, engine_args)
+        # A later request may reach another replica: no /v1/responses store (RAY_STORE_OFF)
+        self.state.responses = ResponseStore(StoreLimits(disabled_reason=RAY_STORE_OFF))
         load_models(self.state, [(model, name)], args, engine_args)
         self.app = build_app(self.state)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

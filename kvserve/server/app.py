@@ -43,6 +43,8 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.request_limits import check_chat, check_tools
+from kvserve.server.responses import add_responses_routes
+from kvserve.server.responses_store import ResponseStore
 from kvserve.server.serving import Limits, tokenize
 from kvserve.server.tools import ChatOptions, template_args
 from kvserve.server.tracing import RequestTracer
@@ -64,6 +66,7 @@ class ServerState:
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # seconds (--body-read-timeout)
     limits: Limits = field(default_factory=Limits)
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # tool calling, templates
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses store: true
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request
     cors: CorsOptions = field(default_factory=CorsOptions)  # --allowed-origins etc.
@@ -282,6 +285,7 @@ def build_app(state: ServerState) -> FastAPI:
             allow_credentials=state.cors.allow_credentials,
         )
     _add_openai_routes(app, state)
+    add_responses_routes(app, state)  # /v1/responses (responses.py)
     _add_ops_routes(app, state)
     return app
 

@@ -30,6 +30,7 @@ from kvserve.server.http_guard import (
     uvicorn_options,
 )
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.responses_store import ResponseStore, add_responses_args, store_limits_from_args
 from kvserve.server.serving import Limits
 from kvserve.server.tool_parsers import TOOL_PARSERS
 from kvserve.server.tools import ChatOptions
@@ -161,6 +162,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--exclude-tools-when-tool-choice-none", action="store_true",
         help="do not show the tools to the chat template when tool_choice is 'none'",
     )  # fmt: skip
+    add_responses_args(p)  # the /v1/responses store's bounds (responses_store.py)
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     add_ray_args(p)
     return p
@@ -197,6 +199,7 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
     if args.max_n < 1 or args.max_prompts_per_request < 1:
         raise ValueError("--max-n and --max-prompts-per-request must be >= 1")
     _check_cost_limits(args)
+    store_limits_from_args(args)  # the /v1/responses store's flags (ValueError if bad)
     if args.grpc_port is not None and not (
         0 <= args.grpc_port <= 65535 and args.grpc_port != args.port
     ):
@@ -279,6 +282,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
         cors=cors_from_args(args),
         max_logprobs=engine_args.max_logprobs,
         priority_scheduling=engine_args.scheduling_policy == "priority",
+        responses=ResponseStore(store_limits_from_args(args)),
     )
 
 

@@ -91,7 +91,11 @@ def worker_main(conn: Connection) -> None:
     again rather than read it) or ``("error", reason)``, until the pipe closes."""
     import xgrammar  # already imported: the fork server preloads it
 
-    info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
+    try:
+        first = conn.recv()
+    except (EOFError, OSError):
+        return  # the server closed the pipe before the handshake (it is shutting down)
+    info = xgrammar.TokenizerInfo.deserialize_json(first)
     # One thread: the engine's forward passes need the cores; no cache: the server keeps one.
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(("ready", os.getpid()))
@@ -119,13 +123,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _next_fork(control: socket.socket) -> bool:
+    """Whether the server asks for another worker (False: it closed or reset ``control``, as
+    a server shutting down does, possibly mid-request)."""
+    try:
+        return bool(control.recv(1))
+    except OSError:  # ConnectionResetError
+        return False
+
+
 def zygote_main(control: socket.socket) -> None:
     """Fork a worker for every byte read on ``control``; send back its pid (an int32) with
     its end of a new socket pair. Returns when the server closes ``control``."""
     import xgrammar  # noqa: F401 - imported once here, shared by every forked worker
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed workers
-    while control.recv(1):
+    while _next_fork(control):
         ours, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:  # the worker
