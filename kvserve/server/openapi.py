@@ -25,6 +25,10 @@ _WHEN = {
     400: "Invalid request: a field fails validation, text that is not Unicode, or a limit "
     "(context length, --max-tokens-limit, --max-n, --max-prompts-per-request...)",
     401: "Missing or wrong API key",
+    408: "The request's line and headers took longer than --header-read-timeout, or its body "
+    "longer than --body-read-timeout (answered by the HTTP layer, which closes the connection)",
+    431: "The request's line and headers are larger than --max-header-bytes, or more than "
+    "--max-header-count headers (answered by the HTTP layer, which closes the connection)",
     404: "The model is not served",
     413: "The body is larger than --max-request-body-bytes",
     429: "The model's queue is full (--max-queued-requests, --max-num-queued-tokens); "
@@ -84,6 +88,7 @@ def install_openapi(
             publish_limits(schema, limits)
             assistant_only_tool_calls(schema)
             json_schema_needs_its_schema(schema)
+            _add_http_layer_errors(schema)
             if protected_prefixes is not None:
                 _add_auth(schema, protected_prefixes)
         return app.openapi_schema  # type: ignore[return-value]
@@ -123,6 +128,18 @@ def _integer_bounds(node: Any) -> None:
                 node[key] = int(value)
     for value in node.values():
         _integer_bounds(value)
+
+
+def _add_http_layer_errors(schema: dict[str, Any]) -> None:
+    """408 and 431, which ``http_guard.py`` answers on any route before the app sees it."""
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for _, op in _operations(schema):
+        responses = op.setdefault("responses", {})
+        for status in (408, 431):
+            responses.setdefault(
+                str(status),
+                {"description": _WHEN[status], "content": {"application/json": {"schema": ref}}},
+            )
 
 
 def _drop_422(schema: dict[str, Any]) -> None:
