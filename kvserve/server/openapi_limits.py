@@ -104,11 +104,13 @@ def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
                 {"type": "null"},
             ]
         _server_limits(props, limits)
+        for example in body.get("examples", []):  # examples are valid requests too
+            _clamp_example(example, props)
 
 
 def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
     if limits.max_tokens is not None:
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             for arm in _arms(props.get(name), "integer"):
                 arm["maximum"] = limits.max_tokens
             default = props.get(name, {}).get("default")
@@ -137,6 +139,16 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
             "default": None,
             "description": "needs the server's --trust-request-chat-template",
         }
+
+
+def _clamp_example(example: dict[str, Any], props: dict[str, Any]) -> None:
+    """An example's integers within their fields' published maximum (``--max-tokens-limit 4``
+    makes the example's ``max_tokens: 8`` invalid)."""
+    for name, value in example.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            for arm in _arms(props.get(name), "integer"):
+                if "maximum" in arm and value > arm["maximum"]:
+                    example[name] = arm["maximum"]
 
 
 def _non_empty(node: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
@@ -255,7 +255,11 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     read = {200: {"model": ResponseObject}, **error_responses(400, 404, 500, 503)}
 
     @app.get("/v1/responses/{response_id}", responses=read)  # type: ignore[arg-type]
-    async def retrieve(response_id: str, stream: bool = False) -> Response:
+    async def retrieve(
+        response_id: str,
+        # published as false only: the document must not promise what is refused
+        stream: bool = Query(False, json_schema_extra={"enum": [False]}),
+    ) -> Response:
         if stream:
             raise bad_request("streaming a stored response is not supported", "stream")
         entry = _stored(state.responses, response_id)
