@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -89,6 +90,15 @@ def build_from_namespace(args: argparse.Namespace) -> Application:
     )
 
 
+def ray_http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Serve's ``http_options`` from ``kvserve serve`` flags. Ray Serve's proxy is its own
+    uvicorn server, so of the HTTP layer's limits (``server/http_guard.py``) only the
+    keep-alive timeout carries over (``keep_alive_timeout_s``); header size, count and read
+    timeouts and the connection cap are Ray's (docs/scaling.md says what to put in front)."""
+    keep_alive = max(1, math.ceil(args.keep_alive_timeout))  # Serve takes whole seconds
+    return {"host": args.host, "port": args.port, "keep_alive_timeout_s": keep_alive}
+
+
 def run_ray_serve(args: argparse.Namespace) -> int:
     """``kvserve serve --ray``: deploy on the Ray cluster (or a local one) and serve until
     interrupted."""
@@ -96,7 +106,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
 
     app = build_from_namespace(args)
     ray.init(address=args.ray_address)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options=ray_http_options(args))
     logger.info("deploying %s on Ray; the OpenAI API will be http://%s:%d/v1",
                 APP_NAME, args.host, args.port)  # fmt: skip
     try:

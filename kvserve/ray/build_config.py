@@ -30,12 +30,12 @@ def serve_config(argv: list[str]) -> dict[str, Any]:
     args = parser.parse_args(["serve", *argv])
     defaults = vars(serve_namespace({}))
     given = {k: v for k, v in vars(args).items() if k not in _NOT_ARGS and defaults.get(k) != v}
-    from kvserve.ray.app import build_from_namespace
+    from kvserve.ray.app import build_from_namespace, ray_http_options
 
     build_from_namespace(args)  # every option checked now, not when Serve builds the app
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": args.host, "port": args.port},
+        "http_options": ray_http_options(args),
         "applications": [
             {"name": "kvserve", "route_prefix": "/", "import_path": IMPORT_PATH, "args": given}
         ],

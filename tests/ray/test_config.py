@@ -57,11 +57,17 @@ def test_autoscaling_options_reach_serves_autoscaling_config() -> None:
 def test_build_config_writes_a_config_serve_accepts() -> None:
     out = io.StringIO()
     with redirect_stdout(out):
-        code = build_config_main(["--num-replicas", "3", "--max-num-seqs", "8", "--port", "9000"])
+        code = build_config_main(
+            ["--num-replicas", "3", "--max-num-seqs", "8", "--port", "9000",
+             "--keep-alive-timeout", "7.5"]
+        )  # fmt: skip
     assert code == 0
     config = ServeDeploySchema.model_validate(yaml.safe_load(out.getvalue()))
     assert config.http_options.port == 9000
-    assert config.applications[0].args == {"max_num_seqs": 8, "num_replicas": 3}
+    assert config.http_options.keep_alive_timeout_s == 8  # whole seconds, rounded up
+    assert config.applications[0].args == {
+        "max_num_seqs": 8, "num_replicas": 3, "keep_alive_timeout": 7.5,
+    }  # fmt: skip
     err = io.StringIO()
     with redirect_stderr(err):
         assert build_config_main(["--num-replicas", "2", "--max-replicas", "4"]) == 2
