@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from kvserve.server.anthropic.errors import is_anthropic_path
 from kvserve.server.protocol import ErrorResponse
 
 _WHEN = {
@@ -29,9 +30,12 @@ _WHEN = {
 _SECURITY_SCHEME = "bearerAuth"
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI ``responses=`` for these error statuses, all with the OpenAI error body."""
-    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` for these error statuses, all with the OpenAI error body (or
+    ``model``: Anthropic's on /v1/messages)."""
+    return {s: {"model": model, "description": _WHEN[s]} for s in statuses}
 
 
 def generation_responses(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -122,9 +126,11 @@ def _add_auth(schema: dict[str, Any], prefixes: tuple[str, ...]) -> None:
     for path, op in _operations(schema):
         if path.startswith(prefixes):
             op["security"] = [{_SECURITY_SCHEME: []}]
+            # /v1/messages answers in Anthropic's error shape (anthropic/errors.py)
+            body = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
             op.setdefault("responses", {})["401"] = {
                 "description": _WHEN[401],
                 "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
                 },
             }
