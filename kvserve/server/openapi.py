@@ -3,7 +3,8 @@
 FastAPI documents a 422 for every route with a body or a path parameter, but validation errors
 are answered with OpenAI's 400 (``errors.install_error_handlers``): the 422s are dropped and
 each route lists its real error statuses with the ``ErrorResponse`` body. The API key is
-documented as a bearer scheme (plus a 401) on the routes the guard middleware protects.
+documented as a bearer scheme or an ``x-api-key`` header (plus a 401) on the routes the guard
+middleware protects. The ``/v1/messages`` routes document Anthropic's error body.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _WHEN = {
     503: "The server is loading its models or shutting down, or the engine is dead",
 }
 _SECURITY_SCHEME = "bearerAuth"
+_API_KEY_SCHEME = "apiKeyHeader"
 
 
 def error_responses(
@@ -118,14 +120,21 @@ def _drop_422(schema: dict[str, Any]) -> None:
 
 
 def _add_auth(schema: dict[str, Any], prefixes: tuple[str, ...]) -> None:
-    schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SECURITY_SCHEME] = {
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes[_SECURITY_SCHEME] = {
         "type": "http",
         "scheme": "bearer",
         "description": "the server's --api-key",
     }
+    schemes[_API_KEY_SCHEME] = {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "the server's --api-key, as Anthropic's clients send it",
+    }
     for path, op in _operations(schema):
         if path.startswith(prefixes):
-            op["security"] = [{_SECURITY_SCHEME: []}]
+            op["security"] = [{_SECURITY_SCHEME: []}, {_API_KEY_SCHEME: []}]  # either one
             # /v1/messages answers in Anthropic's error shape (anthropic/errors.py)
             body = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
             op.setdefault("responses", {})["401"] = {

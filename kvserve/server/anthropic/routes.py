@@ -50,7 +50,9 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.engine_for(req.model)
         return await create_message(req, raw, engine, state.limits, state.chat_options)
 
-    @app.post("/v1/messages/count_tokens", responses=errors)
+    counting = error_responses(400, 404, 413, 500, 503, model=AnthropicErrorResponse)
+
+    @app.post("/v1/messages/count_tokens", responses=counting)
     async def messages_count_tokens(req: CountTokensRequest, raw: Request) -> CountTokensResponse:
         await _refuse_unsupported(raw)
         engine = state.engine_for(req.model)
