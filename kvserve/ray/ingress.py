@@ -152,12 +152,14 @@ class OpenAIIngress:
     async def _forward(self, index: int, request: ForwardedRequest, key: str | None) -> Response:
         try:
             gen, first = await self._open(index, request, key)
-        except StopAsyncIteration:
-            return error_response(502, "the engine replica ended without an answer")
+        except StopAsyncIteration:  # path: Anthropic's error shape on /v1/messages
+            message = "the engine replica ended without an answer"
+            return error_response(502, message, path=request.path)
         except BackPressureError as e:  # Serve's own queue cap (max_queued_requests)
-            return error_response(429, str(e), code="rate_limit_exceeded")
+            return error_response(429, str(e), code="rate_limit_exceeded", path=request.path)
         except REPLICA_LOST as e:
-            return error_response(503, f"no engine replica could answer: {type(e).__name__}")
+            message = f"no engine replica could answer: {type(e).__name__}"
+            return error_response(503, message, path=request.path)
         replica = _header(first[0], REPLICA_HEADER) or "unknown"
         self._replicas[index].add(replica)
         labels = (self._label(index), replica)

@@ -32,6 +32,7 @@ class RoutingPolicy(str, enum.Enum):
 # The routes whose body has a prompt, and the field holding it.
 _PROMPT_FIELDS = {
     "/v1/chat/completions": "messages",
+    "/v1/messages": "messages",  # Anthropic's: text blocks carry "text" as chat's parts do
     "/v1/completions": "prompt",
     "/v1/embeddings": "input",
     "/tokenize": "prompt",

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.anthropic.routes import add_anthropic_routes
 from kvserve.server.body_check import invalid_unicode_error
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
@@ -156,12 +157,14 @@ class GuardMiddleware:
                 headers = {"WWW-Authenticate": "Bearer"}
                 if _has_body(scope):  # closed, so that the body is never read
                     headers["Connection"] = "close"
-                resp = error_response(401, refused, code="invalid_api_key", headers=headers)
+                resp = error_response(
+                    401, refused, code="invalid_api_key", headers=headers, path=path
+                )
                 await resp(scope, receive, send)
                 return
         if self.state.draining and path.startswith(_PROTECTED_PREFIXES):
             # Connection: close, so that a client (or load balancer) reconnects elsewhere.
-            resp = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"})
+            resp = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"}, path=path)
             await resp(scope, receive, send)
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -175,7 +178,7 @@ class GuardMiddleware:
         except asyncio.TimeoutError:
             resp = error_response(
                 408, f"the request body took longer than {timeout:g}s (--body-read-timeout)",
-                headers={"Connection": "close"},
+                headers={"Connection": "close"}, path=path,
             )  # fmt: skip
             await resp(scope, receive, send)
             return
@@ -184,13 +187,13 @@ class GuardMiddleware:
             resp = error_response(
                 413, f"the request body is larger than this server's limit of {limit} bytes "
                 "(--max-request-body-bytes)",
-                code="request_too_large", headers={"Connection": "close"},
+                code="request_too_large", headers={"Connection": "close"}, path=path,
             )  # fmt: skip
             await resp(scope, receive, send)
             return
         invalid = invalid_unicode_error(body)
         if invalid is not None:
-            await invalid.response()(scope, receive, send)
+            await invalid.response(path)(scope, receive, send)
             return
         replayed = False
 
@@ -232,15 +235,21 @@ def _has_body(scope: Scope) -> bool:
 
 
 def _auth_error(scope: Scope, key: str) -> str | None:
-    """Why the request's ``Authorization`` does not grant access, or None if it does."""
+    """Why the request's ``Authorization`` (or Anthropic's ``x-api-key``) does not grant
+    access, or None if it does; either header with the key grants it."""
     values = [value for name, value in scope["headers"] if name == b"authorization"]
-    if len(values) > 1:
-        # A singleton field (RFC 9110): which copy a proxy or the app would read differs, so
-        # neither counts.
-        return f"the request has {len(values)} Authorization headers; send exactly one"
+    api_keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+    for header, given in (("Authorization", values), ("x-api-key", api_keys)):
+        if len(given) > 1:
+            # A singleton field (RFC 9110): which copy a proxy or the app would read differs,
+            # so neither counts.
+            return f"the request has {len(given)} {header} headers; send exactly one"
     if values and bearer_matches(values[0], key):
         return None
-    return "Incorrect or missing API key: send 'Authorization: Bearer <key>'"
+    # Constant-time, on bytes, as bearer_matches
+    if api_keys and hmac.compare_digest(api_keys[0].strip(), key.encode()):
+        return None
+    return "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 
 def bearer_matches(value: bytes, key: str) -> bool:
@@ -286,6 +295,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
     _add_openai_routes(app, state)
     add_responses_routes(app, state)  # /v1/responses (responses.py)
+    add_anthropic_routes(app, state)  # /v1/messages (kvserve/server/anthropic/)
     _add_ops_routes(app, state)
     return app
 

@@ -10,7 +10,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.outputs import CompletionOutput, TokenLogprobs
-from kvserve.server.chat_setup import chat_prompt, start_chat
+from kvserve.server.chat_pipeline import (
+    ChatPlan,
+    ChoiceDeltas,
+    chat_prompt,
+    choice_message,
+    start_chat,
+    streams_deltas,
+)
 from kvserve.server.errors import error_event
 from kvserve.server.protocol import (
     ChatChoiceLogprobs,
@@ -35,9 +42,9 @@ from kvserve.server.serving import (
     token_text,
     usage_info,
 )
-from kvserve.server.tools import ChatOptions, ToolPlan
+from kvserve.server.tools import ChatOptions
 
-__all__ = ["chat_prompt", "create_chat_completion"]  # chat_prompt: chat_setup.py's, re-exported
+__all__ = ["chat_prompt", "create_chat_completion"]  # chat_prompt: /tokenize's, re-exported
 
 _MISSING_LOGPROB = -9999.0  # never expected: the engine always reports the sampled token
 
@@ -76,18 +83,17 @@ async def create_chat_completion(
     options: ChatOptions | None = None,
 ) -> Response:
     run = await start_chat(req, raw, engine, limits, options or ChatOptions())
-    request_id, tools, top_k, streams = run.request_id, run.tools, run.top_k, run.streams
-    prompt = run.prompt
+    streams, request_id, top_k = run.streams, run.request_id, run.top_k
     if req.stream:
         return StreamingResponse(
-            _stream(req, engine, streams, request_id, top_k, tools, len(prompt.token_ids)),
+            _stream(req, engine, streams, request_id, top_k, run.plan),
             media_type="text/event-stream",
         )
     (out,) = await run_watching_disconnect(raw, final_outputs(streams))
     choices = [
         ChatCompletionChoice(
             index=c.index,
-            message=(m := tools.message(c.text, c.finish_reason))[0],
+            message=(m := choice_message(run.plan, c.text, c.finish_reason))[0],
             logprobs=_choice_logprobs(engine, c, 0, top_k),
             finish_reason=m[1],
             stop_reason=c.stop_reason,
@@ -120,8 +126,7 @@ async def _stream(
     streams: Sequence[RequestStream],
     request_id: str,
     top_k: int | None,
-    tools: ToolPlan | None = None,
-    num_prompt_tokens: int = 0,
+    plan: ChatPlan,
 ) -> AsyncIterator[str]:
     """SSE: a role chunk per choice, content deltas, finish chunks, usage (if asked), [DONE].
 
@@ -135,10 +140,10 @@ async def _stream(
     sent_chars = [0] * req.n
     sent_tokens = [0] * req.n
     done = [False] * req.n
-    # With tools, each choice's text goes through its tool stream (tool_calls deltas).
-    tool_streams = None
-    if tools is not None and tools.streams_tools:
-        tool_streams = [tools.streamer() for _ in range(req.n)]
+    # With tools or a reasoning parser, each choice's text goes through its ChoiceDeltas
+    # (reasoning, then content and tool_calls deltas).
+    choice_deltas = [ChoiceDeltas(plan) for _ in range(req.n)] if streams_deltas(plan) else None
+    num_prompt_tokens = len(plan.prompt.token_ids)
     # continuous_usage_stats: every chunk carries (prompt, this choice's tokens so far), vLLM's
     continuous = req.continuous_usage
     merged = merge_streams(streams)
@@ -162,8 +167,8 @@ async def _stream(
                 if done[i] or (not text and c.finish_reason is None):
                     continue  # tokens without text yet wait for the next chunk
                 delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
-                if tool_streams is not None:
-                    delta, finish_reason = tool_streams[i].step(c.text, c.finish_reason)
+                if choice_deltas is not None:
+                    delta, finish_reason = choice_deltas[i].step(c.text, c.finish_reason)
                     if not delta and finish_reason is None:
                         continue  # held back (a call's name is not complete yet, say)
                 logprobs = _choice_logprobs(engine, c, sent_tokens[i], top_k)

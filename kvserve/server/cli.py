@@ -30,6 +30,7 @@ from kvserve.server.http_guard import (
     uvicorn_options,
 )
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from kvserve.server.responses_store import ResponseStore, add_responses_args, store_limits_from_args
 from kvserve.server.serving import Limits
 from kvserve.server.tool_parsers import TOOL_PARSERS
@@ -163,6 +164,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="do not show the tools to the chat template when tool_choice is 'none'",
     )  # fmt: skip
     add_responses_args(p)  # the /v1/responses store's bounds (responses_store.py)
+    tools.add_argument(
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+        help="split the model's thinking (<think>...</think>) from its answer: chat's "
+             "reasoning and reasoning_content, Messages' thinking blocks; deepseek_r1 (the "
+             "output starts inside the thinking) or qwen3 (it starts with <think>); the "
+             "model's tokenizer must have both markers",
+    )  # fmt: skip
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     add_ray_args(p)
     return p
@@ -240,6 +248,9 @@ def load_models(
     for model, name in specs:
         config = replace(engine_args, model=model, served_model_name=name).create_engine_config()
         engine = LLMEngine(config)
+        if state.chat_options.reasoning_parser is not None:  # a model that thinks, or refused
+            parser = get_reasoning_parser(state.chat_options.reasoning_parser)
+            parser.check_tokenizer(engine.tokenizer, engine.model_name)
         if engine.tokenizer is not None:
             engine.grammar_compiler.warm_up()  # fork the compile workers before any grammar
         queue = AsyncLLMEngine(
@@ -276,6 +287,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
             tool_call_parser=args.tool_call_parser,
             trust_request_chat_template=args.trust_request_chat_template,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            reasoning_parser=getattr(args, "reasoning_parser", None),
         ),
         metrics=ServerMetrics(engine_args.metrics_prefix),
         tracer=_tracer(engine_args.otlp_traces_endpoint),

@@ -16,6 +16,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from kvserve.server.anthropic.errors import error_json as anthropic_error_json
+from kvserve.server.anthropic.errors import is_anthropic_path
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kvserve.server")
@@ -54,10 +56,10 @@ class APIError(Exception):
         self.code = code if code is not None else status
         self.headers = headers
 
-    def response(self) -> Response:
+    def response(self, path: str = "") -> Response:
         return error_response(
             self.status, self.message, type=self.type, param=self.param, code=self.code,
-            headers=self.headers,
+            headers=self.headers, path=path,
         )  # fmt: skip
 
 
@@ -69,7 +71,13 @@ def error_response(
     param: str | None = None,
     code: int | str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> Response:
+    """The error in the shape of the API that ``path`` (the request's route) belongs to:
+    Anthropic's on ``/v1/messages``, OpenAI's everywhere else."""
+    if is_anthropic_path(path):
+        content = anthropic_error_json(status, message)
+        return Response(content, status_code=status, headers=headers, media_type="application/json")
     body = ErrorResponse(
         error=ErrorInfo(
             message=message,
@@ -124,20 +132,22 @@ def install_error_handlers(app: FastAPI) -> None:
     """OpenAI-shaped bodies for our errors, validation (400, not 422), routing and crashes."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         message, param = validation_message(exc)
-        return error_response(400, message, param=param)
+        return error_response(400, message, param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers) if exc.headers else None
-        return error_response(exc.status_code, str(exc.detail), headers=headers)
+        path = request.url.path
+        return error_response(exc.status_code, str(exc.detail), headers=headers, path=path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> Response:
+    async def _crash(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in a request handler")
-        return error_response(500, f"internal server error: {type(exc).__name__}")
+        message = f"internal server error: {type(exc).__name__}"
+        return error_response(500, message, path=request.url.path)

@@ -3,7 +3,8 @@
 FastAPI documents a 422 for every route with a body or a path parameter, but validation errors
 are answered with OpenAI's 400 (``errors.install_error_handlers``): the 422s are dropped and
 each route lists its real error statuses with the ``ErrorResponse`` body. The API key is
-documented as a bearer scheme (plus a 401) on the routes the guard middleware protects.
+documented as a bearer scheme or an ``x-api-key`` header (plus a 401) on the routes the guard
+middleware protects. The ``/v1/messages`` routes document Anthropic's error body.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from kvserve.server.anthropic.errors import is_anthropic_path
 from kvserve.server.openapi_limits import (
     PublishedLimits,
     assistant_only_tool_calls,
@@ -37,11 +39,15 @@ _WHEN = {
     503: "The server is loading its models or shutting down, or the engine is dead",
 }
 _SECURITY_SCHEME = "bearerAuth"
+_API_KEY_SCHEME = "apiKeyHeader"
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI ``responses=`` for these error statuses, all with the OpenAI error body."""
-    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` for these error statuses, all with the OpenAI error body (or
+    ``model``: Anthropic's on /v1/messages)."""
+    return {s: {"model": model, "description": _WHEN[s]} for s in statuses}
 
 
 def generation_responses(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -132,8 +138,10 @@ def _integer_bounds(node: Any) -> None:
 
 def _add_http_layer_errors(schema: dict[str, Any]) -> None:
     """408 and 431, which ``http_guard.py`` answers on any route before the app sees it."""
-    ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    for _, op in _operations(schema):
+    for path, op in _operations(schema):
+        # /v1/messages answers in Anthropic's error shape (anthropic/errors.py)
+        body = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
+        ref = {"$ref": f"#/components/schemas/{body}"}
         responses = op.setdefault("responses", {})
         for status in (408, 431):
             responses.setdefault(
@@ -151,17 +159,26 @@ def _drop_422(schema: dict[str, Any]) -> None:
 
 
 def _add_auth(schema: dict[str, Any], prefixes: tuple[str, ...]) -> None:
-    schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SECURITY_SCHEME] = {
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes[_SECURITY_SCHEME] = {
         "type": "http",
         "scheme": "bearer",
         "description": "the server's --api-key",
     }
+    schemes[_API_KEY_SCHEME] = {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "the server's --api-key, as Anthropic's clients send it",
+    }
     for path, op in _operations(schema):
         if path.startswith(prefixes):
-            op["security"] = [{_SECURITY_SCHEME: []}]
+            op["security"] = [{_SECURITY_SCHEME: []}, {_API_KEY_SCHEME: []}]  # either one
+            # /v1/messages answers in Anthropic's error shape (anthropic/errors.py)
+            body = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
             op.setdefault("responses", {})["401"] = {
                 "description": _WHEN[401],
                 "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
                 },
             }

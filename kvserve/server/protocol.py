@@ -255,6 +255,13 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # an earlier assistant turn's thinking (vLLM's names), given to the chat template as
+    # both ``reasoning`` and ``reasoning_content`` (Qwen3's template reads the latter)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    def thinking(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -439,6 +446,10 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
+    # --reasoning-parser: the thinking, under vLLM's name and the older one SGLang,
+    # llama.cpp and DeepSeek's API still send (clients read one or the other)
+    reasoning: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -479,6 +490,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 

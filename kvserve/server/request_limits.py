@@ -54,6 +54,7 @@ def check_tools(limits: Limits, tools: Sequence[Any] | None) -> None:
 
 def _message_bytes(m: ChatMessage) -> int:
     size = len(m.text().encode("utf-8", "surrogatepass"))
+    size += len((m.thinking() or "").encode("utf-8", "surrogatepass"))
     for call in m.tool_calls or ():
         args = call.function.arguments
         text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

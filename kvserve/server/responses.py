@@ -2,7 +2,7 @@
 
 A translation at both ends of the chat pipeline and nothing else: the request becomes a
 ``ChatCompletionRequest`` (``responses_protocol.to_chat_request``, after the stored
-conversation of ``previous_response_id``), ``chat_setup.start_chat`` admits it exactly as
+conversation of ``previous_response_id``), ``chat_pipeline.start_chat`` admits it exactly as
 ``/v1/chat/completions`` admits its own (limits, tools, template off the event loop, grammar,
 submit), and ``responses_output.OutputBuilder`` turns the engine's outputs into output items
 and stream events. Answers with ``store`` (true unless the request says false) are kept in the
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.chat_setup import ChatRun, start_chat
+from kvserve.server.chat_pipeline import ChatRun, start_chat
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.openapi import error_responses, generation_responses
 from kvserve.server.protocol import ChatMessage
@@ -128,7 +128,7 @@ async def create_response(
     if req.stream:
         return StreamingResponse(_stream(turn, store), media_type="text/event-stream")
     (out,) = await run_watching_disconnect(raw, final_outputs(run.streams))
-    builder = OutputBuilder(run.tools)
+    builder = OutputBuilder(run.plan.tools)
     (c,) = out.outputs
     builder.step(c.text, c.finish_reason or "stop")
     body = _finish(turn, store, builder, out)
@@ -167,7 +167,7 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 def _response(
     turn: _Turn, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
 ) -> dict[str, Any]:
-    req, plan = turn.req, turn.run.tools
+    req, plan = turn.req, turn.run.plan.tools
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     tool_choice: Any = plan.mode
     if plan.mode == "named":
@@ -208,7 +208,7 @@ def _response(
 
 async def _stream(turn: _Turn, store: ResponseStore) -> AsyncIterator[str]:
     """The response's events (``responses_output``); an engine failure is an ``error`` event."""
-    builder = OutputBuilder(turn.run.tools)
+    builder = OutputBuilder(turn.run.plan.tools)
     started = _response(turn, "in_progress", [], None)
     yield builder.event("response.created", response=started)
     yield builder.event("response.in_progress", response=started)

@@ -1,7 +1,7 @@
 """``/v1/responses`` requests (OpenAI's Responses API) and their translation into chat.
 
 A Responses request becomes a ``ChatCompletionRequest`` (``to_chat_request``) that runs the
-chat pipeline unchanged (``chat_setup.start_chat``): ``instructions`` is a system message
+chat pipeline unchanged (``chat_pipeline.start_chat``): ``instructions`` is a system message
 first; ``input`` (a string, or items: messages with ``input_text`` / ``output_text`` parts,
 ``function_call`` and ``function_call_output``) is the conversation after the stored one of
 ``previous_response_id``; function ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` are

@@ -39,6 +39,7 @@ from kvserve.server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
+from kvserve.server.reasoning import get_reasoning_parser
 from kvserve.server.tool_parsers import (
     PartialCall,
     PartialParse,
@@ -81,10 +82,13 @@ class ChatOptions:
     tool_call_parser: str | None = None
     trust_request_chat_template: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None  # --reasoning-parser (kvserve/server/reasoning/)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # ValueError for an unknown name
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
@@ -177,6 +181,8 @@ def template_conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any
             msg["tool_calls"] = calls
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if (thinking := m.thinking()) is not None:
+            msg["reasoning"] = msg["reasoning_content"] = thinking
         conv.append(msg)
     return conv
 

@@ -68,6 +68,11 @@ def test_prompt_text_of_each_route() -> None:
         "m",
         "system:S\nuser:hi",
     )
+    anthropic = {**chat, "messages": chat["messages"][1:]}  # Anthropic's text blocks
+    assert request_model_and_prompt("/v1/messages", json.dumps(anthropic).encode()) == (
+        "m",
+        "user:hi",
+    )
     body = json.dumps({"model": "m", "prompt": ["first", "second"]}).encode()
     assert request_model_and_prompt("/v1/completions", body) == ("m", "first")
     body = json.dumps({"prompt": [1, 2, 3]}).encode()

@@ -140,12 +140,19 @@ def test_openapi_documents_the_real_statuses() -> None:
         ("post", "/tokenize"): ["200", "400", "401", "404", "413", "500", "503"],
         ("post", "/detokenize"): ["200", "400", "401", "404", "413", "500", "503"],
         ("post", "/reset_prefix_cache"): ["200", "401", "404", "500", "503"],
+        ("post", "/v1/messages"): generation,
+        ("post", "/v1/messages/count_tokens"): ["200", "400", "401", "404", "413", "500", "503"],
     }
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {
         "schema": error
     }
-    assert ops["get", "/v1/models"]["security"] == [{"bearerAuth": []}]
+    anthropic = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        for status in ("400", "401"):
+            content = ops["post", route]["responses"][status]["content"]["application/json"]
+            assert content == {"schema": anthropic}
+    assert ops["get", "/v1/models"]["security"] == [{"bearerAuth": []}, {"apiKeyHeader": []}]
     assert "security" not in ops["get", "/health"]
     # Without an API key there is no 401 and no security scheme.
     assert "401" not in json.dumps(open_doc["paths"])
