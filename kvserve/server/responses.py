@@ -128,7 +128,7 @@ async def create_response(
     if req.stream:
         return StreamingResponse(_stream(turn, store), media_type="text/event-stream")
     (out,) = await run_watching_disconnect(raw, final_outputs(run.streams))
-    builder = OutputBuilder(run.plan.tools)
+    builder = OutputBuilder(run.plan.tools, run.plan.reasoning)
     (c,) = out.outputs
     builder.step(c.text, c.finish_reason or "stop")
     body = _finish(turn, store, builder, out)
@@ -208,7 +208,7 @@ def _response(
 
 async def _stream(turn: _Turn, store: ResponseStore) -> AsyncIterator[str]:
     """The response's events (``responses_output``); an engine failure is an ``error`` event."""
-    builder = OutputBuilder(turn.run.plan.tools)
+    builder = OutputBuilder(turn.run.plan.tools, turn.run.plan.reasoning)
     started = _response(turn, "in_progress", [], None)
     yield builder.event("response.created", response=started)
     yield builder.event("response.in_progress", response=started)

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.server.reasoning.base import ReasoningParser
 from kvserve.server.serving import to_json
 from kvserve.server.tools import ChoiceToolStream, ToolPlan
 
@@ -27,17 +28,6 @@ from kvserve.server.tools import ChoiceToolStream, ToolPlan
 def item_id(prefix: str) -> str:
     """OpenAI's item ids: ``msg_`` / ``fc_`` / ``rs_`` + 32 hex digits."""
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """SEAM(reasoning): (reasoning, answer) of the model's text so far.
-
-    kvserve has no reasoning parser yet (``--reasoning-parser`` is built separately): all of
-    the text is the answer. A parser plugs in here; the builder below already emits a
-    ``reasoning`` item (``response.reasoning_text.delta`` events) before the answer's items
-    for whatever reasoning it returns. The parser must only grow both parts at their end.
-    """
-    return None, text
 
 
 @dataclass
@@ -90,6 +80,9 @@ class OutputBuilder:
     """Output items (and stream events) from one choice's cumulative text."""
 
     plan: ToolPlan
+    # --reasoning-parser's, unless the request turned thinking off (chat_pipeline.reasoning_for):
+    # the thinking becomes a ``reasoning`` item before the answer's items
+    reasoning: ReasoningParser | None = None
     sequence: int = 0
     items: list[_Item] = field(default_factory=list)
     _message: _Item | None = None  # the message being written
@@ -111,7 +104,10 @@ class OutputBuilder:
     def step(self, text: str, finish_reason: str | None) -> list[str]:
         """The events for the output grown to ``text`` (``finish_reason``: it is complete)."""
         events: list[str] = []
-        reasoning, answer = split_reasoning(text)
+        reasoning, answer = None, text
+        if self.reasoning is not None:  # both parts only grow at their end (reasoning/base.py)
+            split = self.reasoning.split(text, final=finish_reason is not None)
+            reasoning, answer = split.reasoning, split.content
         if reasoning:
             events += self._reasoning_delta(reasoning)
         if self._tools is not None:

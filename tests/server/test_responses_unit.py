@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvserve.server import responses_output
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatMessage
+from kvserve.server.reasoning import get_reasoning_parser
 from kvserve.server.responses_output import OutputBuilder, assistant_messages
 from kvserve.server.responses_protocol import ResponsesRequest, input_messages, to_chat_request
 from kvserve.server.tools import ToolPlan
@@ -68,14 +68,11 @@ def test_named_call_streams_arguments_and_becomes_a_function_call() -> None:
     ]  # fmt: skip
 
 
-def test_the_reasoning_seam_puts_a_reasoning_item_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    def split(text: str) -> tuple[str | None, str]:  # a stand-in for a reasoning parser
-        thinking, sep, answer = text.partition("</think>")
-        return (thinking, answer) if sep else (text, "")
-
-    monkeypatch.setattr(responses_output, "split_reasoning", split)
-    b = OutputBuilder(ToolPlan("none"))
-    evs = events(b, ("Hmm", None), ("Hmm.</think>Hi", None), ("Hmm.</think>Hi!", "stop"))
+def test_a_reasoning_parser_puts_a_reasoning_item_first() -> None:
+    b = OutputBuilder(ToolPlan("none"), get_reasoning_parser("qwen3")())
+    evs = events(
+        b, ("<think>Hmm", None), ("<think>Hmm.</think>Hi", None), ("<think>Hmm.</think>Hi!", "stop")
+    )
     assert [e["type"] for e in evs] == [
         "response.output_item.added", "response.reasoning_text.delta",
         "response.reasoning_text.delta", "response.reasoning_text.done",

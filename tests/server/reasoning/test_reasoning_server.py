@@ -70,6 +70,22 @@ def test_grammar_with_thinking_is_refused_and_works_without(thinker_server: Serv
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello"
 
 
+def test_responses_reasoning_item(thinker_server: Server) -> None:
+    """/v1/responses: the thinking is a ``reasoning`` item before the message, unary and
+    streamed alike (the stream's reasoning_text deltas add up to it)."""
+    client = thinker_server.client()
+    r = client.responses.create(model=THINK_MODEL, input="Hi", max_output_tokens=16)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert [c.text for c in reasoning.content or []] == [REASONING]
+    assert r.output_text == ANSWER
+    with client.responses.stream(model=THINK_MODEL, input="Hi", max_output_tokens=16) as s:
+        events = list(s)
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, text) == (REASONING, ANSWER)
+
+
 def _anthropic(server: Server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 
