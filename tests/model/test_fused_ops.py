@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from kvserve.attention.paged import write_kv
 from kvserve.model import cpu_kernels
-from kvserve.model.attention import write_kv
 from kvserve.model.llama import RMSNorm, apply_rope
 
 # bf16: every intermediate of the chain is rounded to bf16, so the kernels must match bit for

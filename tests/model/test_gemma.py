@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
 
+from kvserve.attention.paged import write_kv
 from kvserve.model import cpu_kernels
-from kvserve.model.attention import write_kv
 from kvserve.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from kvserve.model.llama import MLP, apply_rope
 from kvserve.model.loader import load_model
