@@ -19,8 +19,8 @@ import torch
 from kvserve.attention.cpu_kernel import CpuKernelBackend
 from kvserve.attention.paged import AttentionMetadata, write_kv
 from kvserve.attention.torch_sdpa import TorchSDPABackend
-from kvserve.model import cpu_kernels
 from kvserve.model.llama import RMSNorm, apply_rope
+from kvserve.ops import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 64, 1024, 2816, 32000, 8
 DT = torch.bfloat16

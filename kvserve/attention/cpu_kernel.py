@@ -15,7 +15,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.paged import AttentionMetadata, DecodeBatch, paged_attention
 from kvserve.config import AttentionBackendEnum
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 
 
 def kernel_decode(

@@ -32,10 +32,10 @@ from kvserve.distributed.layers import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from kvserve.model import cpu_kernels
 from kvserve.model.base import ForwardBatch
-from kvserve.model.packed_linear import PackedLinear
 from kvserve.model.wide_linear import WideLinear
+from kvserve.ops import cpu_kernels
+from kvserve.ops.packed_linear import PackedLinear
 from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kvserve.model import cpu_kernels
 from kvserve.model.base import ForwardBatch
 from kvserve.model.llama import (
     MLP,
@@ -32,6 +31,7 @@ from kvserve.model.llama import (
     RotaryEmbedding,
     layer_window,
 )
+from kvserve.ops import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 

@@ -32,9 +32,9 @@ from kvserve.distributed.layers import (
     load_weight,
 )
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
-from kvserve.model import cpu_kernels
 from kvserve.model.base import ForwardBatch
 from kvserve.model.decode_loop import DecodeLoop, build_decode_loop
+from kvserve.ops import cpu_kernels
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 

@@ -40,12 +40,12 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
-from kvserve.model.packed_linear import packing_supported
+from kvserve.ops.malloc_tuning import keep_freed_memory
+from kvserve.ops.packed_linear import packing_supported
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
-from kvserve.worker.malloc_tuning import keep_freed_memory
 from kvserve.worker.model_setup import (
     kv_cache_size,
     load_draft,

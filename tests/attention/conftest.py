@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from tests.attention.utils import HAS_COMPILER
 
 

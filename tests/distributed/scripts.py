@@ -12,9 +12,9 @@ import torch
 from kvserve.attention.cpu_kernel import CpuKernelBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.distributed.parallel_state import TPGroup
-from kvserve.model import cpu_kernels
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_model
+from kvserve.ops import cpu_kernels
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.packed_linear import packing_supported
+from kvserve.ops.packed_linear import packing_supported
 from tests.engine.conftest import TinyModels
 from tests.engine.utils import random_prompts
 

@@ -13,8 +13,8 @@ import torch
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model import cpu_kernels
 from kvserve.model.decode_loop import build_decode_loop
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear, _a8_kernel
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import make_tiny_model, random_prompts
