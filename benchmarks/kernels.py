@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
+from kvserve.attention.cpu_kernel import CpuKernelBackend
+from kvserve.attention.paged import AttentionMetadata, write_kv
+from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.model.llama import RMSNorm, apply_rope
+from kvserve.ops import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 64, 1024, 2816, 32000, 8
 DT = torch.bfloat16
@@ -58,14 +60,16 @@ def attention_ms(batch: int, context: int, block_size: int, use_kernel: bool) ->
         block_tables=tables,
         block_size=block_size,
     )
-    md.split_rows(GatherWorkspace(), use_kernel=use_kernel)
+    cls = CpuKernelBackend if use_kernel else TorchSDPABackend
+    backend = cls(torch.device("cpu"))
+    md = backend.build_metadata(md)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(DT)
     total, calls = 0.0, 0
     for rnd in range(4):
         for layer in range(LAYERS):
             weights[layer].sum()  # evict: what the layer's linears do to the caches
             t0 = time.perf_counter()
-            paged_attention(q, *caches[layer], md, HEAD_DIM**-0.5)
+            backend.forward(q, *caches[layer], md, HEAD_DIM**-0.5)
             if rnd > 0:
                 total += time.perf_counter() - t0
                 calls += 1

@@ -67,8 +67,8 @@ def cpu_paths() -> dict[str, Any]:
         import torch
 
         from kvserve.config import auto_dtype
-        from kvserve.model import cpu_kernels
-        from kvserve.model.packed_linear import _onednn_bf16_packing
+        from kvserve.ops import cpu_kernels
+        from kvserve.ops.packed_linear import _onednn_bf16_packing
         from kvserve.quantization.qlinear import _a8_kernel, bf16_native
     except ImportError:
         return paths

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from kvserve.attention.paged import AttentionMetadata, GatherWorkspace, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

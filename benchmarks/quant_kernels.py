@@ -28,7 +28,7 @@ import torch
 from kernels import timed  # benchmarks/kernels.py: median seconds after warm-up
 
 from kvserve.config import QuantizedActivations
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import quantize_rtn
 

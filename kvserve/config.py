@@ -34,12 +34,25 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"  # lowest ``priority`` value first, then arrival; may preempt
 
 
-class AttentionBackend(enum.Enum):
-    """How decode rows attend over the paged KV cache (prefill rows always use SDPA)."""
+class AttentionBackendEnum(enum.Enum):
+    """Which attention backend runs (vLLM's ``--attention-backend`` names where they fit;
+    ``kvserve/attention/selector.py`` maps each to its class)."""
 
-    AUTO = "auto"  # CPU_KERNEL on a CPU device when it builds, else SDPA
-    SDPA = "sdpa"  # gather the rows' blocks into a padded copy, one batched SDPA (any device)
-    CPU_KERNEL = "cpu_kernel"  # C++ kernel reading K/V in place through the block tables
+    AUTO = "auto"  # the selector's choice for the device and dtype (attention/selector.py)
+    TORCH_SDPA = "TORCH_SDPA"  # gather + PyTorch SDPA: the reference backend, any device
+    CPU_KERNEL = "CPU_KERNEL"  # C++ decode kernel reading K/V in place (CPU only)
+    TRITON_ATTN = "TRITON_ATTN"  # Triton paged kernels (kvserve/ops/triton; CUDA)
+
+    @classmethod
+    def parse(cls, value: str | AttentionBackendEnum) -> AttentionBackendEnum:
+        """A member from its name, in any case (``torch_sdpa``, ``TORCH_SDPA``, ``auto``)."""
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if str(value).upper() == member.value.upper():
+                return member
+        names = ", ".join(m.value for m in cls)
+        raise ValueError(f"unknown attention_backend {value!r}; choose from {names}")
 
 
 class ModelImpl(enum.Enum):
@@ -113,6 +126,30 @@ def auto_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def parse_device(value: str | torch.device) -> str:
+    """``device`` checked: ``cpu``, ``cuda`` or ``cuda:N`` (N a visible GPU). ValueError
+    naming the problem otherwise, before anything is loaded or compiled."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device {value!r} is not a torch device: use cpu, cuda or cuda:N"
+        ) from exc
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"device {value!r} is not supported: use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {value!r}: CUDA is not available here (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {value!r}: only {count} CUDA device(s) are visible")
+    return str(dev)
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -171,7 +208,7 @@ class ModelConfig:
     # True: every step's layers run in Python; False: decode-only steps of native Llama-family
     # models run their layers in one C++ call (model/decode_loop.py; same numbers)
     enforce_eager: bool = False
-    attention_backend: AttentionBackend = AttentionBackend.AUTO  # decode attention path
+    attention_backend: AttentionBackendEnum = AttentionBackendEnum.AUTO  # attention/selector.py
     warmup: bool = True  # prepacked (CPU bf16): a dummy max-size prefill before serving
     chat_template: str | None = None  # Jinja text for chat prompts; None: the tokenizer's
     # custom batch-level logits processor classes (vLLM v1's interface; kvserve.sample.
@@ -202,7 +239,8 @@ class ModelConfig:
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
         source = GenerationConfigSource(self.generation_config)
         object.__setattr__(self, "generation_config", source)
-        object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
+        backend = AttentionBackendEnum.parse(self.attention_backend)
+        object.__setattr__(self, "attention_backend", backend)
         object.__setattr__(self, "pooling", PoolingType(self.pooling))
         if self.quantization is not None:
             object.__setattr__(self, "quantization", Quantization(self.quantization))
@@ -416,3 +454,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", parse_device(self.device))

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import triton  # noqa: E402
 
-from kvserve.model.attention import (  # noqa: E402
+from kvserve.attention.paged import (  # noqa: E402
     AttentionMetadata,
     paged_attention,
     reference_paged_attention,

@@ -29,7 +29,7 @@ from kvserve.distributed.parallel_state import (
     divide,
     gather_to_driver,
 )
-from kvserve.model.packed_linear import DEFAULT_BATCH_HINT, PackedLinear
+from kvserve.ops.packed_linear import DEFAULT_BATCH_HINT, PackedLinear
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvserve.config import (
+    AttentionBackendEnum,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -32,6 +33,7 @@ from kvserve.config import (
     StructuredOutputsConfig,
     auto_dtype,
     parse_bytes,
+    parse_device,
     parse_dtype,
 )
 from kvserve.sample.custom_processors import load_processor_class
@@ -72,6 +74,11 @@ def _opt(
 def _size_gib_if_bare(value: str) -> str:
     """``--swap-space``: vLLM's unit is GiB, so a bare number means GiB ("4" -> "4GiB")."""
     return f"{value}GiB" if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value) else value
+
+
+def _attention_backend_name(value: str) -> str:
+    """``--attention-backend``: vLLM's names in any case (``torch_sdpa`` = ``TORCH_SDPA``)."""
+    return AttentionBackendEnum.parse(value).value
 
 
 def flag_name(name: str) -> str:
@@ -166,7 +173,7 @@ class EngineArgs:
     max_model_len: int | None = _opt(None, "cap on the context length (default: the model's)",
                                      type=int)  # fmt: skip
     seed: int = _opt(0, "seeds the engine's generator for requests without a seed")
-    device: str = _opt("cpu", "torch device: cpu or cuda")
+    device: str = _opt("cpu", "torch device: cpu, cuda or cuda:N (checked: CUDA must be available)")
     kv_cache_memory: int | str | None = _opt(
         None, "KV cache size, e.g. 2GiB (default: 1GiB; a bare number is bytes)", type=str
     )
@@ -210,8 +217,11 @@ class EngineArgs:
         "must be to preempt a running request",
     )  # fmt: skip
     attention_backend: str = _opt(
-        "auto", "decode attention: C++ kernel on CPU (auto) or gather + SDPA",
-        choices=("auto", "sdpa", "cpu_kernel"),
+        "auto", "attention backend (vLLM's names): auto (CPU: CPU_KERNEL where the C++ "
+        "kernels build, else TORCH_SDPA; CUDA: TRITON_ATTN where installed, else TORCH_SDPA), "
+        "TORCH_SDPA (gather + SDPA, any device), CPU_KERNEL, TRITON_ATTN",
+        type=_attention_backend_name,
+        choices=tuple(m.value for m in AttentionBackendEnum),
     )  # fmt: skip
     fused_ops: bool = _opt(
         True, "CPU bf16: C++ RMSNorm, SiLU*up and RoPE + KV write kernels (same rounding); "
@@ -528,6 +538,7 @@ class EngineArgs:
     def create_engine_config(self, free_memory: Callable[[str], int] | None = None) -> EngineConfig:
         """The engine's config. ``free_memory(device)`` (default: :func:`available_memory`)
         gives the free bytes ``gpu_memory_utilization`` is a fraction of."""
+        parse_device(self.device)  # before anything is loaded: a clear error for a bad device
         path, name = self._resolve_model()
         self._check_tokenizer(path)
         self._log_vllm_noops(path)

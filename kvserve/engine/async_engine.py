@@ -38,10 +38,10 @@ from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
 from kvserve.executor import WorkerDiedError
+from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 
 logger = logging.getLogger("kvserve.async_engine")
 

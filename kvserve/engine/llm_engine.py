@@ -111,7 +111,7 @@ class LLMEngine:
         }
         logger.info(
             "loaded %s in %.1fs (%s executor, %d rank(s)); KV cache: %d blocks x %d tokens = "
-            "%d tokens, %.1f MiB; decode attention: %s; fused ops: %s; C++ decode loop: %s",
+            "%d tokens, %.1f MiB; attention backend: %s; fused ops: %s; C++ decode loop: %s",
             self.model_name,
             info.load_seconds,
             config.parallel.distributed_executor_backend.value,  # type: ignore[union-attr]
@@ -120,7 +120,7 @@ class LLMEngine:
             cc.block_size,
             info.num_blocks * cc.block_size,
             info.num_blocks * info.bytes_per_block / 2**20,
-            "cpu_kernel" if info.use_decode_kernel else "sdpa",
+            info.attention_backend,
             "on" if info.fused_ops else "off",
             "on" if info.decode_loop else "off",
         )

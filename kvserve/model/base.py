@@ -7,14 +7,41 @@ protocol, never a concrete class, so a new architecture changes nothing there.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PretrainedConfig
 
-from kvserve.model.attention import AttentionMetadata
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.paged import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, Hkv, bs, D]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Everything one forward of a step reads, passed as the model's one argument (vLLM's
+    forward context, but an argument: never a global). Built by its caller (the runner, the
+    draft proposer, the warm-up) and read by every layer; nothing in it outlives the step.
+
+    The fields are fixed (frozen); the metadata's own per-step caches (masks per window) are
+    filled by the first layer that needs them and read by the rest.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, the step's tokens, rows after each other
+    positions: torch.Tensor  # [T] int64, each token's position in its request
+    kv_caches: KVCaches  # per layer (K, V) [num_blocks, Hkv, block_size, D]
+    attn_metadata: AttentionMetadata  # the rows, slots and block tables (built by the backend)
+    attn_backend: AttentionBackend  # what every attention layer calls (attention/selector.py)
+    # Reserved for multi-LoRA: [B] int64 adapter index of each row (-1: the base model only),
+    # for the linear layers to pick their low-rank deltas per row. Nothing reads it yet; None
+    # means every row runs the base model.
+    adapter_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 @runtime_checkable
@@ -44,15 +71,10 @@ class CausalLM(Protocol):
         """Whether the C++ fused ops run (the engine logs it)."""
         ...
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: KVCaches,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Writes this step's K/V through ``md.slot_mapping``; returns the final hidden
-        states ``[T, hidden]`` (after the last norm: what pooling reads)."""
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """Writes this step's K/V through ``batch.attn_backend`` (the slots of
+        ``batch.attn_metadata``); returns the final hidden states ``[T, hidden]`` (after the
+        last norm: what pooling reads)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

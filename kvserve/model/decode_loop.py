@@ -14,8 +14,8 @@ What it covers (``build_decode_loop`` says why when it does not): kvserve's Llam
 with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, 16-bit
 weights computed in float32 (``WideLinear``), a plain ``nn.Linear`` (float32 layers packing
 does not win on; bf16 where oneDNN cannot pack bf16, as on AVX2-only CPUs) or a quantized
-kernel layer, one rank. Steps with prefill or speculative rows, or the SDPA decode path, take
-the Python layers (``DecodeLoop.runs``).
+kernel layer, one rank. Steps with prefill or speculative rows, or with an attention backend
+other than ``CPU_KERNEL``, take the Python layers (``DecodeLoop.runs``).
 """
 
 from __future__ import annotations
@@ -25,24 +25,23 @@ import logging
 import torch
 from torch import nn
 
+from kvserve.attention.cpu_kernel import CpuKernelBackend
 from kvserve.distributed.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata
-from kvserve.model.packed_linear import PackedLinear
+from kvserve.model.base import ForwardBatch
 from kvserve.model.wide_linear import WideLinear
+from kvserve.ops import cpu_kernels
+from kvserve.ops.packed_linear import PackedLinear
 from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 # csrc/decode_layers.cpp's linear kinds
 KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE, KIND_WIDE = 0, 1, 2, 3, 4
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # Linears whose forward is nn.Linear's own F.linear call at one rank (the loop runs one rank
 # only): the tensor-parallel classes add communication for world_size > 1 alone.
@@ -58,13 +57,14 @@ class DecodeLoop:
         self.steps = 0  # decode steps run through it (the tests read it)
 
     @staticmethod
-    def runs(md: AttentionMetadata) -> bool:
-        """Whether this step is decode only (one query per row, the C++ attention kernel):
-        the steps the loop takes."""
+    def runs(batch: ForwardBatch) -> bool:
+        """Whether this step is decode only (one query per row) on the C++ attention kernel
+        (the loop calls that kernel itself): the steps the loop takes."""
+        md = batch.attn_metadata
         dec = md.decode
         return (
             dec is not None
-            and dec.use_kernel
+            and isinstance(batch.attn_backend, CpuKernelBackend)
             and dec.token_idx is None  # every row of the step is a one-token decode row
             and not md.prefill_groups
             and not md.context_groups
@@ -75,11 +75,11 @@ class DecodeLoop:
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: KVCaches,
-        md: AttentionMetadata,
+        batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: ``[T, hidden]`` embeddings; rope: cos/sin ``[T, 1, D]``. Returns the last
         layer's output and the residual stream, as the Python layer loop does."""
+        md, kv_caches = batch.attn_metadata, batch.kv_caches
         dec = md.decode
         assert dec is not None
         cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
@@ -154,6 +154,9 @@ def _unsupported(model: nn.Module) -> str | None:
     """Why the C++ loop cannot run ``model``'s layers (None: it can)."""
     from kvserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm  # llama imports us
 
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":  # before the kernels: no build off a CPU
+        return "the model is not on a CPU"
     if not cpu_kernels.available():
         return "the C++ kernels are not built"
     layers = getattr(model, "layers", None)

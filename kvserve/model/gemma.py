@@ -21,8 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata
+from kvserve.model.base import ForwardBatch
 from kvserve.model.llama import (
     MLP,
     Attention,
@@ -32,6 +31,7 @@ from kvserve.model.llama import (
     RotaryEmbedding,
     layer_window,
 )
+from kvserve.ops import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -73,7 +73,7 @@ class GemmaDecoderLayer(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
+        batch: ForwardBatch,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``llama.DecoderLayer``: the layer's input is ``x + residual``; returns the MLP
@@ -82,7 +82,7 @@ class GemmaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(rope, h, kv_cache, md)
+        h = self.self_attn(rope, h, kv_cache, batch)
         if not self.sandwich:
             residual, h = self.post_attention_layernorm.add_forward(h, residual)
             return self.mlp(h), residual
@@ -165,21 +165,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
             }
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: ``[T]``; returns the final hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's tokens (``[T]``) -> the final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
         # transformers multiplies by the factor as a tensor of the model dtype: round it first
         # (sqrt(2048) = 45.25 in bf16), then one multiply rounded to the dtype.
         x = x * float(torch.tensor(self.embed_scale).to(x.dtype))
-        ropes = self.rotary.lookup(positions, x.dtype)
+        ropes = self.rotary.lookup(batch.positions, x.dtype)
         residual = None
-        for layer, kv, key in zip(self.layers, kv_caches, self.rope_keys, strict=True):
-            x, residual = layer(ropes[key], x, kv, md, residual)
+        for layer, kv, key in zip(self.layers, batch.kv_caches, self.rope_keys, strict=True):
+            x, residual = layer(ropes[key], x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]

@@ -32,9 +32,9 @@ from kvserve.distributed.layers import (
     load_weight,
 )
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.base import ForwardBatch
 from kvserve.model.decode_loop import DecodeLoop, build_decode_loop
+from kvserve.ops import cpu_kernels
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -208,9 +208,9 @@ class Attention(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        t, md, backend = x.shape[0], batch.attn_metadata, batch.attn_backend
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         if self.fused:
             cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
@@ -230,8 +230,8 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(rope, q, k)
-            write_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
+            backend.write_kv(k, v, kv_cache[0], kv_cache[1], md)
+        o = backend.forward(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
         return self.o_proj(o.reshape(t, self.q_size))  # o: [T, H, D]
 
 
@@ -283,7 +283,7 @@ class DecoderLayer(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
+        batch: ForwardBatch,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is ``x + residual`` (just ``x`` for the first layer); returns the
@@ -293,7 +293,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(rope, h, kv_cache, md)
+        h = self.self_attn(rope, h, kv_cache, batch)
         residual, h = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -363,22 +363,16 @@ class LlamaForCausalLM(nn.Module):
     def make_rotary(self, config: PretrainedConfig, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(config, self.head_dim, max_positions)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: ``[T]``; returns the final hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's tokens (``[T]``) -> the final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.lookup(batch.positions, x.dtype)
         residual = None
-        if self.decode_loop is not None and self.decode_loop.runs(md):
-            x, residual = self.decode_loop.run(x, rope, kv_caches, md)
+        if self.decode_loop is not None and self.decode_loop.runs(batch):
+            x, residual = self.decode_loop.run(x, rope, batch)
         else:
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(rope, x, kv, md, residual)
+            for layer, kv in zip(self.layers, batch.kv_caches, strict=True):
+                x, residual = layer(rope, x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]
 

@@ -19,7 +19,6 @@ from transformers import AutoConfig, PretrainedConfig
 from kvserve.config import ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.base import CausalLM
-from kvserve.model.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 from kvserve.model.registry import resolve_model_class
 from kvserve.model.transformers_backend import (
     TransformersForCausalLM,
@@ -27,6 +26,7 @@ from kvserve.model.transformers_backend import (
     remote_code_error,
 )
 from kvserve.model.wide_linear import resolve_weight_dtype, widen_linears
+from kvserve.ops.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 from kvserve.quantization.apply import RTN_METHODS, QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.checkpoint_linears import CheckpointLinears
 from kvserve.quantization.compressed_tensors import (

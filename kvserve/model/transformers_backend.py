@@ -7,10 +7,11 @@ layer then calls :func:`paged_attention_forward` (registered in transformers'
 through the step's slot mapping and attends through the block tables, as the native Llama
 does, so continuous batching, preemption, swap and prefix caching work unchanged.
 
-The step's KV tensors and ``AttentionMetadata`` travel as one forward keyword argument
-(:class:`PagedStep`), which transformers hands down to the attention function: no global
-forward context. The tokens of a step are one flat sequence (``input_ids [1, T]``, the
-requests' own positions as ``position_ids [1, T]``); transformers builds no attention mask
+The step's ``ForwardBatch`` (KV tensors, attention metadata, the attention backend) travels
+as one forward keyword argument (:class:`PagedStep`), which transformers hands down to the
+attention function: no global forward context. The function calls the batch's backend.
+The tokens of a step are one flat sequence (``input_ids [1, T]``, the requests' own
+positions as ``position_ids [1, T]``); transformers builds no attention mask
 for an implementation that has no mask function registered (``masking_utils``: a name
 missing from ``AttentionMaskInterface`` returns ``None``), so the mask comes from the block
 tables alone and no dense ``[T, T]`` mask is ever built.
@@ -33,8 +34,9 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvserve.model.base import KVCaches
+from kvserve.attention.paged import AttentionMetadata
+from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.model.base import ForwardBatch
 
 ATTN_IMPLEMENTATION = "kvserve"  # the name registered in transformers' AttentionInterface
 STEP_KWARG = "kvserve_step"  # the forward keyword argument carrying the PagedStep
@@ -49,8 +51,7 @@ REMOTE_CODE = (
 class PagedStep:
     """One forward's paged-attention inputs, passed to transformers as a keyword argument."""
 
-    kv_caches: KVCaches  # per layer (K, V) [num_blocks, Hkv, block_size, D]
-    md: AttentionMetadata  # the flat batch: slot mapping, block tables, query rows
+    batch: ForwardBatch  # the step: KV caches, attention metadata and backend
     config: PretrainedConfig  # the model's config (per-layer attention types)
     max_positions: int  # the engine's context limit (a longer window cannot change a score)
     seen: list[int] = field(default_factory=list)  # layers that attended, in call order
@@ -121,7 +122,7 @@ def _layer_window(config: PretrainedConfig, layer: int) -> int | None:
 
 
 def _attention_options(module: nn.Module, kwargs: dict[str, Any], step: PagedStep) -> dict:
-    """The keyword arguments of ``paged_attention`` for this layer's call: the one place
+    """The keyword arguments of the backend's ``forward`` for this layer's call: the one place
     that reads what a layer's attention needs beyond plain causal attention.
 
     A window at least as long as the context changes no score (position i may see every
@@ -163,7 +164,7 @@ def paged_attention_forward(
         raise RuntimeError("kvserve's flat batch has batch size 1")
     layer = module.layer_idx
     options = _attention_options(module, kwargs, step)
-    k_cache, v_cache = step.kv_caches[layer]
+    k_cache, v_cache = step.batch.kv_caches[layer]
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
@@ -173,10 +174,11 @@ def paged_attention_forward(
             f"layer {layer}'s K/V heads are {tuple(k.shape[1:])} and {tuple(v.shape[1:])}, "
             f"the KV cache's (from the config) {(k_cache.shape[1], k_cache.shape[3])}",
         )
-    write_kv(k, v, k_cache, v_cache, step.md.slot_mapping)
+    backend, md = step.batch.attn_backend, step.batch.attn_metadata
+    backend.write_kv(k, v, k_cache, v_cache, md)
     scale = kwargs.get("scaling")
     scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
-    out = paged_attention(q, k_cache, v_cache, step.md, scale, **options)  # [T, H, D]
+    out = backend.forward(q, k_cache, v_cache, md, scale, **options)  # [T, H, D]
     step.seen.append(layer)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
@@ -237,23 +239,14 @@ class TransformersForCausalLM(nn.Module):
         """transformers' layers run in Python; the C++ decode loop is for native ones."""
         return False
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: KVCaches,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The final hidden states ``[T, hidden]``; K/V written through ``md``."""
-        step = PagedStep(kv_caches, md, self.config, self.max_positions)
-        return self._body(input_ids, positions, step)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]``; K/V written through the batch's backend."""
+        return self._body(PagedStep(batch, self.config, self.max_positions))
 
-    def _body(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep
-    ) -> torch.Tensor:
+    def _body(self, step: PagedStep) -> torch.Tensor:
         out = self.body(
-            input_ids=input_ids.unsqueeze(0),  # [1, T]: the step is one flat sequence
-            position_ids=positions.unsqueeze(0),  # [1, T]
+            input_ids=step.batch.input_ids.unsqueeze(0),  # [1, T]: one flat sequence
+            position_ids=step.batch.positions.unsqueeze(0),  # [1, T]
             use_cache=False,  # kvserve's paged cache holds K/V, not transformers' Cache
             **{STEP_KWARG: step},
         )
@@ -279,8 +272,8 @@ class TransformersForCausalLM(nn.Module):
         ids = torch.arange(num_tokens) % int(self.config.vocab_size)
         device = self.hf.get_output_embeddings().weight.device
         ids, pos = ids.to(device), torch.arange(num_tokens, device=device)
-        steps = [self._scratch_step(num_tokens, device) for _ in range(2)]
-        hidden = self._body(ids, pos, steps[0])
+        steps = [self._scratch_step(ids, pos) for _ in range(2)]
+        hidden = self._body(steps[0])
         if steps[0].seen != list(range(self.num_layers)):
             raise _refuse(
                 self.arch,
@@ -297,7 +290,10 @@ class TransformersForCausalLM(nn.Module):
                 "its forward post-processes the logits in a way kvserve does not reproduce",
             )
 
-    def _scratch_step(self, n: int, device: torch.device) -> PagedStep:
+    def _scratch_step(self, ids: torch.Tensor, pos: torch.Tensor) -> PagedStep:
+        """The probe's step: ``ids``/``pos`` ``[n]`` in one block, on the reference backend
+        (the probe checks the layers' structure, not a backend)."""
+        n, device = ids.shape[0], ids.device
         dtype = self.hf.get_output_embeddings().weight.dtype
         shape = (1, self.num_kv_heads, n, self.head_dim)  # one block of n tokens
         kv = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -310,7 +306,8 @@ class TransformersForCausalLM(nn.Module):
             block_tables=torch.zeros((1, 1), dtype=torch.long, device=device),
             block_size=n,
         )
-        return PagedStep(kv, md, self.config, self.max_positions)
+        batch = ForwardBatch(ids, pos, kv, md, TorchSDPABackend(device))
+        return PagedStep(batch, self.config, self.max_positions)
 
 
 def load_transformers_model(

@@ -94,7 +94,7 @@ def resolve_weight_dtype(
     in float32 on a CPU (``dtype=auto`` on AVX2-only CPUs), so nothing is rounded; anything
     else keeps ``dtype``. An explicit 16-bit request that cannot be honoured is refused.
     """
-    from kvserve.model import cpu_kernels  # builds the kernels on first use
+    from kvserve.ops import cpu_kernels  # builds the kernels on first use
 
     why = None
     if dtype != torch.float32:

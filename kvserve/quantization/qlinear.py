@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import QuantizedActivations
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.qweight import INT4_RANGES, QuantizedWeight
 
 logger = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from torch import nn
 from kvserve.config import Quantization
 from kvserve.distributed.layers import RowParallelLinear, RowParallelShard, default_weight_loader
 from kvserve.distributed.parallel_state import TPGroup
+from kvserve.ops.malloc_tuning import trim_heap
 from kvserve.quantization.apply import (
     QuantOptions,
     QuantReport,
@@ -38,7 +39,6 @@ from kvserve.quantization.apply import (
     linears,
     quantized_layer,
 )
-from kvserve.worker.malloc_tuning import trim_heap
 
 if TYPE_CHECKING:
     from kvserve.quantization.checkpoint_linears import CheckpointLinears

@@ -59,7 +59,7 @@ def apply_token_bitmask_rows(
     elsewhere the reference, tested equal to it.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from kvserve.model import cpu_kernels
+        from kvserve.ops import cpu_kernels
 
         if cpu_kernels.available():
             cpu_kernels.apply_token_bitmask(logits, bitmask, rows)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from kvserve.sample.custom_processors import LogitsProcessor
 from kvserve.sample.logits_processors import (
     apply_allowed_token_ids,

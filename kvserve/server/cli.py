@@ -370,7 +370,7 @@ def _exit_now(state: ServerState, code: int, why: str) -> NoReturn:
     exception", exit code 134, leaving the kernel build's compilers running), and when an
     engine died (nothing left is worth an orderly stop: the supervisor is waiting).
     """
-    from kvserve.model import kernel_build
+    from kvserve.ops import kernel_build
 
     killed = kernel_build.cancel_builds()  # the compilers too
     for child in multiprocessing.active_children():  # worker processes: loading, or orphaned

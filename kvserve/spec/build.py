@@ -36,9 +36,14 @@ def build_proposer(
         return NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
+    from kvserve.attention.selector import select_for_model
     from kvserve.spec.draft_model import DraftModelProposer
 
     assert draft is not None  # the engine loads it for SpecMethod.DRAFT_MODEL
+    mc = config.model
+    # The draft's own backend, chosen for its head size (the same choice as the target's).
+    backend = select_for_model(mc.attention_backend, draft.config, draft.head_dim,
+                               runner.device, mc.dtype)  # fmt: skip
     return DraftModelProposer(
         draft,
         spec.num_speculative_tokens,
@@ -46,5 +51,5 @@ def build_proposer(
         config.cache.block_size,
         config.model.dtype,
         runner.device,
-        runner.use_decode_kernel,
+        backend,
     )

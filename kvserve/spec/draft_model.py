@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
-from kvserve.model.attention import GatherWorkspace
-from kvserve.model.base import CausalLM
+from kvserve.attention.backend import AttentionBackend
+from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.sample.sampler import greedy_ids
 from kvserve.spec.proposer import ProposalInput, Proposer
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
@@ -34,16 +34,15 @@ class DraftModelProposer(Proposer):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        use_decode_kernel: bool,
+        attn_backend: AttentionBackend,
     ) -> None:
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.device = device
-        self.use_decode_kernel = use_decode_kernel
+        self.attn_backend = attn_backend  # the draft's own (its gather buffers, head size)
         # One (K, V) pair per draft layer, indexed by the target's block ids.
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
-        self.workspace = GatherWorkspace()
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is valid
 
     def forget(self, finished: Iterable[str], preempted: Iterable[str]) -> None:
@@ -83,9 +82,10 @@ class DraftModelProposer(Proposer):
     def _step(self, rows: list[tuple[list[int], int, int]], ids: list[int]) -> list[int]:
         """One draft forward over ``rows``; the argmax token after each row's last position."""
         md, positions = build_metadata(rows, self.block_size, self.device)
-        md.split_rows(self.workspace, self.use_decode_kernel)
+        md = self.attn_backend.build_metadata(md)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [T, hidden]
+        batch = ForwardBatch(input_ids, positions, self.kv_caches, md, self.attn_backend)
+        hidden = self.model(batch)  # [T, hidden]
         last = [qsl - 1 for qsl in md.query_start_loc[1:]]
         logits = self.model.compute_logits(hidden[last])  # [N, V]
         return greedy_ids(logits).tolist()

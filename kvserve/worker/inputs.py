@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata
+from kvserve.attention.paged import AttentionMetadata
 from kvserve.model.base import CausalLM
 
 
@@ -24,7 +24,7 @@ def allocate_kv_caches(
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (K, V) pair per layer, each ``[num_blocks, Hkv, block_size, D]``
-    (see attention.py)."""
+    (see kvserve/attention/paged.py)."""
     shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device),

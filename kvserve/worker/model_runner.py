@@ -33,19 +33,19 @@ import time
 
 import torch
 
-from kvserve.config import AttentionBackend, EngineConfig
+from kvserve.attention.paged import AttentionMetadata
+from kvserve.attention.selector import select_for_model
+from kvserve.config import EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata, GatherWorkspace
-from kvserve.model.base import CausalLM
+from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
-from kvserve.model.packed_linear import packing_supported
+from kvserve.ops.malloc_tuning import keep_freed_memory, trim_heap
+from kvserve.ops.packed_linear import packing_supported
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
-from kvserve.worker.malloc_tuning import keep_freed_memory, trim_heap
 from kvserve.worker.model_setup import (
     kv_cache_size,
     load_draft,
@@ -71,27 +71,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvserve.runner")
-
-
-def _use_decode_kernel(
-    backend: AttentionBackend, device: torch.device, dtype: torch.dtype, model: CausalLM
-) -> bool:
-    """Resolve the decode attention backend: may the C++ CPU kernel run this model?"""
-    if backend is AttentionBackend.SDPA:
-        return False
-    # 16 floats = one AVX-512 vector, the widest the kernel is compiled for.
-    fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    fits = fits and model.head_dim % 16 == 0
-    if backend is AttentionBackend.CPU_KERNEL:
-        if not fits:
-            raise ValueError(
-                "attention_backend 'cpu_kernel' needs a CPU device, float32 or bfloat16 and a "
-                f"head_dim that is a multiple of 16 (got {device}, {dtype}, {model.head_dim})."
-            )
-        if not cpu_kernels.available():
-            raise RuntimeError("attention_backend 'cpu_kernel': the CPU kernels failed to build.")
-        return True
-    return fits and cpu_kernels.available()
 
 
 class ModelRunner:
@@ -120,9 +99,9 @@ class ModelRunner:
             self.model, size.num_swap_blocks, cc.block_size, mc.dtype, torch.device("cpu")
         ) if size.num_swap_blocks > 0 else []  # fmt: skip
         self.timings = StepTimings()
-        self.workspace = GatherWorkspace()  # decode K/V gather buffers, reused every step
-        self.use_decode_kernel = _use_decode_kernel(
-            mc.attention_backend, device, mc.dtype, self.model
+        # what every attention layer calls; owns the step's gather buffers
+        self.attn_backend = select_for_model(
+            mc.attention_backend, self.model.config, self.model.head_dim, device, mc.dtype
         )
         self.pooler = Pooler()  # embedding requests: mean-pooling sums across prefill chunks
         self.input_batch = InputBatch(device)  # the runner's state of each request
@@ -146,7 +125,7 @@ class ModelRunner:
             num_blocks=size.num_blocks,
             num_swap_blocks=size.num_swap_blocks,
             bytes_per_block=size.bytes_per_block,
-            use_decode_kernel=self.use_decode_kernel,
+            attention_backend=self.attn_backend.name.value,
             fused_ops=bool(getattr(self.model, "fused_ops_enabled", False)),
             decode_loop=getattr(self.model, "decode_loop", None) is not None,
             warmup_tokens=warmup_tokens,
@@ -181,15 +160,15 @@ class ModelRunner:
             block_size=bs,
         )
         ids = torch.zeros(rows * row_len, dtype=torch.long, device=dev)
-        positions = pos.repeat(rows)
-        md.split_rows(self.workspace, self.use_decode_kernel)
-        hidden = self.model(ids, positions, self.kv_caches, md)  # [rows * row_len, hidden]
+        md = self.attn_backend.build_metadata(md)
+        batch = ForwardBatch(ids, pos.repeat(rows), self.kv_caches, md, self.attn_backend)
+        hidden = self.model(batch)  # [rows * row_len, hidden]
         self.model.compute_logits(hidden[row_len - 1 :: row_len])  # [rows, V]
         return rows * row_len
 
     def trim_heap(self) -> None:
         """Hand this process's freed C heap back to the OS: the engine calls it on every rank
-        once it has been idle for ``IDLE_TRIM_SECONDS`` (``worker/malloc_tuning.py``)."""
+        once it has been idle for ``IDLE_TRIM_SECONDS`` (``ops/malloc_tuning.py``)."""
         trim_heap()
 
     def swap(self, sched: SchedulerOutput) -> None:
@@ -208,11 +187,9 @@ class ModelRunner:
                 k[dst] = sk[src].to(self.device)
                 v[dst] = sv[src].to(self.device)
 
-    def _prepare(
-        self, rows: StepRows
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids and positions, the attention metadata, and the flat rows whose
-        logits are sampled (a verification row's last k + 1, one for any other finishing row)."""
+    def _prepare(self, rows: StepRows) -> tuple[ForwardBatch, list[int]]:
+        """The step's forward batch, and the flat rows whose logits are sampled (a
+        verification row's last k + 1, one for any other finishing row)."""
         ids: list[int] = []
         meta_rows: list[tuple[list[int], int, int]] = []
         logits_idx: list[int] = []
@@ -233,9 +210,10 @@ class ModelRunner:
                 spec_rows.append(i)
         md, positions = build_metadata(meta_rows, self.block_size, self.device,
                                        frozenset(spec_rows))  # fmt: skip
-        md.split_rows(self.workspace, self.use_decode_kernel)
+        md = self.attn_backend.build_metadata(md)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        return input_ids, positions, md, logits_idx
+        batch = ForwardBatch(input_ids, positions, self.kv_caches, md, self.attn_backend)
+        return batch, logits_idx
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, swap: bool = True) -> ModelRunnerOutput:
@@ -286,9 +264,9 @@ class ModelRunner:
         (the step's, or one request of them); the runner's per-request results are committed
         only when all of it succeeded. Reads only plain fields of ``sched``."""
         t0 = time.perf_counter()
-        input_ids, positions, md, logits_idx = self._prepare(rows)
+        batch, logits_idx = self._prepare(rows)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [T, hidden]
+        hidden = self.model(batch)  # [T, hidden]
         reqs = [r for r in rows.scheduled if rows.samples(r)]
         logits = self.model.compute_logits(hidden[logits_idx]) if reqs else None  # [N, V]
         t2 = time.perf_counter()

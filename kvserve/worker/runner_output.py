@@ -43,7 +43,7 @@ class RunnerInfo:
     num_blocks: int  # device KV blocks
     num_swap_blocks: int  # CPU swap blocks
     bytes_per_block: int  # K and V of every layer (and the draft's) per block
-    use_decode_kernel: bool  # decode attention on the C++ kernel (else gather + SDPA)
+    attention_backend: str  # the selected backend's name (AttentionBackendEnum value)
     fused_ops: bool  # the model runs the fused C++ ops
     decode_loop: bool  # decode-only steps run the layers in one C++ call (decode_loop.py)
     warmup_tokens: int  # tokens of the start-up dummy prefill (0: none)

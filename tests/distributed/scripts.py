@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
+from kvserve.attention.cpu_kernel import CpuKernelBackend
+from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.distributed.parallel_state import TPGroup
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import GatherWorkspace
-from kvserve.model.base import CausalLM
+from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_model
+from kvserve.ops import cpu_kernels
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
 
 
@@ -52,7 +53,7 @@ def run_script(model: CausalLM, script: Script, tp: TPGroup | None) -> list[torc
     # Interleaved block ids: each request's blocks are scattered through the cache.
     tables = [[1 + r + n * j for j in range(per_req)] for r in range(n)]
     kv = allocate_kv_caches(model, 1 + n * per_req, bs, script.dtype, torch.device("cpu"))
-    workspace = GatherWorkspace()
+    backend = (CpuKernelBackend if script.use_kernel else TorchSDPABackend)(torch.device("cpu"))
     # Loads the C++ kernels (built once into $TORCH_EXTENSIONS_DIR), as the runner does.
     assert not script.use_kernel or cpu_kernels.available(), "the C++ CPU kernels did not build"
     driver = tp is None or tp.is_driver
@@ -63,8 +64,8 @@ def run_script(model: CausalLM, script: Script, tp: TPGroup | None) -> list[torc
     with torch.no_grad():
         for step in range(script.decode_steps + 1):
             md, positions = build_metadata(rows, bs, torch.device("cpu"))
-            md.split_rows(workspace, script.use_kernel)
-            hidden = model(ids, positions, kv, md)  # [T, hidden]
+            md = backend.build_metadata(md)
+            hidden = model(ForwardBatch(ids, positions, kv, md, backend))  # [T, hidden]
             last = torch.tensor(md.query_start_loc[1:]) - 1
             logits = model.compute_logits(hidden[last])  # [n, V] on the driver
             tokens = torch.zeros(n, dtype=torch.long)

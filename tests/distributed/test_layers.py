@@ -30,7 +30,7 @@ from kvserve.distributed.parallel_state import (
     divide,
     gather_to_driver,
 )
-from kvserve.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from kvserve.ops.packed_linear import PackedLinear, pack_linears, packing_supported
 from tests.distributed.utils import run_ranks
 
 ATOL = 1e-5

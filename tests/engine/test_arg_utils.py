@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import (
-    AttentionBackend,
+    AttentionBackendEnum,
     CacheConfig,
     EngineConfig,
     GenerationConfigSource,
@@ -87,7 +87,7 @@ ALL_FLAGS = [
     "--swap-space", "2", "--no-enable-prefix-caching", "--max-num-seqs", "3",
     "--max-num-batched-tokens", "100", "--kv-policy", "reserve", "--preemption-mode", "swap",
     "--scheduling-policy", "priority", "--priority-scheduling-preemption-threshold", "2",
-    "--attention-backend", "sdpa", "--no-fused-ops", "--no-prepack-weights", "--no-warmup",
+    "--attention-backend", "torch_sdpa", "--no-fused-ops", "--no-prepack-weights", "--no-warmup",
     "--num-threads", "1", "--chat-template", "<{{ messages[0]['content'] }}>",
     "--generation-config", "auto", "--tensor-parallel-size", "1", "--enforce-eager",
     "--disable-log-requests", "--pooling", "mean", "--quantization-activations", "none",
@@ -107,7 +107,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         swap_space="2GiB", enable_prefix_caching=False, max_num_seqs=3,
         max_num_batched_tokens=100, kv_policy="reserve", preemption_mode="swap",
         scheduling_policy="priority", priority_scheduling_preemption_threshold=2,
-        attention_backend="sdpa", fused_ops=False, prepack_weights=False, warmup=False,
+        attention_backend="TORCH_SDPA", fused_ops=False, prepack_weights=False, warmup=False,
         num_threads=1, chat_template=template, generation_config="auto",
         tensor_parallel_size=1, enforce_eager=True, disable_log_requests=True, pooling="mean",
         quantization_activations="none", quantization="int8", quantization_lm_head=True,
@@ -115,7 +115,8 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
     expected = EngineConfig(
         model=ModelConfig(
             path=model, dtype=torch.float32, max_model_len=64, seed=7, served_name="m1",
-            prepack_weights=False, fused_ops=False, attention_backend=AttentionBackend.SDPA,
+            prepack_weights=False, fused_ops=False,
+            attention_backend=AttentionBackendEnum.TORCH_SDPA,
             enforce_eager=True, warmup=False, chat_template=template, pooling=PoolingType.MEAN,
             quantization_activations=QuantizedActivations.NONE,
             quantization=Quantization.INT8, quantization_lm_head=True,

@@ -20,9 +20,9 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.ops.malloc_tuning import glibc_function
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.malloc_tuning import glibc_function
 from tests.engine.utils import StubEngine, random_prompts
 
 PROMPTS = random_prompts([5, 9, 3, 12])

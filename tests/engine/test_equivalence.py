@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.packed_linear import packing_supported
+from kvserve.ops.packed_linear import packing_supported
 from tests.engine.conftest import TinyModels
 from tests.engine.utils import random_prompts
 
@@ -32,7 +32,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> lis
     ("block_size", "max_batched"),
     [(16, 2048), (4, 8)],  # the second chunks prefills and splits them across blocks
 )
-@pytest.mark.parametrize("backend", ["sdpa", "cpu_kernel"])
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CPU_KERNEL"])
 def test_greedy_matches_transformers(
     tiny_models: TinyModels, arch: str, block_size: int, max_batched: int, backend: str
 ) -> None:
@@ -52,7 +52,7 @@ def test_greedy_matches_transformers(
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert out.outputs[0].finish_reason == "length"
-    assert llm.engine.runner.use_decode_kernel == (backend == "cpu_kernel")
+    assert llm.engine.runner.attn_backend.name.value == backend
     stats = llm.stats()
     assert stats["max_num_running"] > 1  # the prompts really shared steps
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.config import ModelImpl
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm import build_engine_config
@@ -114,8 +115,8 @@ def test_swap_preemption(hf_models: HFModels) -> None:
 
 
 def test_sdpa_decode_backend(hf_models: HFModels) -> None:
-    e = engine(hf_models, "gemma2", num_kv_blocks=128, attention_backend="sdpa")
-    assert not e.runner.use_decode_kernel
+    e = engine(hf_models, "gemma2", num_kv_blocks=128, attention_backend="TORCH_SDPA")
+    assert isinstance(e.runner.attn_backend, TorchSDPABackend)
     assert run_engine_checked(e, PROMPTS, GREEDY) == expected("gemma2", PROMPTS)
 
 

@@ -100,7 +100,7 @@ def test_a_killed_worker_is_a_clear_error(tiny_llama: Path) -> None:
 
 
 def test_a_worker_start_up_error_reaches_the_driver(tiny_llama: Path) -> None:
-    cfg = config(tiny_llama, distributed_executor_backend="mp", attention_backend="cpu_kernel")
+    cfg = config(tiny_llama, distributed_executor_backend="mp", attention_backend="CPU_KERNEL")
     bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="/nonexistent"))
     with pytest.raises(ValueError, match="is not a model folder"):
         MultiprocExecutor(bad)

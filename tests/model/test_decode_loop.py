@@ -13,8 +13,8 @@ import torch
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model import cpu_kernels
 from kvserve.model.decode_loop import build_decode_loop
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear, _a8_kernel
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import make_tiny_model, random_prompts
@@ -159,11 +159,11 @@ def test_loop_off(models: dict[str, Path], kw: dict[str, object]) -> None:
 
 def test_sdpa_decode_steps_stay_in_python(models: dict[str, Path]) -> None:
     """With gather + SDPA decode attention the loop is built but takes no step."""
-    e = engine(models["llama"], attention_backend="sdpa")
+    e = engine(models["llama"], attention_backend="TORCH_SDPA")
     assert e.runner is not None
     loop = e.runner.model.decode_loop
     assert loop is not None and e.runner.info.decode_loop is True
-    eager = engine(models["llama"], attention_backend="sdpa", enforce_eager=True)
+    eager = engine(models["llama"], attention_backend="TORCH_SDPA", enforce_eager=True)
     assert run_staggered(e)[0] == run_staggered(eager)[0]
     assert loop.steps == 0
 
@@ -184,3 +184,18 @@ def test_a_layer_takes_four_linears() -> None:
         layers.add_layer(w, 1e-6, w, 1e-6, None, None, 1e-6, 0, 0.0, 0.25)
     with pytest.raises(RuntimeError, match="unknown linear kind 7"):
         layers.add_linear(7, w, w, w, None, 64, 8, 32, 0, 0, False, False)
+
+
+def test_no_kernel_build_off_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that is not on a CPU is refused before the C++ kernels are asked for (on a
+    CUDA machine they would be compiled for nothing, and need g++)."""
+    from kvserve.model.llama import LlamaForCausalLM
+    from tests.model.tiny_native import native_config
+
+    def no_build() -> bool:
+        raise AssertionError("the C++ kernels were asked for")
+
+    monkeypatch.setattr(cpu_kernels, "available", no_build)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(native_config("qwen3"), 64)
+    assert build_decode_loop(model) is None

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import write_kv
+from kvserve.attention.paged import write_kv
 from kvserve.model.llama import RMSNorm, apply_rope
+from kvserve.ops import cpu_kernels
 
 # bf16: every intermediate of the chain is rounded to bf16, so the kernels must match bit for
 # bit (the model uses them only in bf16). float32: RMSNorm sums its squares in another order

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import write_kv
+from kvserve.attention.paged import write_kv
 from kvserve.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from kvserve.model.llama import MLP, apply_rope
 from kvserve.model.loader import load_model
+from kvserve.ops import cpu_kernels
 from tests.model.tiny_native import kvserve_logits, make_native_model, native_config
 
 HAS_KERNELS = shutil.which("c++") is not None and cpu_kernels.available()

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import write_kv
+from kvserve.attention.paged import write_kv
 from kvserve.model.llama import LlamaForCausalLM, RMSNorm, apply_rope
 from kvserve.model.loader import load_model, model_max_len
+from kvserve.ops import cpu_kernels
 from tests.model.tiny_native import kvserve_logits, make_native_model, native_config
 
 HAS_KERNELS = shutil.which("c++") is not None and cpu_kernels.available()

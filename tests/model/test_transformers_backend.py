@@ -88,7 +88,7 @@ def test_windows_and_soft_caps_reach_paged_attention() -> None:
 
     cfg = make_config("gemma2")
     cfg.architectures = ["Gemma2ForCausalLM"]
-    step = PagedStep([], None, cfg, 512)  # type: ignore[arg-type]
+    step = PagedStep(None, cfg, 512)  # type: ignore[arg-type]
     layer = SimpleNamespace(layer_idx=0, is_causal=True)
     options = _attention_options(layer, {"sliding_window": 8, "softcap": 1.0}, step)  # type: ignore[arg-type]
     assert options == {"sliding_window": 8, "soft_cap": 1.0}
@@ -107,7 +107,7 @@ def test_refuses_attention_sinks_and_bidirectional_layers() -> None:
 
     cfg = make_config("llama")
     cfg.architectures = ["LlamaForCausalLM"]
-    step = PagedStep([], None, cfg, 512)  # type: ignore[arg-type]
+    step = PagedStep(None, cfg, 512)  # type: ignore[arg-type]
     prefix = "cannot run LlamaForCausalLM through the transformers backend: layer 1 "
     causal = SimpleNamespace(layer_idx=1, is_causal=True)
     with pytest.raises(ValueError) as e:

@@ -13,7 +13,6 @@ from torch import nn
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model import cpu_kernels
 from kvserve.model.loader import load_model
 from kvserve.model.wide_linear import (
     WideLinear,
@@ -21,6 +20,7 @@ from kvserve.model.wide_linear import (
     resolve_weight_dtype,
     widen_linears,
 )
+from kvserve.ops import cpu_kernels
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import make_tiny_model, random_prompts
 

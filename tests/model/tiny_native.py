@@ -21,7 +21,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvserve.model.attention import GatherWorkspace
+from kvserve.attention.cpu_kernel import CpuKernelBackend
+from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.model.base import ForwardBatch
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata
 from tests.engine.utils import TINY
@@ -98,10 +100,11 @@ def kvserve_logits(
     blocks = list(range(-(-len(ids) // bs)))
     kv = allocate_kv_caches(model, len(blocks), bs, model.embed_tokens.weight.dtype, cpu)
     rows = [(0, prefill)] + [(p, 1) for p in range(prefill, len(ids))]
+    backend = (CpuKernelBackend if use_kernel else TorchSDPABackend)(cpu)
     out = []
     for start, n in rows:
         md, pos = build_metadata([(blocks, start, n)], bs, cpu)
-        md.split_rows(GatherWorkspace(), use_kernel)
-        hidden = model(torch.tensor(ids[start : start + n]), pos, kv, md)
+        md = backend.build_metadata(md)
+        hidden = model(ForwardBatch(torch.tensor(ids[start : start + n]), pos, kv, md, backend))
         out.append(model.compute_logits(hidden[-1:]))
     return torch.cat(out)

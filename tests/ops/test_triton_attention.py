@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.model.attention import AttentionMetadata, reference_paged_attention
+from kvserve.attention.paged import AttentionMetadata, reference_paged_attention
 from kvserve.ops.triton.paged_attention import (
     KernelTuning,
     decode_partition_size,

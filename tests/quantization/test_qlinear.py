@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvserve.config import Quantization
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.apply import QuantOptions, quantize_model
 from kvserve.quantization.qlinear import (
     DIRECT_ROWS,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.config import QuantizedActivations
-from kvserve.model import cpu_kernels
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.qlinear import (
     QuantLinear,
     exact_activations,

@@ -162,7 +162,7 @@ def test_metadata_row_keeps_its_bitmask_row() -> None:
 
 @pytest.mark.parametrize("vocab", [1000, 49152])
 def test_bitmask_kernel_equals_the_reference(vocab: int) -> None:
-    from kvserve.model import cpu_kernels
+    from kvserve.ops import cpu_kernels
     from kvserve.sample.logits_processors import apply_token_bitmask_rows
 
     if not cpu_kernels.available():

@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention over vLLM's KV layout (``kvserve/model/attention.py``).
+"""Triton kernels for paged attention over vLLM's KV layout (``kvserve/attention/paged.py``).
 
 A layer's cache is ``k_cache``/``v_cache`` ``[num_blocks, num_kv_heads, block_size, head_dim]``;
 token ``p`` of a row sits in block ``block_table[p // block_size]`` at offset

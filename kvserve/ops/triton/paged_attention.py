@@ -1,7 +1,7 @@
 """Python side of the Triton paged-attention kernels (``attention_kernels``).
 
 ``triton_paged_attention`` takes exactly ``reference_paged_attention``'s arguments
-(``kvserve/model/attention.py``) and gives its results: the one-token rows and the
+(``kvserve/attention/paged.py``) and gives its results: the one-token rows and the
 speculative verification rows (``md.spec_rows``: one decode entry per query, query ``j`` of a
 row with ``Lq`` queries and context ``L`` being a decode entry of length ``L - Lq + 1 + j``) go
 through one decode launch (plus the split-K reduce when a context spans several partitions),
@@ -26,7 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from kvserve.ops.triton.attention_kernels import decode_kernel, prefill_kernel, reduce_kernel
 
 if TYPE_CHECKING:
-    from kvserve.model.attention import AttentionMetadata
+    from kvserve.attention.paged import AttentionMetadata
 
 __all__ = [
     "DEFAULT_TUNING",
@@ -142,7 +142,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _check_options(sliding_window: int | None, soft_cap: float | None) -> None:
-    # The same rule as kvserve.model.prefill_attention.check_attention_options (ops/ is the
+    # The same rule as kvserve.attention.prefill.check_attention_options (ops/ is the
     # ground floor and does not import from model/).
     if sliding_window is not None and (
         isinstance(sliding_window, bool)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 # rounds can fault: small allocations may split the freed block until the heap settles.)
 PROBE = """
 import resource, torch
-from kvserve.worker.malloc_tuning import keep_freed_memory
+from kvserve.ops.malloc_tuning import keep_freed_memory
 print(keep_freed_memory())
 for _ in range(3):
     torch.ones(1 << 26, dtype=torch.uint8)

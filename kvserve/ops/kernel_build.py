@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger("kvserve.model.cpu_kernels")
+logger = logging.getLogger("kvserve.ops.cpu_kernels")
 
 BUILD_TIMEOUT_ENV = "KVSERVE_KERNEL_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT_S = 300.0

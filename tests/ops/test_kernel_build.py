@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.model import cpu_kernels, kernel_build
-from kvserve.model.kernel_build import BuildLock, KernelBuild
+from kvserve.ops import cpu_kernels, kernel_build
+from kvserve.ops.kernel_build import BuildLock, KernelBuild
 from tests.server.conftest import start_server, tiny_model_dir
 
 __all__ = ["tiny_model_dir"]  # the fixture, for the kvserve serve tests
 
-LOGGER = "kvserve.model.cpu_kernels"
+LOGGER = "kvserve.ops.cpu_kernels"
 # Helper processes load kernel_build.py by its path: importing the kvserve package (torch,
 # transformers) would take them 10 s or more on a busy machine.
 LOAD_KERNEL_BUILD = (
@@ -225,7 +225,7 @@ def test_a_live_lock_on_the_kernels_falls_back_to_pytorch_with_a_warning(
     build = real_build(tmp_path / "ext", monkeypatch)
     proc = holder(build.directory / "kvserve-build.lock")  # type: ignore[operator]
     monkeypatch.setenv(kernel_build.BUILD_TIMEOUT_ENV, "1")
-    code = "from kvserve.model import cpu_kernels; print(cpu_kernels.available())"
+    code = "from kvserve.ops import cpu_kernels; print(cpu_kernels.available())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "False\n"
     assert f"waiting for pid {proc.pid} to finish building C++ kernels" in out.stderr

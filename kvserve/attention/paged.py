@@ -1,4 +1,4 @@
-"""Paged attention over a block-table KV cache.
+"""Paged attention over a block-table KV cache: the metadata and the shared paths.
 
 The KV cache of one layer is two tensors ``[num_blocks, num_kv_heads, block_size, head_dim]``
 (vLLM's layout): one head's vectors of a block are one contiguous run, which decode attention
@@ -7,20 +7,21 @@ whole token apart and the kernel read 1.6x slower). A request's context lives in
 its block table lists, in order; token ``p`` of the request sits in block
 ``block_table[p // block_size]`` at offset ``p % block_size``.
 
-Two implementations share one signature:
 - ``reference_paged_attention``: one request at a time, the plain definition. It is the
-  yardstick the fast path is tested against, and the path for rows the fast path leaves.
-- ``paged_attention``: decode rows (one query token) in one call, either the C++ CPU kernel
-  that reads K/V in place through the block tables (``cpu_kernels``), or a single batched SDPA
-  over a padded gather of their contexts (any device). Multi-token rows are batched too
-  (``prefill_attention``): fresh prompts of one length share one SDPA call (bit-identical to
-  the loop), and the other prefill rows (chunks after cached context, prefix-cache hits, lone
-  prompts) go in size buckets through one padded SDPA call each over their gathered contexts.
-  Speculative verification rows (the last token plus k proposals, ``spec_rows``) join the
-  decode batch as one entry per query: query j of a row whose context ends at L sees exactly
-  the first L - Lq + 1 + j keys, which is a decode row of that length over the same block
-  table, so the decode kernel serves them unchanged and each query gets the very numbers a
-  one-token step at that position would.
+  yardstick every backend is tested against, and the path for rows the fast paths leave.
+- ``paged_attention``: every row of a step, with the decode rows (one query token) handed to
+  a backend's decode function (``sdpa_decode`` here: one batched SDPA over a padded gather of
+  their contexts, any device; ``attention/cpu_kernel.py``: the C++ kernel). Multi-token rows
+  are batched too (``prefill.py``): fresh prompts of one length share one SDPA call
+  (bit-identical to the loop), and the other prefill rows (chunks after cached context,
+  prefix-cache hits, lone prompts) go in size buckets through one padded SDPA call each over
+  their gathered contexts. Speculative verification rows (the last token plus k proposals,
+  ``spec_rows``) join the decode batch as one entry per query: query j of a row whose context
+  ends at L sees exactly the first L - Lq + 1 + j keys, which is a decode row of that length
+  over the same block table, so the decode path serves them unchanged and each query gets the
+  very numbers a one-token step at that position would.
+
+Backends (``backend.py``) call these; models call the backend they are handed, never these.
 
 Both take ``sliding_window`` (query at position ``i`` sees keys ``i - window < j <= i``, Hugging
 Face's ``sliding_window_overlay``) and ``soft_cap`` (scores ``cap * tanh(s / cap)`` after the
@@ -33,12 +34,12 @@ window), and a soft-cap takes an explicit float32 path instead of SDPA (which ha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.model import cpu_kernels
-from kvserve.model.prefill_attention import (
+from kvserve.attention.prefill import (
     ContextGroup,
     PrefillGroup,
     attend,
@@ -54,10 +55,12 @@ __all__ = [
     "AttentionMetadata",
     "ContextGroup",
     "DecodeBatch",
+    "DecodeFn",
     "GatherWorkspace",
     "PrefillGroup",
     "paged_attention",
     "reference_paged_attention",
+    "sdpa_decode",
     "write_kv",
 ]
 
@@ -90,10 +93,31 @@ class DecodeBatch:
     token_idx: torch.Tensor | None  # [Bd] their token positions in the flat batch; None = all
     block_tables: torch.Tensor  # [Bd, nb] blocks covering the longest decode context
     seq_lens: torch.Tensor  # [Bd] int64 context length of each decode row
-    mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, key in context (SDPA only)
+    block_size: int  # tokens per block
     workspace: GatherWorkspace | None = None  # reusable gather buffers (None: allocate)
-    use_kernel: bool = False  # True: the C++ CPU kernel; False: gather + SDPA
+    _mask: torch.Tensor | None = None  # key_mask(), built on first use
+    _pads: tuple[torch.Tensor, torch.Tensor] | None = None  # pad_slots(), built on first use
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # mask by sliding window
+
+    def key_mask(self) -> torch.Tensor:
+        """``[Bd, 1, 1, nb * block_size]`` bool, key in the row's context (the SDPA path's;
+        built by the first layer that asks, kept for the step: a kernel never builds it)."""
+        if self._mask is None:
+            bd, nb = self.block_tables.shape
+            pos = torch.arange(nb * self.block_size, device=self.seq_lens.device)
+            self._mask = (pos[None, :] < self.seq_lens[:, None]).view(bd, 1, 1, -1)
+        return self._mask
+
+    def pad_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gathered block, offset) ``[p]`` each of the gathered key slots past each row's
+        context: its last block's tail and its padding blocks (block 0 of the cache)."""
+        if self._pads is None:
+            bd, nb = self.block_tables.shape
+            bs = self.block_size
+            pad = ~self.key_mask().view(bd * nb, bs)  # [Bd * nb, bs], True past the context
+            self._pads = torch.nonzero(pad, as_tuple=True)  # type: ignore[assignment]
+        assert self._pads is not None
+        return self._pads
 
 
 @dataclass
@@ -117,15 +141,11 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
     def split_rows(
-        self,
-        workspace: GatherWorkspace | None = None,
-        use_kernel: bool = False,
-        *,
-        batch_context: bool = True,
+        self, workspace: GatherWorkspace | None = None, *, batch_context: bool = True
     ) -> None:
-        """Derive the decode batch and prefill batches once per step (shared by every layer).
+        """Derive the decode batch and prefill batches once per step (shared by every layer):
+        the common part of every backend's metadata builder.
 
-        ``use_kernel`` picks the C++ CPU decode kernel (the caller checked it is available).
         ``batch_context=False`` leaves the prefill rows outside fresh-prompt groups to the
         per-row loop (the old path, kept for comparison).
         """
@@ -153,19 +173,14 @@ class AttentionMetadata:
         all_decode = len(dec) == len(entries) == self.num_rows  # every row, one query each
         rows = torch.tensor([e[0] for e in entries], dtype=torch.long, device=device)
         tables = self.block_tables[:, :nb] if all_decode else self.block_tables[rows, :nb]
-        mask = None
-        if not use_kernel:
-            pos = torch.arange(nb * self.block_size, device=device)
-            mask = (pos[None, :] < lens[:, None]).view(len(entries), 1, 1, -1)
         self.decode = DecodeBatch(
             token_idx=None
             if all_decode
             else torch.tensor([e[1] for e in entries], dtype=torch.long, device=device),
             block_tables=tables,
             seq_lens=lens,
-            mask=mask,
+            block_size=self.block_size,
             workspace=workspace,
-            use_kernel=use_kernel,
         )
 
 
@@ -245,7 +260,16 @@ def reference_paged_attention(
     return out
 
 
-def _batched_decode(
+# A backend's decode path: (q [T, H, D], k_cache, v_cache, the decode batch, scale, out
+# [T, H, D] to fill at the batch's rows, sliding_window, soft_cap).
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, float, torch.Tensor, int | None,
+     float | None],
+    None,
+]  # fmt: skip
+
+
+def sdpa_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -255,22 +279,7 @@ def _batched_decode(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> None:
-    """All one-token rows at once: the CPU kernel, or one SDPA over their gathered contexts."""
-    if dec.use_kernel:
-        rows = dec.token_idx if dec.token_idx is not None else dec.seq_lens[:0]
-        cpu_kernels.paged_decode_attention(
-            out,
-            q,
-            k_cache,
-            v_cache,
-            dec.block_tables,
-            dec.seq_lens,
-            rows,
-            scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-        )
-        return
+    """All one-token rows at once: one SDPA over their gathered contexts (any device)."""
     # Gather whole blocks: [Bd * nb, Hkv, bs, D] -> [Bd, Hkv, nb * bs, D]. index_select on the
     # flat table copies contiguous blocks and is ~3x faster than advanced indexing.
     bd, nb = dec.block_tables.shape
@@ -283,13 +292,19 @@ def _batched_decode(
     else:
         k_blocks = torch.index_select(k_cache, 0, flat, out=ws.get(0, (bd * nb, hkv, bs, d), q))
         v_blocks = torch.index_select(v_cache, 0, flat, out=ws.get(1, (bd * nb, hkv, bs, d), q))
+    blocks, offsets = dec.pad_slots()
+    if blocks.numel():
+        # Masked keys still enter SDPA's sums (score + -inf, then 0 * V): a NaN left in a
+        # reused block (a request whose K/V overflowed) would turn the row's output into NaN.
+        # Zeros are harmless; the kernel and the reference never read these slots.
+        k_blocks[blocks, :, offsets] = 0
+        v_blocks[blocks, :, offsets] = 0
     # [Bd, nb, Hkv, bs, D] -> [Bd, Hkv, nb, bs, D] -> [Bd, Hkv, nb * bs, D] (SDPA takes the
     # strided view; a block's tokens stay contiguous).
     k = k_blocks.view(bd, nb, hkv, bs, d).transpose(1, 2).reshape(bd, hkv, nb * bs, d)
     v = v_blocks.view(bd, nb, hkv, bs, d).transpose(1, 2).reshape(bd, hkv, nb * bs, d)
     qd = (q if dec.token_idx is None else q[dec.token_idx]).unsqueeze(2)  # [Bd, H, 1, D]
-    assert dec.mask is not None  # built by split_rows for the SDPA path
-    mask = cached_window_mask(dec._windowed, dec.mask, sliding_window)  # [Bd, 1, 1, nb * bs]
+    mask = cached_window_mask(dec._windowed, dec.key_mask(), sliding_window)  # [Bd, 1, 1, nb * bs]
     o = attend(qd, k, v, mask, scale, soft_cap).squeeze(2)  # [Bd, H, D]
     if dec.token_idx is None:
         out.copy_(o)
@@ -306,8 +321,10 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    decode: DecodeFn = sdpa_decode,
 ) -> torch.Tensor:
-    """Fast path with the reference's results: batched decode rows and prefill rows.
+    """Every row of the step with the reference's results: the decode rows by ``decode``,
+    the prefill rows batched (``md.split_rows`` ran, or runs here without a workspace).
 
     ``sliding_window``/``soft_cap`` as ``reference_paged_attention`` (None: unset, and then
     every path runs exactly as without them).
@@ -318,7 +335,7 @@ def paged_attention(
     out = torch.empty_like(q)
     opts = (sliding_window, soft_cap)
     if md.decode is not None:
-        _batched_decode(q, k_cache, v_cache, md.decode, scale, out, *opts)
+        decode(q, k_cache, v_cache, md.decode, scale, out, *opts)
     for group in md.prefill_groups:
         batched_prefill(q, k_cache, v_cache, group, scale, out, *opts)
     for ctx in md.context_groups:  # after decode: they reuse its workspace buffers

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from kvserve.ops.packed_linear import PackedLinear, pack_linears, packing_supported
 
 needs_bf16 = pytest.mark.skipif(
     not packing_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 packing"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model import kernel_build
+from kvserve.ops import kernel_build
 
 logger = logging.getLogger(__name__)
 

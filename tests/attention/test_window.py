@@ -10,22 +10,14 @@ from torch import nn
 from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-from kvserve.model import cpu_kernels, prefill_attention
-from kvserve.model.attention import (
-    AttentionMetadata,
-    GatherWorkspace,
-    paged_attention,
-    reference_paged_attention,
-)
-from tests.model.test_attention import HAS_COMPILER, build_batch
+from kvserve.attention import prefill
+from kvserve.attention.cpu_kernel import CpuKernelBackend
+from kvserve.attention.paged import AttentionMetadata, paged_attention, reference_paged_attention
+from kvserve.attention.selector import select_attention_backend
+from kvserve.config import AttentionBackendEnum
+from tests.attention.utils import CPU, HAS_COMPILER, backend, build_batch
 
 needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
-
-
-@pytest.fixture(autouse=True)
-def _kernels_built() -> None:
-    if HAS_COMPILER:
-        assert cpu_kernels.available(), "the C++ CPU kernels failed to build"
 
 
 class _EagerModule(nn.Module):
@@ -92,7 +84,8 @@ def test_every_path_equals_reference(
         pytest.skip("no C++ compiler")
     q, kc, vc, md = build_batch(SEQ, QLEN, 8, 400, 8, 2, d, dtype, seed=d)
     md.spec_rows = frozenset({10, 11})
-    md.split_rows(GatherWorkspace(), use_kernel)
+    b = backend(use_kernel)
+    b.build_metadata(md)
     assert [g.length for g in md.prefill_groups] == [9]
     assert sorted(r for g in md.context_groups for r in g.rows) == [2, 3, 4, 7, 8, 9]
     assert any(g.valid is not None for g in md.context_groups)  # a padded group
@@ -101,7 +94,7 @@ def test_every_path_equals_reference(
         ref = reference_paged_attention(
             q, kc, vc, md, d**-0.5, sliding_window=window, soft_cap=soft_cap
         )
-        fast = paged_attention(q, kc, vc, md, d**-0.5, sliding_window=window, soft_cap=soft_cap)
+        fast = b.forward(q, kc, vc, md, d**-0.5, sliding_window=window, soft_cap=soft_cap)
         _check(fast, ref, dtype)
         if soft_cap is None and window is not None and window < 130:
             plain = reference_paged_attention(q, kc, vc, md, d**-0.5)
@@ -112,12 +105,11 @@ def test_window_and_soft_cap_follow_each_call() -> None:
     """One step's metadata serves layers with different windows and caps (Gemma 2
     alternates sliding and global layers): each call gets its own, in any order."""
     q, kc, vc, md = build_batch(SEQ, QLEN, 8, 400, 8, 2, 32, torch.float32, seed=1)
-    md.split_rows(GatherWorkspace(), use_kernel=False)
+    b = backend(use_kernel=False)
+    b.build_metadata(md)
     for window, cap in [(5, None), (None, None), (11, 3.0), (5, None), (None, 3.0), (11, None)]:
         ref = reference_paged_attention(q, kc, vc, md, 0.2, sliding_window=window, soft_cap=cap)
-        _check(
-            paged_attention(q, kc, vc, md, 0.2, sliding_window=window, soft_cap=cap), ref, q.dtype
-        )
+        _check(b.forward(q, kc, vc, md, 0.2, sliding_window=window, soft_cap=cap), ref, q.dtype)
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
@@ -129,10 +121,11 @@ def test_window_past_every_context_changes_no_bit(use_kernel: bool, dtype: torch
         pytest.skip("no C++ compiler")
     q, kc, vc, md = build_batch(SEQ, QLEN, 8, 400, 8, 2, 64, dtype, seed=4)
     md.spec_rows = frozenset({10})
-    md.split_rows(GatherWorkspace(), use_kernel)
-    plain = paged_attention(q, kc, vc, md, 0.125)
+    b = backend(use_kernel)
+    b.build_metadata(md)
+    plain = b.forward(q, kc, vc, md, 0.125)
     for window in (None, 300, 301, 4096):
-        got = paged_attention(q, kc, vc, md, 0.125, sliding_window=window, soft_cap=None)
+        got = b.forward(q, kc, vc, md, 0.125, sliding_window=window, soft_cap=None)
         torch.testing.assert_close(got, plain, atol=0, rtol=0)
     ref = reference_paged_attention(q, kc, vc, md, 0.125)
     torch.testing.assert_close(
@@ -195,8 +188,9 @@ def test_kernel_never_reads_before_the_window(dtype: torch.dtype, d: int, block_
             blocks, offsets = md.block_tables[i, pos // block_size], pos % block_size
             kn[blocks, :, offsets] = float("nan")
             vn[blocks, :, offsets] = float("nan")
-        md.split_rows(use_kernel=True)
-        fast = paged_attention(q, kn, vn, md, 0.2, sliding_window=window, soft_cap=cap)
+        kernel = CpuKernelBackend(CPU)
+        kernel.build_metadata(md)
+        fast = kernel.forward(q, kn, vn, md, 0.2, sliding_window=window, soft_cap=cap)
         _check(fast, ref, dtype)
 
 
@@ -204,10 +198,11 @@ def test_soft_cap_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The soft-cap path splits long query runs to bound its float32 scores; the split
     does not change the result."""
     q, kc, vc, md = build_batch([200, 150], [120, 150], 16, 64, 4, 2, 32, torch.float32, 3)
-    md.split_rows(GatherWorkspace())
-    whole = paged_attention(q, kc, vc, md, 0.2, sliding_window=50, soft_cap=5.0)
-    monkeypatch.setattr(prefill_attention, "SOFTCAP_CHUNK_BYTES", 4 * 2 * 4 * 200 * 7)
-    chunked = paged_attention(q, kc, vc, md, 0.2, sliding_window=50, soft_cap=5.0)
+    b = backend(use_kernel=False)
+    b.build_metadata(md)
+    whole = b.forward(q, kc, vc, md, 0.2, sliding_window=50, soft_cap=5.0)
+    monkeypatch.setattr(prefill, "SOFTCAP_CHUNK_BYTES", 4 * 2 * 4 * 200 * 7)
+    chunked = b.forward(q, kc, vc, md, 0.2, sliding_window=50, soft_cap=5.0)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
     ref = reference_paged_attention(q, kc, vc, md, 0.2, sliding_window=50, soft_cap=5.0)
     torch.testing.assert_close(chunked, ref, atol=1e-5, rtol=1e-5)
@@ -237,8 +232,9 @@ def test_spec_row_with_window_equals_one_token_steps() -> None:
     """Query j of a verification row, windowed, gets the numbers of a one-token step."""
     q, kc, vc, md = build_batch([30], [4], 8, 16, 4, 2, 16, torch.float32, seed=5)
     md.spec_rows = frozenset({0})
-    md.split_rows(None, cpu_kernels.available())
-    fast = paged_attention(q, kc, vc, md, 0.25, sliding_window=9, soft_cap=2.0)
+    b = select_attention_backend(AttentionBackendEnum.AUTO, CPU, torch.float32, 16)
+    b.build_metadata(md)
+    fast = b.forward(q, kc, vc, md, 0.25, sliding_window=9, soft_cap=2.0)
     for j in range(4):
         one = AttentionMetadata(
             slot_mapping=md.slot_mapping[j : j + 1],
@@ -247,6 +243,6 @@ def test_spec_row_with_window_equals_one_token_steps() -> None:
             block_tables=md.block_tables,
             block_size=8,
         )
-        one.split_rows(None, cpu_kernels.available())
-        alone = paged_attention(q[j : j + 1], kc, vc, one, 0.25, sliding_window=9, soft_cap=2.0)
+        b.build_metadata(one)
+        alone = b.forward(q[j : j + 1], kc, vc, one, 0.25, sliding_window=9, soft_cap=2.0)
         torch.testing.assert_close(fast[j : j + 1], alone, atol=0, rtol=0)

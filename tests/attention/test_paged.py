@@ -1,68 +1,21 @@
-"""The batched paged-attention path equals the per-request reference on random block tables."""
+"""The SDPA paths of paged attention (the TORCH_SDPA backend's) equal the per-request
+reference on random block tables; the metadata's row split and bookkeeping."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import (
+from kvserve.attention.paged import (
     AttentionMetadata,
     GatherWorkspace,
     paged_attention,
     reference_paged_attention,
     write_kv,
 )
-
-# With a compiler the kernels must build: a broken build fails here instead of skipping.
-HAS_COMPILER = shutil.which("c++") is not None
-
-
-@pytest.fixture(autouse=True)
-def _kernels_built() -> None:
-    if HAS_COMPILER:
-        assert cpu_kernels.available(), "the C++ CPU kernels failed to build"
-
-
-def build_batch(
-    seq_lens: list[int],
-    query_lens: list[int],
-    block_size: int,
-    num_blocks: int,
-    h: int,
-    hkv: int,
-    d: int,
-    dtype: torch.dtype,
-    seed: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
-    # Each request gets a random, non-contiguous set of blocks.
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots, qsl = [], [], [0]
-    for sl, ql in zip(seq_lens, query_lens, strict=True):
-        nb = -(-sl // block_size)
-        blocks, perm = perm[:nb], perm[nb:]
-        tables.append(blocks)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(sl - ql, sl)]
-        qsl.append(qsl[-1] + ql)
-    width = max(len(t) for t in tables)
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        block_size=block_size,
-    )
-    t = qsl[-1]
-    q = torch.randn(t, h, d, generator=g).to(dtype)
-    k_new = torch.randn(t, hkv, d, generator=g).to(dtype)
-    v_new = torch.randn(t, hkv, d, generator=g).to(dtype)
-    write_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-    return q, k_cache, v_cache, md
+from kvserve.attention.selector import select_attention_backend
+from kvserve.config import AttentionBackendEnum
+from tests.attention.utils import CPU, backend, build_batch, cpu_backends
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -276,95 +229,19 @@ def test_gather_workspace_grows_and_reuses() -> None:
     assert ws.get(1, (3,), like).data_ptr() != c.data_ptr()  # separate buffers per index
 
 
-needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("h", "hkv", "d", "block_size"),
-    [(4, 2, 16, 8), (8, 8, 32, 4), (8, 2, 64, 16), (12, 3, 16, 1), (4, 1, 128, 16), (8, 2, 64, 24)],
-)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_cpu_kernel_equals_reference(
-    dtype: torch.dtype, h: int, hkv: int, d: int, block_size: int, seed: int
-) -> None:
-    """The C++ decode kernel on random block tables, mixed with prefill rows, and alone."""
-    seq_lens = [1, 17, 33, 5, 64, 40, 9, 70]
-    query_lens = [1, 1, 1, 5, 1, 8, 9, 1]
-    q, kc, vc, md = build_batch(seq_lens, query_lens, block_size, 400, h, hkv, d, dtype, seed)
-    ref = reference_paged_attention(q, kc, vc, md, scale=d**-0.5)
-    md.split_rows(GatherWorkspace(), use_kernel=True)
-    assert md.decode is not None and md.decode.use_kernel and md.decode.mask is None
-    fast = paged_attention(q, kc, vc, md, scale=d**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
-    # A single decode row: the kernel splits its heads across threads instead of rows.
-    q1, kc1, vc1, md1 = build_batch([45], [1], block_size, 64, h, hkv, d, dtype, seed)
-    ref1 = reference_paged_attention(q1, kc1, vc1, md1, scale=0.3)
-    md1.split_rows(use_kernel=True)
-    torch.testing.assert_close(paged_attention(q1, kc1, vc1, md1, 0.3), ref1, atol=tol, rtol=tol)
-
-
-@needs_kernels
-def test_cpu_kernel_matches_sdpa_path_across_thread_counts() -> None:
-    """Many rows (whole rows per thread) and few rows (heads per thread), 1 and 2 threads."""
-    seq_lens = [
-        int(x) for x in torch.randint(1, 90, (24,), generator=torch.Generator().manual_seed(3))
-    ]
-    q, kc, vc, md = build_batch(seq_lens, [1] * 24, 16, 400, 8, 4, 32, torch.float32, 4)
-    ref = reference_paged_attention(q, kc, vc, md, scale=0.2)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            md.split_rows(use_kernel=True)
-            torch.testing.assert_close(paged_attention(q, kc, vc, md, 0.2), ref)
-    finally:
-        torch.set_num_threads(threads)
-
-
-@needs_kernels
-def test_cpu_kernel_rejects_bad_input() -> None:
-    q, kc, vc, md = build_batch([5], [1], 4, 8, 2, 1, 4, torch.float32, 0)  # head_dim 4
-    md.split_rows(use_kernel=True)
-    with pytest.raises(RuntimeError, match="head_dim must be a multiple"):
-        paged_attention(q, kc, vc, md, 0.5)
-    q, kc, vc, md = build_batch([5], [1], 4, 8, 2, 1, 16, torch.float32, 0)
-    md.split_rows(use_kernel=True)
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        paged_attention(q.to(torch.bfloat16), kc, vc, md, 0.5)
-
-
-@needs_kernels
-def test_cpu_kernel_bf16_is_at_least_as_accurate_as_sdpa() -> None:
-    """In bf16 the two paths round differently (SDPA rounds probabilities to bf16 before P@V,
-    the kernel keeps them in float32), so they are not bit-equal; against a float64 reference
-    the kernel's error is the smaller one."""
-    lens = [
-        int(x) for x in torch.randint(20, 200, (32,), generator=torch.Generator().manual_seed(0))
-    ]
-    q, kc, vc, md = build_batch(lens, [1] * 32, 16, 600, 16, 8, 64, torch.bfloat16, 0)
-    exact = reference_paged_attention(q.double(), kc.double(), vc.double(), md, 0.125)
-    md.split_rows(GatherWorkspace(), use_kernel=False)
-    sdpa_err = (paged_attention(q, kc, vc, md, 0.125).double() - exact).abs().mean()
-    md.split_rows(GatherWorkspace(), use_kernel=True)
-    kernel_err = (paged_attention(q, kc, vc, md, 0.125).double() - exact).abs().mean()
-    assert kernel_err < sdpa_err
-
-
 @pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_spec_rows_attend_as_decode_rows(use_kernel: bool, dtype: torch.dtype) -> None:
     """Verification rows (the last token plus k proposals) go to the decode batch, one entry
     per query, and equal the reference; the other rows keep their paths."""
-    if use_kernel and not cpu_kernels.available():
+    if use_kernel and len(cpu_backends()) == 1:
         pytest.skip("no C++ compiler")
+    b = backend(use_kernel)
     seq_lens = [21, 17, 40, 6, 33]
     query_lens = [5, 1, 8, 6, 3]
     q, kc, vc, md = build_batch(seq_lens, query_lens, 8, 64, 4, 2, 16, dtype, seed=3)
     md.spec_rows = frozenset({0, 4})
-    md.split_rows(GatherWorkspace(), use_kernel)
+    b.build_metadata(md)
     assert md.decode is not None
     # rows 0 (5 queries), 1 (1) and 4 (3): 9 entries with their own context lengths
     assert md.decode.seq_lens.tolist() == [17, 18, 19, 20, 21, 17, 31, 32, 33]
@@ -372,7 +249,7 @@ def test_spec_rows_attend_as_decode_rows(use_kernel: bool, dtype: torch.dtype) -
     assert md.decode.token_idx.tolist() == [0, 1, 2, 3, 4, 5, 20, 21, 22]
     # the chunk after context (row 2) and the fresh prompt (row 3) keep the prefill paths
     assert [g.rows for g in md.context_groups] == [[2, 3]]
-    fast = paged_attention(q, kc, vc, md, scale=0.25)
+    fast = b.forward(q, kc, vc, md, scale=0.25)
     ref = reference_paged_attention(q, kc, vc, md, scale=0.25)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
@@ -383,8 +260,8 @@ def test_spec_row_queries_equal_one_token_steps() -> None:
     that context (same kernel, same inputs): speculation cannot change greedy tokens here."""
     q, kc, vc, md = build_batch([30], [4], 8, 16, 4, 2, 16, torch.float32, seed=5)
     md.spec_rows = frozenset({0})
-    md.split_rows(None, cpu_kernels.available())
-    fast = paged_attention(q, kc, vc, md, scale=0.25)
+    b = select_attention_backend(AttentionBackendEnum.AUTO, CPU, torch.float32, 16)
+    fast = b.forward(q, kc, vc, b.build_metadata(md), scale=0.25)
     for j in range(4):
         one = AttentionMetadata(
             slot_mapping=md.slot_mapping[j : j + 1],
@@ -393,8 +270,7 @@ def test_spec_row_queries_equal_one_token_steps() -> None:
             block_tables=md.block_tables,
             block_size=8,
         )
-        one.split_rows(None, cpu_kernels.available())
-        alone = paged_attention(q[j : j + 1], kc, vc, one, scale=0.25)
+        alone = b.forward(q[j : j + 1], kc, vc, b.build_metadata(one), scale=0.25)
         torch.testing.assert_close(fast[j : j + 1], alone, atol=0, rtol=0)
 
 
@@ -403,11 +279,12 @@ def test_spec_row_beside_a_prefill_row_is_indexed() -> None:
     not be taken for an all-decode batch (row i = token i)."""
     q, kc, vc, md = build_batch([12, 5], [2, 5], 4, 16, 4, 2, 16, torch.float32, seed=6)
     md.spec_rows = frozenset({0})
-    md.split_rows(None, cpu_kernels.available())
+    b = select_attention_backend(AttentionBackendEnum.AUTO, CPU, torch.float32, 16)
+    b.build_metadata(md)
     assert md.decode is not None and md.decode.token_idx is not None
     assert md.decode.token_idx.tolist() == [0, 1]
     torch.testing.assert_close(
-        paged_attention(q, kc, vc, md, scale=0.25),
+        b.forward(q, kc, vc, md, scale=0.25),
         reference_paged_attention(q, kc, vc, md, scale=0.25),
         atol=1e-5,
         rtol=1e-5,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from kvserve.model.attention import AttentionMetadata, GatherWorkspace
+    from kvserve.attention.paged import AttentionMetadata, GatherWorkspace
 
 # A row joins the open context group when the padding it adds costs less than a separate SDPA
 # call: the padded query-key pairs it adds, beyond its own, stay under this many. SDPA computes
