@@ -19,8 +19,7 @@ from kvserve.config import AttentionBackendEnum
 
 logger = logging.getLogger(__name__)
 
-# name -> "module:Class" (vLLM's registry shape). TRITON_ATTN's class arrives with the
-# kernels (kvserve/ops/triton); until then selecting it says so.
+# name -> "module:Class" (vLLM's registry shape); TRITON_ATTN imports Triton only when asked.
 BACKENDS: dict[AttentionBackendEnum, str] = {
     AttentionBackendEnum.TORCH_SDPA: "kvserve.attention.torch_sdpa:TorchSDPABackend",
     AttentionBackendEnum.CPU_KERNEL: "kvserve.attention.cpu_kernel:CpuKernelBackend",
