@@ -66,7 +66,7 @@ def build_from_namespace(args: argparse.Namespace) -> Application:
         },
     )
     deployment_options = options.engine_deployment_options(
-        threads, getattr(args, "tensor_parallel_size", 1)
+        threads, getattr(args, "tensor_parallel_size", 1), str(getattr(args, "device", "cpu"))
     )
     engines = []
     for i, (model, name) in enumerate(specs):

@@ -147,12 +147,16 @@ class RayServeOptions:
             config["target_ongoing_requests"] = self.target_ongoing_requests
         return config
 
-    def engine_deployment_options(self, num_threads: int, tensor_parallel_size: int = 1) -> dict:
+    def engine_deployment_options(
+        self, num_threads: int, tensor_parallel_size: int = 1, device: str = "cpu"
+    ) -> dict:
         """``Deployment.options(...)`` of one model's engine deployment, less the router.
 
         A replica reserves one Ray CPU per torch thread and rank (``num_cpus``), so Ray
         places replicas where their threads fit, and its worker starts with OMP_NUM_THREADS
-        set, so OpenMP never spins up a thread per core of a shared node.
+        set, so OpenMP never spins up a thread per core of a shared node. On CUDA it also
+        reserves one GPU per rank (``num_gpus``): Ray shows an actor only the GPUs it
+        reserved (``CUDA_VISIBLE_DEVICES``), so without it the replica would see none.
         """
         autoscaling = self.autoscaling_config()
         scale: dict[str, Any] = (
@@ -167,6 +171,7 @@ class RayServeOptions:
             "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
             "ray_actor_options": {
                 "num_cpus": num_threads * tensor_parallel_size,
+                **({"num_gpus": tensor_parallel_size} if device.startswith("cuda") else {}),
                 "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
             },
         }

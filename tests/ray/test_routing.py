@@ -99,6 +99,12 @@ def test_ray_options_validation_and_serve_options() -> None:
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"]["num_cpus"] == 2
     assert fixed["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    assert "num_gpus" not in fixed["ray_actor_options"]  # a CPU replica asks for no GPU
+    on_gpu = RayServeOptions().engine_deployment_options(1, tensor_parallel_size=2, device="cuda:0")
+    assert (on_gpu["ray_actor_options"]["num_cpus"], on_gpu["ray_actor_options"]["num_gpus"]) == (
+        2,
+        2,
+    )
     auto = RayServeOptions(max_replicas=4, target_ongoing_requests=16)
     assert auto.engine_deployment_options(1)["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16,
