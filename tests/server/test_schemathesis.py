@@ -56,6 +56,9 @@ INEXPRESSIBLE = [
         r"Cannot set both `continue_final_message` and `add_generation_prompt` to True",
         r"only one structured output constraint is allowed",
         r"When using `tool_choice`, `tools` must be set",
+        # tools with tool_choice unset mean "auto", which needs the server's
+        # --enable-auto-tool-choice --tool-call-parser (without them "auto" itself is unpublished)
+        r'"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
         r"continue_final_message and add_generation_prompt are not compatible",
         r"structured outputs need exactly one of json, regex, choice, grammar",
         r"stream_options is only allowed when stream is true",
