@@ -135,3 +135,18 @@ REASONING = _only(
 TOP_LOGPROBS = _only({"type": "integer", "enum": [0]}, why="use /v1/chat/completions")
 NULL_ONLY = _only(why="not supported; send null")
 VERBOSITY = _only({"type": "string", "enum": ["medium"]}, why="only 'medium'")
+
+
+def text_format_variants(schema: dict[str, Any]) -> None:
+    """``text.format`` as two variants: a ``json_schema`` format carries its ``schema`` (an
+    object; ``response_format`` refuses it otherwise), the others need none."""
+    props = schema.pop("properties")
+    schema.pop("required", None)
+    schema.pop("type", None)
+    plain = {**props, "type": {"type": "string", "enum": ["text", "json_object"]}}
+    given = {**props, "type": {"type": "string", "const": "json_schema"}}
+    given["schema"] = {"type": "object"}
+    schema["oneOf"] = [
+        {"type": "object", "properties": plain, "required": ["type"]},
+        {"type": "object", "properties": given, "required": ["type", "schema"]},
+    ]

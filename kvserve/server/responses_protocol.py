@@ -45,6 +45,7 @@ from kvserve.server.responses_items import (
     FunctionTool,
     FunctionToolChoice,
     InputItem,
+    text_format_variants,
 )
 from kvserve.server.structured import JsonSchemaFormat, ResponseFormat
 
@@ -62,6 +63,10 @@ class _Strict(BaseModel):
 
 class TextFormat(_Strict):
     """``text.format``: plain text, any JSON object, or JSON matching ``schema``."""
+
+    model_config = ConfigDict(
+        extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=text_format_variants
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -317,6 +322,12 @@ def to_chat_request(
     system = (
         [] if req.instructions is None else [ChatMessage(role="system", content=req.instructions)]
     )
+    if not (system or history or new):  # input of reasoning items only
+        raise bad_request(
+            "input has nothing to answer: give instructions, a previous_response_id or an "
+            "item besides reasoning items",
+            "input",
+        )
     try:
         return ChatCompletionRequest(
             model=req.model,

@@ -64,6 +64,10 @@ INEXPRESSIBLE = [
         r"stream_options is only allowed when stream is true",
         r"logprobs must be true when top_logprobs is set",
         r"`prompt_logprobs` are not available when `stream=True`",
+        # /v1/responses: input of reasoning items only, with neither instructions nor history
+        r"input has nothing to answer: give instructions, a previous_response_id or an item",
+        # the server's state: previous_response_id must name a response it has stored
+        r"Previous response with id '.*' not found",
         r"This model's maximum context length is \d+ tokens",  # the model's context
         r"\(its hidden size\) and cannot be shortened",  # embeddings: the model's size
         r"is out of the vocabulary \(size \d+\)",  # the model's vocabulary
