@@ -28,6 +28,7 @@ from kvserve.server.protocol import (
     ChatCompletionTool,
     ChatMessage,
     FunctionDefinition,
+    Int,
     MessageFunctionCall,
     MessageToolCall,
     NamedFunction,
@@ -95,7 +96,7 @@ class ResponsesRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = None
@@ -109,8 +110,8 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = Field(None, json_schema_extra=INCLUDE)
     truncation: Literal["disabled", "auto"] | None = Field(None, json_schema_extra=TRUNCATION)
     reasoning: dict[str, Any] | None = Field(None, json_schema_extra=REASONING)
-    top_logprobs: int | None = Field(None, json_schema_extra=TOP_LOGPROBS)
-    max_tool_calls: int | None = Field(None, json_schema_extra=NULL_ONLY)
+    top_logprobs: Int | None = Field(None, json_schema_extra=TOP_LOGPROBS)
+    max_tool_calls: Int | None = Field(None, json_schema_extra=NULL_ONLY)
     prompt: dict[str, Any] | None = Field(None, json_schema_extra=NULL_ONLY)
     conversation: str | dict[str, Any] | None = Field(None, json_schema_extra=NULL_ONLY)
 

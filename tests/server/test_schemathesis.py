@@ -72,6 +72,8 @@ INEXPRESSIBLE = [
         r"\(its hidden size\) and cannot be shortened",  # embeddings: the model's size
         r"is out of the vocabulary \(size \d+\)",  # the model's vocabulary
         r"seed \+ n - 1 must be at most",
+        r"The tool specified in `tool_choice` does not match any of the specified `tools`",
+        r"tools: the function name '.*' is given twice",  # uniqueItems compares whole items
         r"function\.arguments is not a JSON object",  # a string holding a JSON object
         # text that must parse: a JSON schema given as text, a regex, an EBNF grammar
         r"the JSON schema is not valid JSON",
