@@ -13,7 +13,10 @@ What kvserve cannot honour is a 400 naming the field (``unsupported_fields``): h
 of anything but ``reasoning.encrypted_content`` (there is none: reasoning, once a parser
 gives it, is plain text), image / file / audio input, ``truncation: "auto"``,
 ``reasoning.effort`` / ``summary``, ``top_logprobs``, ``max_tool_calls``, ``prompt``,
-``conversation``. Unknown fields are ignored, as on every other route.
+``conversation``. Unknown fields are ignored, as on every other route. The typed items, tools
+and the accepted values of those fields are what ``/openapi.json`` publishes
+(``responses_items.py``); an item or tool type left out of it is refused by name on the raw
+request (the ``field_validator``s below), before pydantic's union would.
 """
 
 from __future__ import annotations
