@@ -272,6 +272,9 @@ def published_limits(state: ServerState) -> PublishedLimits:
         max_messages=limits.max_chat_messages,
         priority_scheduling=state.priority_scheduling,
         request_chat_template=state.chat_options.trust_request_chat_template,
+        auto_tool_choice=bool(
+            state.chat_options.enable_auto_tool_choice and state.chat_options.tool_call_parser
+        ),
     )
 
 

@@ -10,8 +10,9 @@ request models (and their error messages) stay as they are:
 - this server's limits, which differ by flags: ``--max-tokens-limit``, ``--max-n``,
   ``--max-logprobs``, ``--max-tools-per-request``, ``--max-chat-messages``,
   ``--max-prompts-per-request``, ``--scheduling-policy`` (``priority`` is 0 unless it is
-  ``priority``) and ``--trust-request-chat-template`` (``chat_template`` must be null
-  without it).
+  ``priority``), ``--trust-request-chat-template`` (``chat_template`` must be null
+  without it) and ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (``tool_choice``
+  ``"auto"`` only with both; chat's and the Responses API's).
 
 What JSON Schema cannot state is listed in ``docs/server.md`` ("What the document cannot
 say"): relations between fields (``min_tokens`` <= ``max_tokens``, ``stream_options`` only
@@ -39,6 +40,7 @@ class PublishedLimits:
     max_messages: int  # --max-chat-messages
     priority_scheduling: bool  # --scheduling-policy priority: any int64 priority
     request_chat_template: bool  # --trust-request-chat-template
+    auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser
 
 
 # Bounds SamplingParams enforces (kvserve/sampling_params.py), for the fields' integer or
@@ -133,6 +135,10 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
         for arm in _arms(props["priority"], "integer"):
             arm.update(minimum=0, maximum=0)
         props["priority"]["description"] = "0 unless the server runs --scheduling-policy priority"
+    if not limits.auto_tool_choice:  # server/tools.py: AUTO_TOOL_CHOICE_ERROR
+        for arm in _arms(props.get("tool_choice"), "string"):
+            if "auto" in arm.get("enum", ()):
+                arm["enum"] = [c for c in arm["enum"] if c != "auto"]
     if not limits.request_chat_template and "chat_template" in props:
         props["chat_template"] = {
             "type": "null",

@@ -174,7 +174,7 @@ def _response(
         tool_choice = {"type": "function", "name": plan.function_name}
     # the request's function tools (all function tools: others were refused), as given
     keys = ("name", "description", "parameters", "strict")
-    tools = [{"type": "function", **{k: t.get(k) for k in keys}} for t in req.tools or ()]
+    tools = [{"type": "function", **t.model_dump(include=set(keys))} for t in req.tools or ()]
     return {
         "id": turn.response_id,
         "object": "response",

@@ -13,14 +13,17 @@ What kvserve cannot honour is a 400 naming the field (``unsupported_fields``): h
 of anything but ``reasoning.encrypted_content`` (there is none: reasoning, once a parser
 gives it, is plain text), image / file / audio input, ``truncation: "auto"``,
 ``reasoning.effort`` / ``summary``, ``top_logprobs``, ``max_tool_calls``, ``prompt``,
-``conversation``. Unknown fields are ignored, as on every other route.
+``conversation``. Unknown fields are ignored, as on every other route. The typed items, tools
+and the accepted values of those fields are what ``/openapi.json`` publishes
+(``responses_items.py``); an item or tool type left out of it is refused by name on the raw
+request (the ``field_validator``s below), before pydantic's union would.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
@@ -28,15 +31,28 @@ from kvserve.server.protocol import (
     ChatCompletionTool,
     ChatMessage,
     FunctionDefinition,
+    Int,
     MessageFunctionCall,
     MessageToolCall,
     NamedFunction,
     NamedToolChoice,
 )
+from kvserve.server.responses_items import (
+    BACKGROUND,
+    INCLUDE,
+    NULL_ONLY,
+    REASONING,
+    SUPPORTED_INCLUDE,
+    TOP_LOGPROBS,
+    TRUNCATION,
+    VERBOSITY,
+    FunctionTool,
+    FunctionToolChoice,
+    InputItem,
+    text_format_variants,
+)
 from kvserve.server.structured import JsonSchemaFormat, ResponseFormat
 
-# The include values kvserve can answer (reasoning items carry their text in the clear).
-SUPPORTED_INCLUDE = frozenset({"reasoning.encrypted_content"})
 _TEXT_PARTS = {
     "user": ("input_text",),
     "system": ("input_text",),
@@ -52,6 +68,10 @@ class _Strict(BaseModel):
 class TextFormat(_Strict):
     """``text.format``: plain text, any JSON object, or JSON matching ``schema``."""
 
+    model_config = ConfigDict(
+        extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=text_format_variants
+    )
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -61,7 +81,7 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, json_schema_extra=VERBOSITY)
 
 
 class ResponsesRequest(_Strict):
@@ -73,13 +93,13 @@ class ResponsesRequest(_Strict):
     )
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = None
@@ -88,14 +108,45 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None  # echoed back
     # Accepted only at the value that asks nothing kvserve cannot do (unsupported_fields)
-    background: bool | None = None
-    include: list[str] | None = None
-    truncation: Literal["disabled", "auto"] | None = None
-    reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    prompt: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
+    # (published as the accepted values only: responses_items)
+    background: bool | None = Field(None, json_schema_extra=BACKGROUND)
+    include: list[str] | None = Field(None, json_schema_extra=INCLUDE)
+    truncation: Literal["disabled", "auto"] | None = Field(None, json_schema_extra=TRUNCATION)
+    reasoning: dict[str, Any] | None = Field(None, json_schema_extra=REASONING)
+    top_logprobs: Int | None = Field(None, json_schema_extra=TOP_LOGPROBS)
+    max_tool_calls: Int | None = Field(None, json_schema_extra=NULL_ONLY)
+    prompt: dict[str, Any] | None = Field(None, json_schema_extra=NULL_ONLY)
+    conversation: str | dict[str, Any] | None = Field(None, json_schema_extra=NULL_ONLY)
+
+    # The raw items first, for the clear 400s of the types and parts kvserve does not read
+    # (the published schema leaves them out; pydantic's union error would not name them).
+    @field_validator("input", mode="before")
+    @classmethod
+    def _readable_input(cls, value: Any) -> Any:
+        if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+            input_messages(value)
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else ()):
+            if isinstance(tool, dict) and tool.get("type") != "function":
+                _hosted_tool(i, tool.get("type"))
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_function(cls, value: Any) -> Any:
+        if isinstance(value, dict) and not (
+            value.get("type") == "function" and isinstance(value.get("name"), str)
+        ):
+            raise bad_request(
+                f"tool_choice {value!r} is not supported: give 'none', 'auto', 'required' or "
+                "{'type': 'function', 'name': ...}",
+                "tool_choice",
+            )
+        return value
 
     @property
     def stores(self) -> bool:
@@ -177,19 +228,21 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
+def input_messages(items: str | list[dict[str, Any]] | list[InputItem]) -> list[ChatMessage]:
     """``input`` as chat messages: consecutive ``function_call`` items join one assistant
     message's ``tool_calls`` (the assistant text just before them too); ``reasoning`` items
-    are dropped (chat templates leave earlier turns' thinking out)."""
+    are dropped (chat templates leave earlier turns' thinking out). Raw items (dicts) are
+    checked here too, for ``ResponsesRequest``'s validator."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     messages: list[ChatMessage] = []
-    for i, item in enumerate(items):
+    for i, given in enumerate(items):
+        item = given.model_dump() if isinstance(given, BaseModel) else given
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _TEXT_PARTS:
+            if not isinstance(role, str) or role not in _TEXT_PARTS:
                 raise bad_request(
                     f"{where}.role {role!r} is not one of {list(_TEXT_PARTS)}", "input"
                 )
@@ -227,44 +280,30 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[ChatCompletionTool] | None:
-    """Function tools as chat's; any other tool type is a 400 naming it."""
+def _hosted_tool(i: int, kind: Any) -> None:
+    raise bad_request(
+        f"tools[{i}]: tool type {kind!r} is not supported: kvserve runs no hosted tools "
+        "(web search, file search, computer use, code interpreter, MCP...), only "
+        "function tools that the client runs",
+        "tools",
+    )
+
+
+def chat_tools(tools: list[FunctionTool] | None) -> list[ChatCompletionTool] | None:
+    """Function tools as chat's (``ResponsesRequest`` refused any other type)."""
     if tools is None:
         return None
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise bad_request(
-                f"tools[{i}]: tool type {kind!r} is not supported: kvserve runs no hosted tools "
-                "(web search, file search, computer use, code interpreter, MCP...), only "
-                "function tools that the client runs",
-                "tools",
-            )
-        try:
-            fn = FunctionDefinition.model_validate(
-                {
-                    k: v
-                    for k, v in tool.items()
-                    if k in ("name", "description", "parameters", "strict")
-                }
-            )
-        except ValueError as e:
-            raise bad_request(f"tools[{i}]: {e}", "tools") from e
-        out.append(ChatCompletionTool(function=fn))
-    return out
+    keys = {"name", "description", "parameters", "strict"}
+    return [
+        ChatCompletionTool(function=FunctionDefinition(**tool.model_dump(include=keys)))
+        for tool in tools
+    ]
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice | None:
+def chat_tool_choice(choice: str | FunctionToolChoice | None) -> str | NamedToolChoice | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return NamedToolChoice(function=NamedFunction(name=choice["name"]))
-    raise bad_request(
-        f"tool_choice {choice!r} is not supported: give 'none', 'auto', 'required' or "
-        "{'type': 'function', 'name': ...}",
-        "tool_choice",
-    )
+    return NamedToolChoice(function=NamedFunction(name=choice.name))
 
 
 def response_format(text: TextConfig | None) -> ResponseFormat | None:
@@ -287,6 +326,12 @@ def to_chat_request(
     system = (
         [] if req.instructions is None else [ChatMessage(role="system", content=req.instructions)]
     )
+    if not (system or history or new):  # input of reasoning items only
+        raise bad_request(
+            "input has nothing to answer: give instructions, a previous_response_id or an "
+            "item besides reasoning items",
+            "input",
+        )
     try:
         return ChatCompletionRequest(
             model=req.model,

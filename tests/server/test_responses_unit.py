@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvserve.server.errors import APIError
+from kvserve.server.openapi_limits import PublishedLimits, publish_limits
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.reasoning import get_reasoning_parser
 from kvserve.server.responses_output import OutputBuilder, assistant_messages
@@ -167,3 +168,64 @@ def test_auto_text_then_a_hermes_call_streams_as_the_unary_items() -> None:
         types.count("response.output_item.added") == types.count("response.output_item.done") == 2
     )
     assert [e["output_index"] for e in evs if e["type"] == "response.output_item.done"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input",
+         "input item type 'computer_call_output' is not supported"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools",
+         "tool type 'web_search' is not supported"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice",
+         "is not supported: give 'none', 'auto', 'required'"),
+    ],
+)  # fmt: skip
+def test_unpublished_types_are_refused_by_name(
+    body: dict[str, Any], param: str, named: str
+) -> None:
+    with pytest.raises(APIError) as e:
+        ResponsesRequest.model_validate(body)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert named in e.value.message
+
+
+def test_typed_items_translate_as_the_raw_ones() -> None:
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": "no"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+    ]  # fmt: skip
+    named = {"type": "function", "name": "f"}
+    req = ResponsesRequest.model_validate({"input": items, "tools": [named], "tool_choice": named})
+    assert [type(i).__name__ for i in req.input] == [
+        "InputMessage", "AssistantMessage", "FunctionCallItem", "FunctionCallOutputItem",
+    ]  # fmt: skip
+    assert input_messages(req.input) == input_messages(items)
+    chat = to_chat_request(req, [], input_messages(req.input))
+    assert chat.tools is not None and chat.tools[0].function.name == "f"
+    assert chat.tool_choice is not None and chat.tool_choice.function.name == "f"  # type: ignore[union-attr]
+
+
+def test_neutral_fields_are_published_as_what_is_accepted() -> None:
+    props = ResponsesRequest.model_json_schema()["properties"]
+    assert props["conversation"]["anyOf"] == [{"type": "null"}]
+    assert props["background"]["anyOf"][0] == {"type": "boolean", "enum": [False]}
+    assert props["truncation"]["anyOf"][0] == {"type": "string", "enum": ["disabled"]}
+    assert props["include"]["anyOf"][0]["items"]["enum"] == ["reasoning.encrypted_content"]
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_tool_choice_auto_is_published_only_with_auto_tool_choice(auto: bool) -> None:
+    limits = PublishedLimits(None, 2, 4, 5, 8, 16, False, False, auto_tool_choice=auto)
+    choice = {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "null"}]}
+    body = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/R"}}}}
+    doc: dict[str, Any] = {
+        "paths": {"/r": {"post": {"requestBody": body}}},
+        "components": {"schemas": {"R": {"properties": {"tool_choice": choice}}}},
+    }
+    publish_limits(doc, limits)
+    enum = doc["components"]["schemas"]["R"]["properties"]["tool_choice"]["anyOf"][0]["enum"]
+    assert enum == (["none", "auto", "required"] if auto else ["none", "required"])

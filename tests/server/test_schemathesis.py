@@ -56,15 +56,24 @@ INEXPRESSIBLE = [
         r"Cannot set both `continue_final_message` and `add_generation_prompt` to True",
         r"only one structured output constraint is allowed",
         r"When using `tool_choice`, `tools` must be set",
+        # tools with tool_choice unset mean "auto", which needs the server's
+        # --enable-auto-tool-choice --tool-call-parser (without them "auto" itself is unpublished)
+        r'"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
         r"continue_final_message and add_generation_prompt are not compatible",
         r"structured outputs need exactly one of json, regex, choice, grammar",
         r"stream_options is only allowed when stream is true",
         r"logprobs must be true when top_logprobs is set",
         r"`prompt_logprobs` are not available when `stream=True`",
+        # /v1/responses: input of reasoning items only, with neither instructions nor history
+        r"input has nothing to answer: give instructions, a previous_response_id or an item",
+        # the server's state: previous_response_id must name a response it has stored
+        r"Previous response with id '.*' not found",
         r"This model's maximum context length is \d+ tokens",  # the model's context
         r"\(its hidden size\) and cannot be shortened",  # embeddings: the model's size
         r"is out of the vocabulary \(size \d+\)",  # the model's vocabulary
         r"seed \+ n - 1 must be at most",
+        r"The tool specified in `tool_choice` does not match any of the specified `tools`",
+        r"tools: the function name '.*' is given twice",  # uniqueItems compares whole items
         r"function\.arguments is not a JSON object",  # a string holding a JSON object
         # text that must parse: a JSON schema given as text, a regex, an EBNF grammar
         r"the JSON schema is not valid JSON",
