@@ -226,6 +226,15 @@ class QuantLinear(nn.Module):
         activations: QuantizedActivations = QuantizedActivations.NONE,
     ) -> None:
         super().__init__()
+        if device.type == "cuda":
+            # No CUDA kernel yet (issue 35): the reference path would dequantize the whole
+            # weight on every call, slower than the unquantized model it replaces.
+            raise ValueError(
+                "quantized layers (int8, int4, GGUF, GPTQ, AWQ, compressed-tensors) run on "
+                "kvserve's CPU kernels only; on CUDA every call would dequantize the whole "
+                "weight. Serve an unquantized (bf16/fp16) checkpoint on CUDA, or this one "
+                "with --device cpu"
+            )
         self.out_features, self.in_features = qw.shape
         self.bits = qw.bits
         self.group_size = qw.group_size

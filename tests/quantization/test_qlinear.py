@@ -145,3 +145,11 @@ def test_quantize_model_names_the_layer_a_group_does_not_fit() -> None:
     want = r"cannot quantize block\.0: .* group size 64 must be even"
     with pytest.raises(ValueError, match=want):
         quantize_model(_Tiny(), QuantOptions(Quantization.INT8, 64), CPU, torch.float32)
+
+
+def test_cuda_is_refused_rather_than_dequantized_per_call() -> None:
+    """No CUDA kernel yet: on CUDA each call would dequantize the whole weight (issue 29)."""
+    qw = _weights(16, 64, 8, 64, False, False)
+    with pytest.raises(ValueError, match="run on kvserve's CPU kernels only"):
+        QuantLinear(qw, None, torch.device("cuda"), torch.float32)
+    assert QuantLinear(qw, None, torch.device("cpu"), torch.float32).out_features == 16
