@@ -77,7 +77,7 @@ def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
         props = body.get("properties", {})
         for name, bounds in _NUMBER_BOUNDS.items():
             for arm in _arms(props.get(name), "integer", "number"):
-                arm.update(bounds)
+                _tighten(arm, bounds)
         for name, (array, items) in _ARRAY_BOUNDS.items():
             for arm in _arms(props.get(name), "array"):
                 arm.update(array)
@@ -145,6 +145,18 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
             "default": None,
             "description": "needs the server's --trust-request-chat-template",
         }
+
+
+def _tighten(arm: dict[str, Any], bounds: dict[str, int]) -> None:
+    """Add ``bounds`` to ``arm`` without loosening a stricter one it has (Anthropic's
+    ``top_k`` is ``>= 0`` where the engine takes -1 too)."""
+    for key, value in bounds.items():
+        if key not in arm:
+            arm[key] = value
+        elif key in ("minimum", "exclusiveMinimum"):
+            arm[key] = max(arm[key], value)
+        else:
+            arm[key] = min(arm[key], value)
 
 
 def _clamp_example(example: dict[str, Any], props: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.server.protocol import INT64_END
+from kvserve.server.protocol import INT64_END, Int
 
 
 class _Request(BaseModel):
@@ -54,7 +54,19 @@ class Tool(_Request):
     input_schema: dict[str, Any] | None = None
 
 
+def _tool_needs_a_name(schema: dict[str, Any]) -> None:
+    """Published as two variants: ``tool`` names its tool (translate.py refuses it without)."""
+    named = {**schema["properties"], "type": {"const": "tool"}, "name": {"type": "string"}}
+    others = {**schema["properties"], "type": {"enum": ["auto", "any", "none"]}}
+    schema["oneOf"] = [
+        {"properties": named, "required": ["type", "name"]},
+        {"properties": others, "required": ["type"]},
+    ]
+
+
 class ToolChoice(_Request):
+    model_config = ConfigDict(json_schema_extra=_tool_needs_a_name)
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # tool
     disable_parallel_tool_use: bool = False
@@ -63,8 +75,11 @@ class ToolChoice(_Request):
 class Thinking(_Request):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     # not enforced: the thinking is bounded by max_tokens alone (docs/server.md)
-    budget_tokens: int | None = Field(None, ge=0)
-    display: Literal["summarized", "omitted"] | None = None  # refused when "omitted"
+    budget_tokens: Int | None = Field(None, ge=0)
+    # refused when "omitted" (translate.py), so the document offers "summarized" alone
+    display: Literal["summarized", "omitted"] | None = Field(
+        None, json_schema_extra={"anyOf": [{"enum": ["summarized"]}, {"type": "null"}]}
+    )
 
 
 class OutputFormat(_Request):
@@ -103,12 +118,12 @@ class MessagesRequest(CountTokensRequest):
         }]},
     )  # fmt: skip
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, lt=INT64_END)
+    top_k: Int | None = Field(None, ge=0, lt=INT64_END)
     metadata: Metadata | None = None
     service_tier: str | None = None  # accepted: one tier here
     output_config: OutputConfig | None = None
