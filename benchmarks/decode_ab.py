@@ -128,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = None if args.model == "builtin" else str(model.path)
     llms = {
         key: LLM(
-            model=path, **{"dtype": "bfloat16", **SETTINGS[key]}, kv_cache_memory="128MiB",
+            model=path,
+            **{"dtype": "bfloat16", **SETTINGS[key]},
+            kv_cache_memory="128MiB",
             warmup=False,
         )
         for key in args.settings
