@@ -32,6 +32,7 @@ from kvserve.server.http_guard import (
     cors_from_args,
     http_limits_from_args,
 )
+from kvserve.server.serving import Limits
 from tests.server.conftest import API_KEY, TINY, Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -288,7 +289,10 @@ def test_without_cors_flags_there_are_no_cors_headers() -> None:
 
 
 # -- the published schema and the server agree (schemathesis' four "valid request rejected") ----
-DOCUMENT = build_app(ServerState(api_key=API_KEY)).openapi()
+# As guard_server's: --scheduling-policy priority (any int64 priority), --max-tokens-limit 8
+DOCUMENT = build_app(
+    ServerState(api_key=API_KEY, priority_scheduling=True, limits=Limits(max_tokens_limit=8))
+).openapi()
 
 
 def schema_errors(component: str, body: dict[str, Any]) -> list[str]:
