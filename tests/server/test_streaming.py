@@ -206,14 +206,18 @@ async def test_completion_stream_sends_coalesced_outputs_as_one_exact_chunk() ->
 
 async def test_chat_stream_sends_coalesced_outputs_as_one_exact_chunk() -> None:
     from kvserve.server import chat
+    from kvserve.server.chat_pipeline import ChatPlan
     from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.server.serving import PromptInfo
+    from kvserve.server.tools import ToolPlan
 
     stream = RequestStream("r", StubEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], stream=True,  # type: ignore[list-item]
         return_token_ids=True,
     )  # fmt: skip
-    gen = chat._stream(req, _StubModel(), [stream], "cc-1", None)  # type: ignore[arg-type]
+    plan = ChatPlan(PromptInfo("hi", [1, 2]), ToolPlan("none"), None)
+    gen = chat._stream(req, _StubModel(), [stream], "cc-1", None, plan)  # type: ignore[arg-type]
     role = json.loads((await gen.__anext__())[len("data: ") :])
     assert role["choices"] == [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
