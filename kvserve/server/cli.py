@@ -359,7 +359,20 @@ def run_serve(args: argparse.Namespace) -> int:
             _exit_now(state, 1, "an engine died")
         state.shutdown()
         logger.info("engines stopped; exiting")
+        if server.force_exit:
+            # A second signal: what a step cut short leaves unwinding in C++ must not meet
+            # interpreter finalization, which aborted 2 runs in 5 here ("terminate called
+            # without an active exception", exit -6) after an orderly stop.
+            _leave(1 if state.load_error or state.fatal_error else 0)
     return 1 if state.load_error or state.fatal_error else 0
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit with ``code`` now, logs flushed, skipping interpreter finalization."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_now(state: ServerState, code: int, why: str) -> NoReturn:
@@ -378,10 +391,7 @@ def _exit_now(state: ServerState, code: int, why: str) -> NoReturn:
         child.join(WORKER_KILL_WAIT_S)
     state.shutdown()  # the engines loaded so far (their workers are gone: no waiting)
     logger.info("%s (%d C++ kernel build(s) killed); exiting with code %d", why, killed, code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _leave(code)
 
 
 def main(argv: list[str] | None = None) -> int:
