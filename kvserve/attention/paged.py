@@ -46,10 +46,10 @@ from kvserve.attention.prefill import (
     batched_context,
     batched_prefill,
     cached_window_mask,
-    check_attention_options,
     group_context_rows,
     group_fresh_prompts,
 )
+from kvserve.ops.attention_options import check_attention_options
 
 __all__ = [
     "AttentionMetadata",

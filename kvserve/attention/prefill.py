@@ -44,18 +44,6 @@ MERGE_BUDGET_PAIRS = 1024
 SOFTCAP_CHUNK_BYTES = 64 << 20
 
 
-def check_attention_options(sliding_window: int | None, soft_cap: float | None) -> None:
-    """ValueError for a window below 1 or a soft-cap that is not positive (None: unset)."""
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
-        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
-
-
 def window_mask(mask: Tensor, window: int | None) -> Tensor:
     """``mask`` (bool, ``[..., Lq, Lk]``) restricted to each query's last ``window`` keys.
 

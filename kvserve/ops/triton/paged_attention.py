@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
+from kvserve.ops.attention_options import check_attention_options
 from kvserve.ops.triton.attention_kernels import decode_kernel, prefill_kernel, reduce_kernel
 
 if TYPE_CHECKING:
@@ -141,19 +142,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_options(sliding_window: int | None, soft_cap: float | None) -> None:
-    # The same rule as kvserve.attention.prefill.check_attention_options (ops/ is the
-    # ground floor and does not import from model/).
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
-        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
-
-
 def _check_tensors(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> tuple[int, int]:
@@ -203,7 +191,7 @@ def paged_decode_attention(
     ``max_len`` (a host int, at least every entry's length) sizes the split-K partitions
     without reading the device.
     """
-    _check_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap)
     group, d = _check_tensors(out, q, k_cache, v_cache)
     e, hkv, bs = entry_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
     if e == 0:
@@ -275,7 +263,7 @@ def paged_prefill_attention(
     tile_rows/tile_q0 ``[n]`` int32 from ``prefill_tiles(..., block_q)`` with ``block_q`` from
     ``prefill_block_q`` (the tiles must be cut with the launch's ``block_q``).
     """
-    _check_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap)
     group, d = _check_tensors(out, q, k_cache, v_cache)
     n, hkv = tile_rows.shape[0], k_cache.shape[1]
     block_g = _pow2(group)
@@ -399,7 +387,7 @@ def triton_paged_attention(
     (or only ``rows``; other tokens of ``out`` are left as they are). Returns ``[T, H, D]``.
     Plans the step on every call; a backend plans once per step (``plan_attention``) and
     calls ``run_attention`` per layer."""
-    _check_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap)
     if out is None:
         out = torch.empty_like(q)
     group = q.shape[1] // max(1, k_cache.shape[1])
