@@ -18,6 +18,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    from kvserve.engine.vllm_flags import add_vllm_flags
+
+    add_vllm_flags(p, engine_only=True)  # vLLM's other engine flags (vllm_flags.py)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

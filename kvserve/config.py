@@ -229,6 +229,9 @@ class ModelConfig:
     # most logprobs a request may ask per token, sampled (logprobs) or prompt
     # (prompt_logprobs); vLLM's max_logprobs, -1: no cap (the vocabulary)
     max_logprobs: int = 20
+    # a folder with the tokenizer files when they are not the model folder's (--tokenizer);
+    # None: the model folder's
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_logprobs < -1:

@@ -36,6 +36,8 @@ from kvserve.config import (
     parse_device,
     parse_dtype,
 )
+from kvserve.engine.vllm_flags import check_vllm_kwargs
+from kvserve.model.hub import parse_hub_model, resolve_hub_model, resolve_hub_tokenizer
 from kvserve.sample.custom_processors import load_processor_class
 
 logger = logging.getLogger("kvserve")
@@ -156,11 +158,19 @@ class EngineArgs:
         type=str,
     )
     tokenizer: str | None = _opt(
-        None,
-        "vLLM's flag; kvserve reads the tokenizer from the model folder, so this may only "
-        "name that folder",
-        type=str,
+        None, "vLLM's flag: the tokenizer, a local folder or a Hugging Face Hub id (its "
+        "tokenizer files only are fetched; default: the model's)", type=str,
+    )  # fmt: skip
+    revision: str | None = _opt(
+        None, "vLLM's flag: the branch, tag or commit of a Hub model (default: main)", type=str
     )
+    tokenizer_revision: str | None = _opt(
+        None, "vLLM's flag: the branch, tag or commit of a Hub --tokenizer", type=str
+    )
+    download_dir: str | None = _opt(
+        None, "vLLM's flag: the Hugging Face cache Hub models are read from and downloaded to "
+        "(default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)", type=str,
+    )  # fmt: skip
     served_model_name: str | list[str] | None = _opt(  # noqa: RUF009 (_opt is a field())
         None, "the name clients use (serve: one per model; default: the folder or file name)",
         type=str, nargs="+",
@@ -326,6 +336,14 @@ class EngineArgs:
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
+    disable_log_stats: bool = _opt(
+        False, "vLLM's flag: no periodic stats line (throughput, running and waiting "
+        "requests, KV cache use; every VLLM_LOG_STATS_INTERVAL seconds, default 10)",
+    )  # fmt: skip
+    enable_chunked_prefill: bool = _opt(
+        True, "vLLM's flag: kvserve always chunks prefills longer than "
+        "--max-num-batched-tokens; --no-enable-chunked-prefill is refused",
+    )  # fmt: skip
     # -- grammar compilation limits (structured outputs, tool_choice required) --------------
     grammar_compile_timeout: float = _opt(
         10.0, "seconds one grammar compile (structured outputs, tool_choice required or "
@@ -381,8 +399,13 @@ class EngineArgs:
                          "give 'auto' (the model's sampling defaults) or 'vllm' (none)")
             )  # fmt: skip
         self._check_memory_options()
-        if self.model is not None:
-            self._check_tokenizer(Path(self.model))
+        if not self.enable_chunked_prefill:
+            raise ValueError(
+                "enable_chunked_prefill=False (--no-enable-chunked-prefill) is not supported: "
+                "kvserve always chunks a prefill longer than --max-num-batched-tokens (there "
+                "is no unchunked mode)"
+            )
+        self._check_tokenizer()
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
         for spec in self.logits_processors or ():
@@ -435,7 +458,10 @@ class EngineArgs:
             )
         if self.quantization == "gguf" and self.model is not None:
             path = Path(self.model)
-            if path.is_dir() or path.suffix.lower() != ".gguf":
+            hub = parse_hub_model(self.model)
+            if hub is not None and hub.gguf is not None:
+                return  # org/name:file.gguf or org/name:Q4_K_M
+            if path.is_dir() or (path.suffix.lower() != ".gguf" and hub is None):
                 raise ValueError(
                     f"quantization 'gguf' (--quantization gguf) needs a .gguf model file, got "
                     f"{self.model!r}; for a Hugging Face folder use int8 or int4"
@@ -456,23 +482,42 @@ class EngineArgs:
                     f"{other} ({flag_name(other)}): both size the KV cache"
                 )
 
-    def _check_tokenizer(self, model_path: Path) -> None:
-        """``tokenizer`` must be the model (as given, or the folder a GGUF file became)."""
-        if self.tokenizer is None:
+    def _check_tokenizer(self) -> None:
+        """``tokenizer``: the model itself, a local folder, or a Hub id (resolved later)."""
+        tok = self.tokenizer
+        if tok is None or tok == self.model or Path(tok).expanduser().is_dir():
             return
-        given = Path(self.tokenizer).expanduser().resolve()
-        same = [Path(p).expanduser().resolve() for p in (model_path, self.model) if p]
-        if given not in same:
+        if parse_hub_model(tok) is None:
             raise ValueError(
-                f"tokenizer {self.tokenizer!r} (--tokenizer) is not the model folder "
-                f"{str(model_path)!r}: kvserve reads the tokenizer from the model folder; "
-                "a separate tokenizer folder is not supported"
+                f"tokenizer {tok!r} (--tokenizer) is neither a local folder nor a Hugging Face "
+                "Hub id (org/name)"
             )
+
+    def _resolve_tokenizer(self) -> str | None:
+        """The tokenizer folder when it is not the model folder's: a local folder, or a Hub
+        id's tokenizer files (fetched before the model, so a bad id fails first)."""
+        tok = self.tokenizer
+        if tok is None or tok == self.model:
+            return None
+        local = Path(tok).expanduser()
+        if local.is_dir():
+            if not any((local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                raise ValueError(f"tokenizer {tok!r} (--tokenizer) has no tokenizer.json or "
+                                 "tokenizer_config.json")  # fmt: skip
+            return str(local.resolve())
+        hub = parse_hub_model(tok)
+        assert hub is not None  # __post_init__ checked it
+        try:
+            folder = resolve_hub_tokenizer(hub, self.tokenizer_revision, self.download_dir)
+        except ValueError as e:
+            raise ValueError(f"tokenizer {tok!r} (--tokenizer): {e}") from e
+        return str(folder)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
         """``LLM(model, **kwargs)``'s options; an unknown keyword is a ``TypeError`` naming it."""
         names = [f.name for f in fields(cls)]
+        kwargs = check_vllm_kwargs(kwargs, set(names) | set(VLLM_UNSUPPORTED))
         vllm = {k: kwargs.pop(k) for k in list(kwargs) if k in VLLM_UNSUPPORTED}
         for key in kwargs:
             if key not in names:
@@ -539,8 +584,10 @@ class EngineArgs:
         """The engine's config. ``free_memory(device)`` (default: :func:`available_memory`)
         gives the free bytes ``gpu_memory_utilization`` is a fraction of."""
         parse_device(self.device)  # before anything is loaded: a clear error for a bad device
-        path, name = self._resolve_model()
-        self._check_tokenizer(path)
+        tokenizer = self._resolve_tokenizer()  # before the model: a bad one fails first
+        path, name, gguf_file = self._resolve_model()
+        if tokenizer is not None and Path(tokenizer) == path.resolve():
+            tokenizer = None  # the model folder itself
         self._log_vllm_noops(path)
         served = self.served_model_name
         if isinstance(served, list):
@@ -573,10 +620,11 @@ class EngineArgs:
                 quantization_group_size=self.quantization_group_size,
                 quantization_activations=self.quantization_activations,  # type: ignore[arg-type]
                 quantization_lm_head=self.quantization_lm_head,
-                gguf_file=self._gguf_file(),
+                gguf_file=gguf_file,
                 model_impl=self.model_impl,  # type: ignore[arg-type]
                 generation_config=self.generation_config,  # type: ignore[arg-type]
                 max_logprobs=self.max_logprobs,
+                tokenizer=tokenizer,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -609,21 +657,30 @@ class EngineArgs:
             ),
         )
 
-    def _resolve_model(self) -> tuple[Path, str]:
-        if self.model is not None and Path(self.model).is_dir():
-            return Path(self.model), Path(self.model).name
-        from kvserve.model.builtin import resolve_model  # the built-in model or a GGUF file
+    def _resolve_model(self) -> tuple[Path, str, str | None]:
+        """(model folder, default served name, the GGUF file behind it if any): a local
+        folder, a .gguf file (converted into kvserve's cache), the built-in model, or a
+        Hugging Face Hub id (``model/hub.py``; served under the id, as vLLM does)."""
+        from kvserve.model.builtin import find_builtin_gguf, resolve_model
 
-        return resolve_model(self.model)
-
-    def _gguf_file(self) -> str | None:
-        """The GGUF file behind the model: a .gguf model, or the built-in model's."""
-        if self.model is None:
-            from kvserve.model.builtin import find_builtin_gguf
-
-            return str(find_builtin_gguf())
-        path = Path(self.model).expanduser()
-        return str(path.resolve()) if path.suffix.lower() == ".gguf" else None
+        model = self.model
+        if model is None:
+            path, name = resolve_model(None)
+            return path, name, str(find_builtin_gguf())
+        hub = parse_hub_model(model)
+        if hub is None:
+            if self.revision is not None:
+                raise ValueError(f"revision {self.revision!r} (--revision) is for Hugging Face "
+                                 f"Hub ids; {model!r} is a local path")  # fmt: skip
+            if Path(model).is_dir():
+                return Path(model), Path(model).name, None
+            local = Path(model).expanduser()
+            gguf = str(local.resolve()) if local.suffix.lower() == ".gguf" else None
+            return (*resolve_model(model), gguf)
+        fetched = resolve_hub_model(hub, self.revision, self.download_dir)
+        if fetched.suffix.lower() == ".gguf":
+            return resolve_model(str(fetched))[0], model, str(fetched.resolve())
+        return fetched, model, None
 
     def _kv_cache_bytes(self, free_memory: Callable[[str], int] | None) -> int | None:
         if self.gpu_memory_utilization is None:

@@ -81,7 +81,7 @@ class LLMEngine:
         self.hf_config = load_hf_config(path)
         self.max_model_len = resolve_max_model_len(mc, self.hf_config)
         self.model_name = mc.served_name or path.name
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(mc.tokenizer or path)
         # DecodeStream works on the Rust tokenizer behind the transformers wrapper.
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)

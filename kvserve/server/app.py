@@ -350,6 +350,18 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"unhealthy engines: {dead}")
         return JSONResponse({"status": "ok"})
 
+    @app.api_route("/ping", methods=["GET", "POST"], responses=error_responses(503))
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: /health's answer, on GET or POST."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """vLLM's version endpoint: kvserve's version."""
+        from kvserve import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/metrics", response_class=PlainTextResponse)  # documents text/plain
     async def metrics() -> Response:
         body, content_type = state.metrics.render()

@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 
 from kvserve.config import parse_bytes
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.vllm_flags import add_vllm_flags
+from kvserve.model.hub import parse_hub_model
 from kvserve.ray.options import add_ray_args
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
 from kvserve.server.http_guard import (
@@ -33,6 +35,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from kvserve.server.responses_store import ResponseStore, add_responses_args, store_limits_from_args
 from kvserve.server.serving import Limits
+from kvserve.server.stat_logger import StatLogger, log_interval
 from kvserve.server.tool_parsers import TOOL_PARSERS
 from kvserve.server.tools import ChatOptions
 from kvserve.server.tracing import RequestTracer, otlp_protocol
@@ -54,8 +57,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "models", nargs="*", default=[],
-        help="model folders or .gguf files, each served as its own model (or one with "
-             "--model, as vllm serve; none: the built-in SmolLM2-135M-Instruct)",
+        help="model folders, .gguf files or Hugging Face Hub ids (org/name, "
+             "org/name:file.gguf; from the HF cache, else downloaded unless HF_HUB_OFFLINE=1), "
+             "each served as its own model (or one with --model, as vllm serve; none: the "
+             "built-in SmolLM2-135M-Instruct)",
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000)
@@ -173,6 +178,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     add_ray_args(p)
+    add_vllm_flags(p)  # last: vLLM's other flags, accepted or refused by name (vllm_flags.py)
     return p
 
 
@@ -187,8 +193,11 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
             )
         models = [args.model]
     for m in models:
-        if m is not None and not Path(m).expanduser().exists():
-            raise ValueError(f"model {m!r} does not exist; give a model folder or a .gguf file")
+        if m is not None and not Path(m).expanduser().exists() and parse_hub_model(m) is None:
+            raise ValueError(
+                f"model {m!r} does not exist; give a model folder, a .gguf file or a Hugging "
+                "Face Hub id (org/name, org/name:file.gguf)"
+            )
     names = args.served_model_name
     if names is not None and len(names) != len(models):
         raise ValueError(
@@ -306,6 +315,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
 
     if args.ray:  # Ray Serve replicas behind one OpenAI ingress (kvserve/ray/)
+        check_ray_installed()
         from kvserve.ray.app import run_ray_serve
 
         return run_ray_serve(args)
@@ -337,9 +347,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
         add_grpc_server(config.app, state, args.host, args.grpc_port, grpc_failed)
 
+    interval = None if engine_args.disable_log_stats else log_interval()
+
     def loader() -> None:
         try:
             load_models(state, specs, args, engine_args)
+            if interval is not None:  # vLLM's periodic stats line (--disable-log-stats: off)
+                engines = {name: e.stats for name, e in state.engines.items()}
+                StatLogger(lambda: engines, interval).start()
             logger.info(
                 "ready: http://%s:%d/v1 (%s)", args.host, args.port, ", ".join(state.engines)
             )
@@ -365,6 +380,18 @@ def run_serve(args: argparse.Namespace) -> int:
             # without an active exception", exit -6) after an orderly stop.
             _leave(1 if state.load_error or state.fatal_error else 0)
     return 1 if state.load_error or state.fatal_error else 0
+
+
+def check_ray_installed() -> None:
+    """``--ray`` needs Ray Serve, an optional extra: say which, not a traceback."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            f"--ray needs Ray Serve, which is not installed ({e}); install the extra: "
+            "pip install 'kvserve[ray]'"
+        ) from e
 
 
 def _leave(code: int) -> NoReturn:

@@ -8,6 +8,8 @@ tensors agree without a round trip; the runner also reports its numbers (``Runne
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +27,34 @@ from kvserve.quantization.compressed_tensors import checkpoint_scheme
 from kvserve.spec.build import SPEC_WITH_PROCESSORS
 from kvserve.worker.inputs import kv_bytes_per_block
 
+logger = logging.getLogger("kvserve")
+
 DEFAULT_KV_CACHE_MEMORY = 1024**3  # 1 GiB when neither a size nor a block count is given
 
 
+# vLLM's switch that lets max_model_len exceed the model's own limit (honoured by that name).
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
 def resolve_max_model_len(mc: ModelConfig, hf_config: PretrainedConfig) -> int:
-    """The context limit: ``max_model_len`` when given, never past the checkpoint's own."""
+    """The context limit: ``max_model_len`` when given, else the checkpoint's own. Above the
+    checkpoint's own it is refused, as vLLM does, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+    (positions past the trained ones: the model's output may be garbage)."""
     own = model_max_len(hf_config)
-    return min(mc.max_model_len or own, own)
+    if mc.max_model_len is None or mc.max_model_len <= own:
+        return mc.max_model_len or own
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower() in ("1", "true"):
+        logger.warning(
+            "max_model_len %d is above the model's %d (%s=1): positions past the trained "
+            "ones may give garbage", mc.max_model_len, own, ALLOW_LONG_MAX_MODEL_LEN_ENV,
+        )  # fmt: skip
+        return mc.max_model_len
+    raise ValueError(
+        f"max_model_len {mc.max_model_len} (--max-model-len) is greater than the model's own "
+        f"limit {own} (max_position_embeddings in its config.json); set "
+        f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway (the model may give garbage past "
+        f"{own} tokens)"
+    )
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
