@@ -98,7 +98,7 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--max-logprobs": _k(sample="5"),
     "--generation-config": _k(sample="vllm"),
     "--model-impl": _k(sample="transformers"),
-    "--logits-processors": _k(VS, "json:JSONDecoder"),
+    "--logits-processors": _k(VS, "tests.engine.test_custom_processors:ForceToken"),
     "--trust-remote-code": _r(_REMOTE, S),
     "--task": _r("kvserve serves generation and embeddings from every model; there is no "
                  "classify/score/reward/transcription task", noop=("auto", "generate", "embed",
@@ -367,10 +367,12 @@ class _TableAction(argparse.Action):
         self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None
     ) -> None:
         value = None if self.flag.takes is Takes.SWITCH else values
-        if self.flag.use is FlagUse.REFUSED and not (value is not None and str(value) in
-                                                      self.flag.noop):  # fmt: skip
+        if self.flag.use is FlagUse.INERT:
+            logger.info("%s: accepted, no effect (%s)", option, self.flag.reason)
+        elif value is not None and str(value) in self.flag.noop:
+            logger.info("%s %s: accepted (what kvserve does anyway)", option, value)
+        else:
             parser.error(refusal(option, value, self.flag.reason))
-        logger.info("%s: accepted, no effect (%s)", option, self.flag.reason or "its no-op value")
 
 
 class _AliasAction(argparse.Action):

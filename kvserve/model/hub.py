@@ -83,29 +83,32 @@ def _endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
-def _where(model: HubModel, revision: str | None, cache: Path) -> str:
+def _where(model: HubModel, revision: str | None) -> str:
     rev = f" (revision {revision})" if revision else ""
     return f"Hugging Face model {model.repo_id!r}{rev}"
 
 
 def _not_cached(model: HubModel, revision: str | None, cache: Path) -> ValueError:
     return ValueError(
-        f"{_where(model, revision, cache)} is not in the Hugging Face cache {cache} and "
+        f"{_where(model, revision)} is not in the Hugging Face cache {cache} and "
         "HF_HUB_OFFLINE is set, so nothing is downloaded; download it once while online "
         "(unset HF_HUB_OFFLINE), point --download-dir / HF_HOME at the cache that has it, or "
         "give a local model folder or .gguf file (no such local path exists either)"
     )
 
 
-def _hub_error(model: HubModel, revision: str | None, cache: Path, e: Exception) -> ValueError:
+def _hub_error(
+    model: HubModel, revision: str | None, cache: Path, e: Exception, file: str | None = None
+) -> ValueError:
     """A clear ValueError for what ``huggingface_hub`` raised."""
     from huggingface_hub.errors import (
+        EntryNotFoundError,
         GatedRepoError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
-    what = _where(model, revision, cache)
+    what = _where(model, revision)
     if isinstance(e, GatedRepoError):
         why = "is gated: accept its terms on the Hub and set HF_TOKEN"
     elif isinstance(e, RepositoryNotFoundError):
@@ -113,14 +116,16 @@ def _hub_error(model: HubModel, revision: str | None, cache: Path, e: Exception)
                "set HF_TOKEN")  # fmt: skip
     elif isinstance(e, RevisionNotFoundError):
         why = f"has no revision {revision!r}"
+    elif isinstance(e, EntryNotFoundError) and file is not None:
+        why = f"has no file {file!r}"
     else:
         why = f"could not be fetched into {cache} ({type(e).__name__}: {e})"
     return ValueError(f"{what} {why}")
 
 
 def _repo_files(model: HubModel, revision: str | None, cache: Path) -> list[str]:
-    """The repository's file names: from the cache's tree listing (or snapshot folder) when
-    the revision is cached, else from the Hub (a ValueError offline)."""
+    """The repository's file names: from the cache's tree listing when the revision is
+    cached, else from the Hub (offline: the cached snapshot's files, or a ValueError)."""
     from huggingface_hub import HfApi, get_cached_repo_tree
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
@@ -129,11 +134,13 @@ def _repo_files(model: HubModel, revision: str | None, cache: Path) -> list[str]
                                                      cache_dir=cache)]  # fmt: skip
     except CachedRepoTreeNotFoundError:
         pass
-    snapshot = _cached_snapshot(model.repo_id, revision, cache)
-    if snapshot is not None:  # cached by a single-file download: no tree listing
-        return [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if not p.is_dir()]
     if is_offline():
-        raise _not_cached(model, revision, cache)
+        # Single-file (GGUF) downloads cache no tree listing: what the snapshot holds. Online,
+        # that could be part of the repo, so the Hub is asked instead.
+        snapshot = _cached_snapshot(model.repo_id, revision, cache)
+        if snapshot is None:
+            raise _not_cached(model, revision, cache)
+        return [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if not p.is_dir()]
     try:
         api = HfApi(endpoint=_endpoint())
         tree = api.list_repo_tree(model.repo_id, revision=revision, recursive=True)
@@ -214,7 +221,7 @@ def _fetch(model: HubModel, file: str | None, patterns: tuple[str, ...], revisio
     try:
         return Path(get(local=False))
     except Exception as e:
-        raise _hub_error(model, revision, cache, e) from e
+        raise _hub_error(model, revision, cache, e, file) from e
 
 
 def resolve_hub_model(

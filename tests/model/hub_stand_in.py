@@ -148,3 +148,30 @@ def _sha(path: Path) -> str:
 def repo_of(folder: Path) -> dict[str, Path]:
     """A repo's files from a local folder (every file, by its name relative to ``folder``)."""
     return {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_tiny_repo(folder: Path) -> Path:
+    """A tiny random Llama (float32, byte tokenizer, chat template) saved by transformers,
+    plus the files a Hub repo carries that kvserve must not fetch: a pickle checkpoint, an
+    original-format one and a README."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.model.tiny_hf import COMMON, byte_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**COMMON)).save_pretrained(folder)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    (folder / "pytorch_model.bin").write_bytes(b"a pickle kvserve must never fetch")
+    (folder / "original").mkdir()
+    (folder / "original" / "consolidated.00.pth").write_bytes(b"another pickle")
+    (folder / "README.md").write_text("# tiny-llama\n")
+    return folder
