@@ -50,7 +50,6 @@ class VLLMFlag:
     engine: bool = True  # an engine option (LLM() takes it), not the HTTP server's
 
 
-K, A, I, R = FlagUse.KVSERVE, FlagUse.ALIAS, FlagUse.INERT, FlagUse.REFUSED
 S, V, VS = Takes.SWITCH, Takes.VALUE, Takes.VALUES
 _NO_GPU = "kvserve runs no CUDA graphs or custom GPU kernels to tune"
 _NO_MM = "kvserve serves text-only models (no images, audio or video)"
@@ -63,21 +62,26 @@ _PLUGINS = "kvserve loads no plugins; its parsers are built in"
 
 
 def _k(takes: Takes = V, sample: str = "1", engine: bool = True) -> VLLMFlag:
-    return VLLMFlag(K, takes=takes, sample=sample, engine=engine)
+    return VLLMFlag(FlagUse.KVSERVE, takes=takes, sample=sample, engine=engine)
 
 
 def _i(reason: str, takes: Takes = V, sample: str = "1", engine: bool = True) -> VLLMFlag:
-    return VLLMFlag(I, reason, takes, sample=sample, engine=engine)
+    return VLLMFlag(FlagUse.INERT, reason, takes, sample=sample, engine=engine)
 
 
-def _r(reason: str, takes: Takes = V, noop: tuple[str, ...] = (), sample: str = "x",
-       engine: bool = True) -> VLLMFlag:  # fmt: skip
-    return VLLMFlag(R, reason, takes, noop, sample, engine)
+def _r(
+    reason: str,
+    takes: Takes = V,
+    noop: tuple[str, ...] = (),
+    sample: str = "x",
+    engine: bool = True,
+) -> VLLMFlag:
+    return VLLMFlag(FlagUse.REFUSED, reason, takes, noop, sample, engine)
 
 
 def _a(target: str, engine: bool = True, sample: str = "1") -> VLLMFlag:
     takes = S if target in ("--no-access-log",) else V
-    return VLLMFlag(A, target, takes, sample=sample, engine=engine)
+    return VLLMFlag(FlagUse.ALIAS, target, takes, sample=sample, engine=engine)
 
 
 # The engine's flags (vLLM's EngineArgs): LLM() takes them too.
@@ -100,17 +104,27 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--model-impl": _k(sample="transformers"),
     "--logits-processors": _k(VS, "tests.engine.test_custom_processors:ForceToken"),
     "--trust-remote-code": _r(_REMOTE, S),
-    "--task": _r("kvserve serves generation and embeddings from every model; there is no "
-                 "classify/score/reward/transcription task", noop=("auto", "generate", "embed",
-                 "embedding")),  # fmt: skip
-    "--runner": _r("kvserve serves generation and embeddings from every model; there is no "
-                   "other runner", noop=("auto", "generate", "pooling")),  # fmt: skip
-    "--convert": _r("kvserve converts no model into a classifier or reward model",
-                    noop=("auto", "none", "embed")),  # fmt: skip
-    "--tokenizer-mode": _r("kvserve loads the fast (Rust) tokenizer of the model",
-                           noop=("auto", "hf")),  # fmt: skip
-    "--skip-tokenizer-init": _r("kvserve always loads the model's tokenizer (a folder "
-                                "without one takes token-id prompts only)", S),  # fmt: skip
+    "--task": _r(
+        "kvserve serves generation and embeddings from every model; there is no "
+        "classify/score/reward/transcription task",
+        noop=("auto", "generate", "embed", "embedding"),
+    ),
+    "--runner": _r(
+        "kvserve serves generation and embeddings from every model; there is no other runner",
+        noop=("auto", "generate", "pooling"),
+    ),
+    "--convert": _r(
+        "kvserve converts no model into a classifier or reward model",
+        noop=("auto", "none", "embed"),
+    ),
+    "--tokenizer-mode": _r(
+        "kvserve loads the fast (Rust) tokenizer of the model", noop=("auto", "hf")
+    ),
+    "--skip-tokenizer-init": _r(
+        "kvserve always loads the model's tokenizer (a folder "
+        "without one takes token-id prompts only)",
+        S,
+    ),
     "--hf-config-path": _r("kvserve reads config.json from the model folder"),
     "--code-revision": _r(_REMOTE),
     "--hf-token": _r("set HF_TOKEN in the environment instead (huggingface_hub reads it)"),
@@ -119,30 +133,38 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--rope-scaling": _r("kvserve applies the model's own rope_scaling (config.json)"),
     "--rope-theta": _r("kvserve applies the model's own rope_theta (config.json)"),
     "--max-seq-len-to-capture": _i(_NO_GPU, sample="8192"),
-    "--logprobs-mode": _r("kvserve's logprobs are the log-softmax of the raw logits "
-                          "(vLLM's default)", noop=("raw_logprobs",)),  # fmt: skip
+    "--logprobs-mode": _r(
+        "kvserve's logprobs are the log-softmax of the raw logits (vLLM's default)",
+        noop=("raw_logprobs",),
+    ),
     "--disable-sliding-window": _r("kvserve applies the model's sliding windows", S),
     "--disable-cascade-attn": _i("kvserve has no cascade attention", S),
     "--enable-prompt-embeds": _r("kvserve takes text or token-id prompts only", S),
-    "--override-generation-config": _r("edit the model's generation_config.json or pass "
-                                       "the sampling fields per request", sample="{}"),
+    "--override-generation-config": _r(
+        "edit the model's generation_config.json or pass the sampling fields per request",
+        sample="{}",
+    ),
     "--enable-sleep-mode": _r("kvserve has no sleep mode", S),
     "--override-pooler-config": _r("kvserve pools by --pooling (last or mean)", sample="{}"),
     "--pooler-config": _r("kvserve pools by --pooling (last or mean)", sample="{}"),
-    "--logits-processor-pattern": _r("kvserve takes logits processors at start-up only "
-                                     "(--logits-processors), not per request"),  # fmt: skip
+    "--logits-processor-pattern": _r(
+        "kvserve takes logits processors at start-up only (--logits-processors), not per request"
+    ),
     "--override-attention-dtype": _r("attention runs in the model's --dtype"),
     "--io-processor-plugin": _r(_PLUGINS),
     "--allowed-local-media-path": _r(_NO_MM, sample="/tmp"),
     "--allowed-media-domains": _r(_NO_MM, VS),
     # loading
-    "--load-format": _r("kvserve loads safetensors folders and GGUF files only (never "
-                        "pickles)", noop=("auto", "safetensors", "gguf")),  # fmt: skip
+    "--load-format": _r(
+        "kvserve loads safetensors folders and GGUF files only (never pickles)",
+        noop=("auto", "safetensors", "gguf"),
+    ),
     "--model-loader-extra-config": _r("kvserve's loader takes no extra options", sample="{}"),
     "--ignore-patterns": _r("kvserve fetches only config, tokenizer and safetensors files"),
     "--use-tqdm-on-load": _i("kvserve logs its load steps instead of a progress bar", S),
-    "--safetensors-load-strategy": _i("kvserve reads each tensor through its own memory map",
-                                      sample="lazy"),  # fmt: skip
+    "--safetensors-load-strategy": _i(
+        "kvserve reads each tensor through its own memory map", sample="lazy"
+    ),
     "--pt-load-map-location": _r("kvserve loads no PyTorch pickles", sample="cpu"),
     # parallelism
     "--tensor-parallel-size": _k(),
@@ -170,10 +192,12 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--all2all-backend": _r(_NO_EP),
     "--enable-dbo": _r("kvserve has no dual-batch overlap", S),
     "--enable-multimodal-encoder-data-parallel": _r(_NO_MM, S),
-    "--max-parallel-loading-workers": _i("each tensor-parallel rank loads its own shard",
-                                         sample="2"),  # fmt: skip
-    "--ray-workers-use-nsight": _r("kvserve's workers are processes, not Ray actors (see "
-                                   "--ray for Ray Serve replicas)", S),  # fmt: skip
+    "--max-parallel-loading-workers": _i(
+        "each tensor-parallel rank loads its own shard", sample="2"
+    ),
+    "--ray-workers-use-nsight": _r(
+        "kvserve's workers are processes, not Ray actors (see --ray for Ray Serve replicas)", S
+    ),
     "--disable-custom-all-reduce": _i(_NO_GPU, S),
     "--worker-cls": _r(_PLUGINS, noop=("auto",)),
     "--worker-extension-cls": _r(_PLUGINS, noop=("",)),
@@ -185,8 +209,9 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--kv-cache-dtype": _k(sample="auto"),  # refused but auto (VLLM_UNSUPPORTED)
     "--num-gpu-blocks-override": _a("--num-kv-blocks", sample="64"),
     "--enable-prefix-caching": _k(S),
-    "--prefix-caching-hash-algo": _i("kvserve keys prefix blocks by their token ids",
-                                     sample="sha256"),  # fmt: skip
+    "--prefix-caching-hash-algo": _i(
+        "kvserve keys prefix blocks by their token ids", sample="sha256"
+    ),
     "--cpu-offload-gb": _k(sample="0"),  # refused but 0 (VLLM_UNSUPPORTED)
     "--calculate-kv-scales": _r("the KV cache has the model's dtype (no fp8 scales)", S),
     "--kv-sharing-fast-prefill": _r("kvserve shares no KV cache across layers", S),
@@ -212,47 +237,59 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--enable-chunked-prefill": _k(S),  # always on; --no-enable-chunked-prefill is refused
     "--scheduling-policy": _k(sample="priority"),
     "--preemption-mode": _k(sample="swap"),
-    "--max-num-partial-prefills": _r("kvserve chunks one long prefill at a time in each "
-                                     "step's token budget", noop=("1",)),  # fmt: skip
-    "--max-long-partial-prefills": _r("kvserve chunks one long prefill at a time in each "
-                                      "step's token budget", noop=("1",)),  # fmt: skip
-    "--long-prefill-token-threshold": _r("kvserve chunks prefills by --max-num-batched-tokens "
-                                         "only", noop=("0",)),  # fmt: skip
-    "--num-lookahead-slots": _r("speculative decoding is set by --speculative-config",
-                                noop=("0",)),  # fmt: skip
-    "--scheduler-delay-factor": _r("kvserve schedules every step without delay",
-                                   noop=("0", "0.0")),  # fmt: skip
+    "--max-num-partial-prefills": _r(
+        "kvserve chunks one long prefill at a time in each step's token budget", noop=("1",)
+    ),
+    "--max-long-partial-prefills": _r(
+        "kvserve chunks one long prefill at a time in each step's token budget", noop=("1",)
+    ),
+    "--long-prefill-token-threshold": _r(
+        "kvserve chunks prefills by --max-num-batched-tokens only", noop=("0",)
+    ),
+    "--num-lookahead-slots": _r("speculative decoding is set by --speculative-config", noop=("0",)),
+    "--scheduler-delay-factor": _r("kvserve schedules every step without delay", noop=("0", "0.0")),
     "--num-scheduler-steps": _r("kvserve schedules every step", noop=("1",)),
     "--multi-step-stream-outputs": _i("kvserve schedules every step (no multi-step)", S),
     "--disable-chunked-mm-input": _i(_NO_MM, S),
     "--scheduler-cls": _r(_PLUGINS),
     "--disable-hybrid-kv-cache-manager": _i("kvserve has one KV cache manager", S),
     "--async-scheduling": _r("kvserve's scheduler runs in step with the model", S),
-    "--stream-interval": _r("kvserve streams every token (the server batches SSE frames by "
-                            "--stream-batching-interval-ms)", noop=("1",)),  # fmt: skip
+    "--stream-interval": _r(
+        "kvserve streams every token (the server batches SSE frames by "
+        "--stream-batching-interval-ms)",
+        noop=("1",),
+    ),
     "--cuda-graph-sizes": _i(_NO_GPU, VS, "8"),
     "--use-v2-block-manager": _i("vLLM's own no-op (v2 is the only block manager)", S),
     # speculative decoding and compilation
     "--speculative-config": _k(sample='{"method": "ngram", "num_speculative_tokens": 2}'),
     "--speculative-model": _r("give it in --speculative-config '{\"model\": ...}'"),
-    "--num-speculative-tokens": _r("give it in --speculative-config "
-                                   "'{\"num_speculative_tokens\": ...}'"),  # fmt: skip
-    "--ngram-prompt-lookup-max": _r("give it in --speculative-config "
-                                    "'{\"prompt_lookup_max\": ...}'"),  # fmt: skip
-    "--ngram-prompt-lookup-min": _r("give it in --speculative-config "
-                                    "'{\"prompt_lookup_min\": ...}'"),  # fmt: skip
-    "--compilation-config": _i("kvserve compiles nothing with torch.compile; its C++ kernels "
-                               "are built once", sample="{}"),  # fmt: skip
-    "-O": _i("kvserve compiles nothing with torch.compile; its C++ kernels are built once",
-             sample="3"),  # fmt: skip
+    "--num-speculative-tokens": _r(
+        "give it in --speculative-config '{\"num_speculative_tokens\": ...}'"
+    ),
+    "--ngram-prompt-lookup-max": _r(
+        "give it in --speculative-config '{\"prompt_lookup_max\": ...}'"
+    ),
+    "--ngram-prompt-lookup-min": _r(
+        "give it in --speculative-config '{\"prompt_lookup_min\": ...}'"
+    ),
+    "--compilation-config": _i(
+        "kvserve compiles nothing with torch.compile; its C++ kernels are built once", sample="{}"
+    ),
+    "-O": _i(
+        "kvserve compiles nothing with torch.compile; its C++ kernels are built once", sample="3"
+    ),
     "--kv-transfer-config": _r(_NO_KV_XFER, sample="{}"),
     "--kv-events-config": _r("kvserve publishes no KV cache events", sample="{}"),
     "--ec-transfer-config": _r(_NO_KV_XFER, sample="{}"),
     "--additional-config": _r("kvserve has no platform plugins", sample="{}"),
-    "--structured-outputs-config": _r("kvserve compiles structured outputs with xgrammar; "
-                                      "its limits are the --grammar-* flags", sample="{}"),
-    "--guided-decoding-backend": _r("kvserve compiles structured outputs with xgrammar",
-                                    noop=("auto", "xgrammar")),  # fmt: skip
+    "--structured-outputs-config": _r(
+        "kvserve compiles structured outputs with xgrammar; its limits are the --grammar-* flags",
+        sample="{}",
+    ),
+    "--guided-decoding-backend": _r(
+        "kvserve compiles structured outputs with xgrammar", noop=("auto", "xgrammar")
+    ),
     "--reasoning-parser": _k(sample="qwen3", engine=False),
     "--reasoning-parser-plugin": _r(_PLUGINS, engine=False),
     # device, attention, logging and observability
@@ -260,14 +297,17 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--attention-backend": _k(sample="TORCH_SDPA"),
     "--disable-log-stats": _k(S),
     "--disable-log-requests": _k(S),
-    "--enable-log-requests": _r("kvserve never logs request contents (privacy); each "
-                                "request's timings are in /metrics and traces", S),  # fmt: skip
+    "--enable-log-requests": _r(
+        "kvserve never logs request contents (privacy); each "
+        "request's timings are in /metrics and traces",
+        S,
+    ),
     "--max-log-len": _i("kvserve never logs prompts", sample="100"),
     "--otlp-traces-endpoint": _k(sample="http://127.0.0.1:4317", engine=False),
-    "--collect-detailed-traces": _r("kvserve's spans carry vLLM's llm_request attributes "
-                                    "only", sample="all"),  # fmt: skip
-    "--show-hidden-metrics-for-version": _i("kvserve exports its whole metric set",
-                                            sample="0.10"),  # fmt: skip
+    "--collect-detailed-traces": _r(
+        "kvserve's spans carry vLLM's llm_request attributes only", sample="all"
+    ),
+    "--show-hidden-metrics-for-version": _i("kvserve exports its whole metric set", sample="0.10"),
 }
 
 # The OpenAI server's flags (vLLM's FrontendArgs and serve's own): `kvserve serve` only.
@@ -289,56 +329,70 @@ FRONTEND_FLAGS: dict[str, VLLMFlag] = {
     "--h11-max-incomplete-event-size": _k(sample="65536", engine=False),
     "--h11-max-header-count": _k(sample="64", engine=False),
     "--uds": _r("kvserve listens on TCP (--host, --port)", engine=False),
-    "--chat-template-content-format": _r("kvserve renders message content as the model's "
-                                         "template expects", noop=("auto",), engine=False),
-    "--default-chat-template-kwargs": _r("pass chat_template_kwargs per request",
-                                         sample="{}", engine=False),  # fmt: skip
-    "--response-role": _r("kvserve answers as the assistant", noop=("assistant",),
-                          engine=False),  # fmt: skip
+    "--chat-template-content-format": _r(
+        "kvserve renders message content as the model's template expects",
+        noop=("auto",),
+        engine=False,
+    ),
+    "--default-chat-template-kwargs": _r(
+        "pass chat_template_kwargs per request", sample="{}", engine=False
+    ),
+    "--response-role": _r("kvserve answers as the assistant", noop=("assistant",), engine=False),
     "--ssl-keyfile": _r("kvserve serves plain HTTP; terminate TLS in a proxy", engine=False),
     "--ssl-certfile": _r("kvserve serves plain HTTP; terminate TLS in a proxy", engine=False),
     "--ssl-ca-certs": _r("kvserve serves plain HTTP; terminate TLS in a proxy", engine=False),
-    "--ssl-cert-reqs": _r("kvserve serves plain HTTP; terminate TLS in a proxy",
-                          noop=("0",), engine=False),  # fmt: skip
+    "--ssl-cert-reqs": _r(
+        "kvserve serves plain HTTP; terminate TLS in a proxy", noop=("0",), engine=False
+    ),
     "--ssl-ciphers": _r("kvserve serves plain HTTP; terminate TLS in a proxy", engine=False),
-    "--enable-ssl-refresh": _r("kvserve serves plain HTTP; terminate TLS in a proxy", S,
-                               engine=False),  # fmt: skip
+    "--enable-ssl-refresh": _r(
+        "kvserve serves plain HTTP; terminate TLS in a proxy", S, engine=False
+    ),
     "--root-path": _r("kvserve serves at /; strip the prefix in the proxy", engine=False),
     "--middleware": _r("kvserve loads no ASGI middleware", VS, engine=False),
-    "--return-tokens-as-token-ids": _r("kvserve returns logprob tokens as text", S,
-                                       engine=False),  # fmt: skip
+    "--return-tokens-as-token-ids": _r("kvserve returns logprob tokens as text", S, engine=False),
     "--disable-frontend-multiprocessing": _i(_ONE_API, S, engine=False),
     "--api-server-count": _r(_ONE_API, noop=("1",), engine=False),
     "-asc": _r(_ONE_API, noop=("1",), engine=False),
     "--headless": _r(_NO_DP, S, engine=False),
-    "--config": _r("give the flags on the command line (or a Ray Serve config's args)",
-                   sample="c.yaml", engine=False),  # fmt: skip
+    "--config": _r(
+        "give the flags on the command line (or a Ray Serve config's args)",
+        sample="c.yaml",
+        engine=False,
+    ),
     "--enable-request-id-headers": _r("kvserve does not echo X-Request-Id", S, engine=False),
     "--tool-parser-plugin": _r(_PLUGINS, engine=False),
-    "--tool-server": _r("kvserve runs no built-in tools (the client runs tool calls)",
-                        engine=False),  # fmt: skip
-    "--log-config-file": _r("kvserve logs through Python's logging as configured by "
-                            "--log-level", engine=False),  # fmt: skip
-    "--disable-fastapi-docs": _i("kvserve serves /openapi.json only, no HTML docs", S,
-                                 engine=False),  # fmt: skip
-    "--enable-offline-docs": _r("kvserve serves /openapi.json only, no HTML docs", S,
-                                engine=False),  # fmt: skip
-    "--enable-prompt-tokens-details": _i("kvserve's usage always has prompt_tokens_details "
-                                         "(cached_tokens)", S, engine=False),  # fmt: skip
-    "--enable-server-load-tracking": _r("kvserve's load is in /metrics "
-                                        "(num_requests_running/waiting)", S, engine=False),
-    "--enable-force-include-usage": _r("ask for usage per request (stream_options."
-                                       "include_usage)", S, engine=False),  # fmt: skip
-    "--enable-tokenizer-info-endpoint": _r("kvserve has /tokenize and /detokenize only", S,
-                                           engine=False),  # fmt: skip
-    "--enable-log-outputs": _r("kvserve never logs request contents (privacy)", S,
-                               engine=False),  # fmt: skip
+    "--tool-server": _r(
+        "kvserve runs no built-in tools (the client runs tool calls)", engine=False
+    ),
+    "--log-config-file": _r(
+        "kvserve logs through Python's logging as configured by --log-level", engine=False
+    ),
+    "--disable-fastapi-docs": _i(
+        "kvserve serves /openapi.json only, no HTML docs", S, engine=False
+    ),
+    "--enable-offline-docs": _r("kvserve serves /openapi.json only, no HTML docs", S, engine=False),
+    "--enable-prompt-tokens-details": _i(
+        "kvserve's usage always has prompt_tokens_details (cached_tokens)", S, engine=False
+    ),
+    "--enable-server-load-tracking": _r(
+        "kvserve's load is in /metrics (num_requests_running/waiting)", S, engine=False
+    ),
+    "--enable-force-include-usage": _r(
+        "ask for usage per request (stream_options.include_usage)", S, engine=False
+    ),
+    "--enable-tokenizer-info-endpoint": _r(
+        "kvserve has /tokenize and /detokenize only", S, engine=False
+    ),
+    "--enable-log-outputs": _r("kvserve never logs request contents (privacy)", S, engine=False),
     "--log-error-stack": _i("kvserve logs the stack of every 500 already", S, engine=False),
-    "--disable-access-log-for-endpoints": _r("kvserve's access log is all or nothing "
-                                             "(--no-access-log)", engine=False),  # fmt: skip
+    "--disable-access-log-for-endpoints": _r(
+        "kvserve's access log is all or nothing (--no-access-log)", engine=False
+    ),
     "--tokens-only": _r("kvserve serves its whole API", S, engine=False),
-    "--enable-per-request-metrics": _r("per-request timings are in /metrics and traces", S,
-                                       engine=False),  # fmt: skip
+    "--enable-per-request-metrics": _r(
+        "per-request timings are in /metrics and traces", S, engine=False
+    ),
 }
 
 VLLM_SERVE_FLAGS: dict[str, VLLMFlag] = {**ENGINE_FLAGS, **FRONTEND_FLAGS}
@@ -359,8 +413,9 @@ class _TableAction(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, flag: VLLMFlag, **kw: Any) -> None:
         nargs = {Takes.SWITCH: 0, Takes.VALUE: None, Takes.VALUES: "+"}[flag.takes]
-        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS)  # fmt: skip
+        super().__init__(
+            option_strings, dest, nargs=nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
         self.flag = flag
 
     def __call__(
@@ -378,11 +433,18 @@ class _TableAction(argparse.Action):
 class _AliasAction(argparse.Action):
     """vLLM's other spelling of a kvserve flag: does what the kvserve flag does."""
 
-    def __init__(self, option_strings: list[str], dest: str, target: argparse.Action,
-                 **kw: Any) -> None:  # fmt: skip
-        super().__init__(option_strings, target.dest, nargs=target.nargs, type=target.type,
-                         choices=target.choices, default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS)  # fmt: skip
+    def __init__(
+        self, option_strings: list[str], dest: str, target: argparse.Action, **kw: Any
+    ) -> None:
+        super().__init__(
+            option_strings,
+            target.dest,
+            nargs=target.nargs,
+            type=target.type,
+            choices=target.choices,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
         self.target = target
 
     def __call__(
@@ -402,8 +464,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser | Any, engine_only: bool = Fa
             if spec.reason in known:
                 parser.add_argument(flag, action=_AliasAction, target=known[spec.reason])
             continue
-        parser.add_argument(flag, dest=f"vllm_{flag_field(flag)}", action=_TableAction,
-                            flag=spec)  # fmt: skip
+        parser.add_argument(flag, dest=f"vllm_{flag_field(flag)}", action=_TableAction, flag=spec)
 
 
 def check_vllm_kwargs(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
@@ -420,8 +481,10 @@ def check_vllm_kwargs(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any
         if spec.use is FlagUse.ALIAS:
             out[flag_field(spec.reason)] = value
             continue
-        noop = value is False or value is None or (
-            not isinstance(value, bool) and str(value) in spec.noop
+        noop = (
+            value is False
+            or value is None
+            or (not isinstance(value, bool) and str(value) in spec.noop)
         )
         if spec.use is FlagUse.REFUSED and not noop:
             raise ValueError(f"{key}={value!r}: " + refusal(flag, None, spec.reason))

@@ -185,9 +185,8 @@ def test_vllm_refusals_name_the_option(tmp_path: Path) -> None:
         ("--generation-config", "/m"): "generation_config='/m' (--generation-config /m) is not "
         "supported: kvserve reads generation_config.json from the model folder only; give "
         "'auto' (the model's sampling defaults) or 'vllm' (none)",
-        ("--model", str(tmp_path), "--tokenizer", "/tok"): f"tokenizer '/tok' (--tokenizer) is "
-        f"not the model folder '{tmp_path}': kvserve reads the tokenizer from the model "
-        f"folder; a separate tokenizer folder is not supported",
+        ("--model", str(tmp_path), "--tokenizer", "/tok"): "tokenizer '/tok' (--tokenizer) is "
+        "neither a local folder nor a Hugging Face Hub id (org/name)",
         ("--chat-template", "no/such.jinja"): "chat_template 'no/such.jinja' (--chat-template) "
         "is neither a file nor a Jinja template",
     }

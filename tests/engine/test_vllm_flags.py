@@ -103,8 +103,10 @@ def test_generate_takes_the_engine_flags_only() -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", sorted(f for f, s in ENGINE_FLAGS.items() if f.startswith("--") and
-                   s.use is not FlagUse.KVSERVE)  # fmt: skip
+    "flag",
+    sorted(
+        f for f, s in ENGINE_FLAGS.items() if f.startswith("--") and s.use is not FlagUse.KVSERVE
+    ),
 )
 def test_llm_keywords_follow_the_table(flag: str) -> None:
     spec = ENGINE_FLAGS[flag]

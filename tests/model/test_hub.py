@@ -18,11 +18,23 @@ from tests.model.hub_stand_in import COMMIT, HubStandIn, make_tiny_repo, repo_of
 from tests.model.test_gguf import PROMPT_IDS, gguf_path, tiny_llama  # noqa: F401 (fixtures)
 
 REPO = "tiny-org/tiny-llama"
-LOADED = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-          "tokenizer_config.json"]  # fmt: skip
+LOADED = [
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 # kvserve's options for a tiny float32 model that builds no C++ kernel
-FAST = {"dtype": "float32", "num_kv_blocks": 64, "attention_backend": "TORCH_SDPA",
-        "fused_ops": False, "prepack_weights": False, "warmup": False}  # fmt: skip
+FAST = {
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "attention_backend": "TORCH_SDPA",
+    "fused_ops": False,
+    "prepack_weights": False,
+    "warmup": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +69,18 @@ def test_parse_hub_model(tmp_path: Path) -> None:
     assert parse_hub_model("org/m-GGUF:m-Q4_K_M.gguf") == HubModel("org/m-GGUF", "m-Q4_K_M.gguf")
     assert parse_hub_model("org/m-GGUF:Q4_K_M") == HubModel("org/m-GGUF", "Q4_K_M")
     (tmp_path / "org" / "local").mkdir(parents=True)
-    for local_or_not_an_id in (str(tmp_path / "org" / "local"), "./org/x", "/abs/x", "~/x",
-                               "gpt2", "a/b/c", "org/--x", "org/x..y", "model.gguf", ""):
+    for local_or_not_an_id in (
+        str(tmp_path / "org" / "local"),
+        "./org/x",
+        "/abs/x",
+        "~/x",
+        "gpt2",
+        "a/b/c",
+        "org/--x",
+        "org/x..y",
+        "model.gguf",
+        "",
+    ):
         assert parse_hub_model(local_or_not_an_id) is None, local_or_not_an_id
 
 
@@ -89,10 +111,15 @@ def test_pickle_only_repo_is_refused_before_any_download(hub: HubStandIn) -> Non
 def test_hub_errors_name_the_model(hub: HubStandIn) -> None:
     with pytest.raises(ValueError, match=r"'tiny-org/nope' was not found on the Hub"):
         resolve_hub_model(HubModel("tiny-org/nope"))
-    with pytest.raises(ValueError, match=r"'tiny-org/tiny-llama' \(revision v9\) has no "
-                       r"revision 'v9'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"'tiny-org/tiny-llama' \(revision v9\) has no "
+        r"revision 'v9'",
+    ):
         resolve_hub_model(HubModel(REPO), revision="v9")
-    with pytest.raises(ValueError, match=r"^Hugging Face model 'tiny-org/tiny-llama' has no file 'x.gguf'$"):
+    with pytest.raises(
+        ValueError, match=r"^Hugging Face model 'tiny-org/tiny-llama' has no file 'x.gguf'$"
+    ):
         resolve_hub_model(HubModel(REPO, "x.gguf"))
 
 
@@ -141,9 +168,12 @@ def test_tokenizer_hub_id_fetches_the_tokenizer_first(
     tokenizer = Path(config.model.tokenizer or "")
     assert tokenizer.parent.name == "snapshots" or tokenizer.name == COMMIT
     assert sorted(p.name for p in tokenizer.iterdir()) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
         "tokenizer_config.json",
-    ]  # fmt: skip
+    ]
     # A bad tokenizer id fails before the model (here a Hub id too) is looked at.
     seen = len(hub.requests)
     with pytest.raises(ValueError) as e:
@@ -153,19 +183,24 @@ def test_tokenizer_hub_id_fetches_the_tokenizer_first(
         "not found on the Hub"
     )
     assert all("pickles" not in r for r in hub.requests[seen:])
-    with pytest.raises(ValueError, match=r"tokenizer '/tok' \(--tokenizer\) is neither a local "
-                       r"folder nor a Hugging Face Hub id"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"tokenizer '/tok' \(--tokenizer\) is neither a local "
+        r"folder nor a Hugging Face Hub id",
+    ):
         EngineArgs(model=str(tiny_repo), tokenizer="/tok")
 
 
-def test_gguf_repo_picks_one_file(tmp_path: Path, hf_home: Path,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_gguf_repo_picks_one_file(
+    tmp_path: Path, hf_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = {}
     for name in ("m-Q4_K_M.gguf", "m-Q8_0.gguf"):
         (tmp_path / name).write_bytes(name.encode())
         files[name] = tmp_path / name
-    with HubStandIn({"org/m-GGUF": files, "org/one-GGUF": {"m-Q8_0.gguf": files["m-Q8_0.gguf"]}}
-                    ) as stand_in:  # fmt: skip
+    with HubStandIn(
+        {"org/m-GGUF": files, "org/one-GGUF": {"m-Q8_0.gguf": files["m-Q8_0.gguf"]}}
+    ) as stand_in:
         monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
         with pytest.raises(ValueError) as e:
             resolve_hub_model(HubModel("org/m-GGUF"))
@@ -178,8 +213,10 @@ def test_gguf_repo_picks_one_file(tmp_path: Path, hf_home: Path,
         assert resolve_hub_model(HubModel("org/m-GGUF", "q4_k_m")).name == "m-Q4_K_M.gguf"
         assert resolve_hub_model(HubModel("org/one-GGUF")).name == "m-Q8_0.gguf"
         assert sorted(stand_in.fetched()) == [
-            "org/m-GGUF/m-Q4_K_M.gguf", "org/m-GGUF/m-Q8_0.gguf", "org/one-GGUF/m-Q8_0.gguf"
-        ]  # fmt: skip
+            "org/m-GGUF/m-Q4_K_M.gguf",
+            "org/m-GGUF/m-Q8_0.gguf",
+            "org/one-GGUF/m-Q8_0.gguf",
+        ]
 
 
 @pytest.mark.slow
@@ -204,6 +241,7 @@ def test_gguf_file_download_loads_through_the_gguf_path(
     out = llm.generate({"prompt_token_ids": PROMPT_IDS}, params, use_tqdm=False)
     llm.engine.close()
     with torch.no_grad():
-        want = original.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=8, do_sample=False,
-                                 min_new_tokens=8)[0, len(PROMPT_IDS):]  # fmt: skip
+        want = original.generate(
+            torch.tensor([PROMPT_IDS]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+        )[0, len(PROMPT_IDS) :]
     assert list(out[0].outputs[0].token_ids) == want.tolist()
