@@ -16,7 +16,7 @@ a test) gets what it set.
 
 from __future__ import annotations
 
-import fnmatch
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "
 TOKENIZER_PATTERNS = ("tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges.txt",
                       "special_tokens_map.json", "added_tokens.json", "*.jinja",
                       "generation_config.json", "config.json")  # fmt: skip
+INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # huggingface_hub's own rule for a repo id (validate_repo_id): [\w.-]+ per part, at most 96.
 _ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
@@ -201,8 +202,10 @@ def pick_weights(model: HubModel, files: list[str]) -> str | None:
 
 
 def _fetch(model: HubModel, file: str | None, patterns: tuple[str, ...], revision: str | None,
-           cache: Path) -> Path:  # fmt: skip
-    """The cached copy (no network), else a download unless offline."""
+           cache: Path, files: list[str] | None = None) -> Path:  # fmt: skip
+    """The cached copy (no network), else a download unless offline. ``files``: the repo's
+    files when known, to tell a partial snapshot (a single-file download leaves one, which
+    huggingface_hub cannot check without its tree listing) from a complete one."""
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -214,14 +217,25 @@ def _fetch(model: HubModel, file: str | None, patterns: tuple[str, ...], revisio
         return snapshot_download(model.repo_id, allow_patterns=list(patterns), **common)  # type: ignore[arg-type]
 
     try:
-        return Path(get(local=True))
+        local = Path(get(local=True))
+        if file is not None or not _missing(local, patterns, files):
+            return local
     except LocalEntryNotFoundError:  # not cached, or an incomplete snapshot
-        if is_offline():
-            raise _not_cached(model, revision, cache) from None
+        pass
+    if is_offline():
+        raise _not_cached(model, revision, cache)
     try:
         return Path(get(local=False))
     except Exception as e:
         raise _hub_error(model, revision, cache, e, file) from e
+
+
+def _missing(folder: Path, patterns: tuple[str, ...], files: list[str] | None) -> list[str]:
+    """The files of ``files`` that ``patterns`` select and ``folder`` lacks."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    wanted = filter_repo_objects(files or [], allow_patterns=list(patterns))
+    return [f for f in wanted if not (folder / f).exists()]
 
 
 def resolve_hub_model(
@@ -231,12 +245,29 @@ def resolve_hub_model(
     one ``.gguf`` file in the cache."""
     cache = hub_cache_dir(download_dir)
     gguf = model.gguf if model.gguf and model.gguf.lower().endswith(".gguf") else None
-    if gguf is None:
-        gguf = pick_weights(model, _repo_files(model, revision, cache))
-    folder = _fetch(model, gguf, ALLOW_PATTERNS, revision, cache)
-    if gguf is None:
-        _check_folder(model, folder)
+    if gguf is not None:
+        return _fetch(model, gguf, (), revision, cache)
+    files = _repo_files(model, revision, cache)
+    gguf = pick_weights(model, files)
+    if gguf is not None:
+        return _fetch(model, gguf, (), revision, cache)
+    patterns = _weight_patterns(model, files, revision, cache)
+    folder = _fetch(model, None, patterns, revision, cache, files)
+    _check_folder(model, folder)
     return folder
+
+
+def _weight_patterns(
+    model: HubModel, files: list[str], revision: str | None, cache: Path
+) -> tuple[str, ...]:
+    """ALLOW_PATTERNS, with the safetensors narrowed to those the index names when there is
+    one: some repos also carry the same weights in another layout (Mistral's
+    ``consolidated.safetensors`` beside the shards), which would double the download."""
+    if INDEX not in files:
+        return ALLOW_PATTERNS
+    index = _fetch(model, INDEX, (), revision, cache)
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return (*(p for p in ALLOW_PATTERNS if p != "*.safetensors"), *shards)
 
 
 def _check_folder(model: HubModel, folder: Path) -> None:
@@ -256,8 +287,3 @@ def resolve_hub_tokenizer(
             "tokenizer_config.json"
         )
     return folder
-
-
-def matches(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether ``name`` is one of the files ``patterns`` fetch (huggingface_hub's fnmatch)."""
-    return any(fnmatch.fnmatch(name, p) for p in patterns)

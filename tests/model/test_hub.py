@@ -97,6 +97,29 @@ def test_download_fetches_only_what_kvserve_loads_then_reads_the_cache(
     assert hub.requests[seen:] == []  # the cache first: no request at all
 
 
+def test_sharded_repo_fetches_the_shards_its_index_names(
+    tmp_path: Path, hf_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a second copy of the weights in another layout (Mistral's consolidated file)."""
+    from transformers import LlamaConfig
+
+    from tests.model.tiny_hf import COMMON
+
+    folder = tmp_path / "sharded"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**COMMON)).save_pretrained(folder, max_shard_size="100KB")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shutil.copy(folder / shards[0], folder / "consolidated.safetensors")
+    with HubStandIn({"tiny-org/sharded": repo_of(folder)}) as stand_in:
+        monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
+        resolve_hub_model(HubModel("tiny-org/sharded"))
+        names = [f.removeprefix("tiny-org/sharded/") for f in stand_in.fetched()]
+    assert sorted(names) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors.index.json", *shards]
+    )
+
+
 def test_pickle_only_repo_is_refused_before_any_download(hub: HubStandIn) -> None:
     with pytest.raises(ValueError) as e:
         resolve_hub_model(HubModel("tiny-org/pickles"))
