@@ -501,6 +501,8 @@ class EngineArgs:
             return None
         local = Path(tok).expanduser()
         if local.is_dir():
+            if self.model is not None and local.resolve() == Path(self.model).resolve():
+                return None  # the model folder, spelled another way
             if not any((local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 raise ValueError(f"tokenizer {tok!r} (--tokenizer) has no tokenizer.json or "
                                  "tokenizer_config.json")  # fmt: skip

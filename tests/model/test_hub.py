@@ -177,7 +177,9 @@ def test_offline_cache_gives_the_folders_tokens(
     assert by_id.engine.model_name == REPO  # served under the Hub id, as vLLM does
     got = [o.outputs[0].token_ids for o in by_id.generate(prompts, params, use_tqdm=False)]
     by_id.engine.close()
-    direct = LLM(model=str(tiny_repo), **FAST)
+    # the folder's weights with the tokenizer of the Hub id (vLLM's --tokenizer), offline too
+    direct = LLM(model=str(tiny_repo), tokenizer=REPO, **FAST)
+    assert direct.engine.config.model.tokenizer == str(by_id.engine.config.model.path)
     want = [o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)]
     direct.engine.close()
     assert got == want and all(len(t) == 12 for t in got)
