@@ -37,7 +37,12 @@ from kvserve.config import (
     parse_dtype,
 )
 from kvserve.engine.vllm_flags import check_vllm_kwargs
-from kvserve.model.hub import parse_hub_model, resolve_hub_model, resolve_hub_tokenizer
+from kvserve.model.hub import (
+    is_offline,
+    parse_hub_model,
+    resolve_hub_model,
+    resolve_hub_tokenizer,
+)
 from kvserve.sample.custom_processors import load_processor_class
 
 logger = logging.getLogger("kvserve")
@@ -492,6 +497,15 @@ class EngineArgs:
                 f"tokenizer {tok!r} (--tokenizer) is neither a local folder nor a Hugging Face "
                 "Hub id (org/name)"
             )
+
+    def check_hub_cache(self) -> None:
+        """With HF_HUB_OFFLINE, resolve the Hub ids (tokenizer, model) now: from the cache
+        only, so at once, and a ValueError naming the id and the cache if one is missing."""
+        if is_offline():
+            self._resolve_tokenizer()
+            hub = parse_hub_model(self.model) if self.model else None
+            if hub is not None:
+                resolve_hub_model(hub, self.revision, self.download_dir)
 
     def _resolve_tokenizer(self) -> str | None:
         """The tokenizer folder when it is not the model folder's: a local folder, or a Hub

@@ -350,9 +350,14 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"unhealthy engines: {dead}")
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/ping", methods=["GET", "POST"], responses=error_responses(503))
+    @app.get("/ping", responses=error_responses(503))
     async def ping() -> Response:
-        """vLLM's (and SageMaker's) liveness probe: /health's answer, on GET or POST."""
+        """vLLM's (and SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.post("/ping", responses=error_responses(503))
+    async def ping_post() -> Response:
+        """``POST /ping``, as SageMaker sends it: /health's answer."""
         return await health()
 
     @app.get("/version")

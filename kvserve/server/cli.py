@@ -323,7 +323,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # Built before uvicorn starts, so a bad engine option exits with code 2 and a message.
     engine_args = replace(EngineArgs.from_cli_args(args), model=None, served_model_name=None)
     for model, _ in specs:
-        replace(engine_args, model=model)  # per-model checks (e.g. --tokenizer)
+        # per-model checks (e.g. --tokenizer); offline, a Hub id must be in the cache: a
+        # clear exit code 2 now rather than a failed load later (online it downloads then)
+        replace(engine_args, model=model).check_hub_cache()
     http_limits = raise_fd_limit(http_limits_from_args(args))
     state = build_state(args, engine_args)
     config = uvicorn.Config(

@@ -159,6 +159,26 @@ def test_offline_and_not_cached_is_a_clear_error_with_no_request(
     assert hub.requests == []
 
 
+def test_serve_offline_and_not_cached_exits_2_before_serving(
+    hub: HubStandIn,
+    hf_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvserve.server.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([REPO, "--port", "1"]) == 2  # port 1: it never gets as far as listening
+    assert capsys.readouterr().err == (
+        f"kvserve: error: Hugging Face model '{REPO}' is not in the Hugging Face cache "
+        f"{hf_home / 'hub'} and HF_HUB_OFFLINE is set, so nothing is downloaded; download it "
+        "once while online (unset HF_HUB_OFFLINE), point --download-dir / HF_HOME at the cache "
+        "that has it, or give a local model folder or .gguf file (no such local path exists "
+        "either)\n"
+    )
+    assert hub.requests == []
+
+
 @pytest.mark.slow
 def test_offline_cache_gives_the_folders_tokens(
     hub: HubStandIn, tiny_repo: Path, hf_home: Path, monkeypatch: pytest.MonkeyPatch
