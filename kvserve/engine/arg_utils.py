@@ -691,6 +691,11 @@ class EngineArgs:
             if Path(model).is_dir():
                 return Path(model), Path(model).name, None
             local = Path(model).expanduser()
+            if not local.exists():
+                raise ValueError(
+                    f"model {model!r} is neither a local model folder, a .gguf file nor a "
+                    "Hugging Face Hub id (org/name, org/name:file.gguf)"
+                )
             gguf = str(local.resolve()) if local.suffix.lower() == ".gguf" else None
             return (*resolve_model(model), gguf)
         fetched = resolve_hub_model(hub, self.revision, self.download_dir)

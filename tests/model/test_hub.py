@@ -84,6 +84,16 @@ def test_parse_hub_model(tmp_path: Path) -> None:
         assert parse_hub_model(local_or_not_an_id) is None, local_or_not_an_id
 
 
+def test_a_model_that_is_no_path_and_no_hub_id(tmp_path: Path) -> None:
+    for model in ("gpt2", str(tmp_path / "missing")):
+        with pytest.raises(ValueError) as e:
+            EngineArgs(model=model).create_engine_config()
+        assert str(e.value) == (
+            f"model {model!r} is neither a local model folder, a .gguf file nor a Hugging Face "
+            "Hub id (org/name, org/name:file.gguf)"
+        )
+
+
 def test_download_fetches_only_what_kvserve_loads_then_reads_the_cache(
     hub: HubStandIn, hf_home: Path
 ) -> None:
