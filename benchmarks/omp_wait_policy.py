@@ -7,7 +7,8 @@ pinned to the last allowed core (started and stopped by the child around each ti
 parent runs the policies in rotated order ``--rounds`` times and prints medians of ms per
 decode step (wall time of a generation / its output tokens per sequence).
 
-    python benchmarks/omp_wait_policy.py --rounds 2 --out results.json
+    python benchmarks/omp_wait_policy.py --rounds 2 --reps 1 --out results.json
+    python benchmarks/omp_wait_policy.py --policies PASSIVE@auto PASSIVE@nobind  # binding
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.machine import machine_info
+from benchmarks.machine import machine_info, run_paths
 
 POLICIES: dict[str, dict[str, str]] = {
     "default": {},  # libgomp's own: spin ~300k iterations, then sleep
@@ -61,6 +62,7 @@ def child(tokens: int, reps: int, cpu_cores: str | None) -> None:
                 if proc is not None:
                     proc.kill()
                     proc.wait()
+    print("PATHS " + json.dumps(run_paths(llm)), flush=True)
     print("RESULT " + json.dumps(results), flush=True)
 
 
@@ -69,7 +71,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="quiet/busy alternations per child")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        help="names from POLICIES, each optionally @CORES (its --cpu-cores)",
+    )
     ap.add_argument("--cpu-cores", default=None, help="passed to LLM(cpu_cores=...)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
@@ -78,17 +85,20 @@ def main() -> None:
         child(args.tokens, args.reps, args.cpu_cores)
         return
     runs: dict[str, dict[str, list[float]]] = {p: {} for p in args.policies}
+    paths: dict[str, str] = {}
     for r in range(args.rounds):
         order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
         for policy in order:
             env = {k: v for k, v in os.environ.items()
                    if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}  # fmt: skip
-            env.update(POLICIES[policy])
+            name, _, cores = policy.partition("@")  # PASSIVE@nobind: with --cpu-cores nobind
+            env.update(POLICIES[name])
             cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps),
                    "--tokens", str(args.tokens)]  # fmt: skip
-            if args.cpu_cores is not None:
-                cmd += ["--cpu-cores", args.cpu_cores]
+            if cores or args.cpu_cores is not None:
+                cmd += ["--cpu-cores", cores or args.cpu_cores]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            paths[policy] = next(x for x in out.stdout.splitlines() if x.startswith("PATHS "))
             line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
             for key, values in json.loads(line[len("RESULT ") :]).items():
                 runs[policy].setdefault(key, []).extend(values)
@@ -99,7 +109,10 @@ def main() -> None:
     for policy, row in table.items():
         print(f"{policy:10} " + "  ".join(f"{row[k]:12.1f}" for k in keys))
     if args.out:
-        doc = {"machine": machine_info(), "ms_per_step_median": table, "samples": runs}
+        doc = {
+            "machine": machine_info(), "ms_per_step_median": table, "samples": runs,
+            "run_paths": {p: json.loads(line[len("PATHS ") :]) for p, line in paths.items()},
+        }  # fmt: skip
         args.out.write_text(json.dumps(doc, indent=2))
 
 
