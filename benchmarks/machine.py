@@ -58,6 +58,23 @@ def run_paths(engine: Any) -> list[dict[str, Any]]:
     return [paths.as_dict() for paths in llm_engine.rank_execution_paths]
 
 
+def server_run_paths(base_url: str) -> list[dict[str, str]]:
+    """The same facts for a running ``kvserve serve`` (rank 0's, one entry per model): its
+    ``execution_paths_info`` gauge on ``/metrics`` (any metrics prefix)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [
+        dict(sample.labels)
+        for family in text_string_to_metric_families(text)
+        if family.name.endswith(":execution_paths_info")
+        for sample in family.samples
+    ]
+
+
 # The CPU features kvserve's kernels choose between (the CPU kind changes between sessions).
 _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip

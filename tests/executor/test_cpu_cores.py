@@ -32,11 +32,17 @@ def tokens(e: LLMEngine) -> list[int]:
     raise AssertionError("no output")
 
 
-def test_a_worker_runs_on_the_one_core_it_was_given(tiny_llama: Path) -> None:
+def test_a_worker_runs_on_the_one_core_it_was_given(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     e = engine(tiny_llama, "1", 1)
     try:
         paths = e.execution_paths
         assert (paths.cpu_affinity, paths.num_threads, paths.thread_cores) == ((1,), 1, ((1,),))
+        # the worker was spawned with kvserve's wait policy; the driver's environment is back
+        assert paths.omp_wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ
+        assert (paths.dtype, paths.weight_dtype) == ("float32", "float32")
         assert len(tokens(e)) == 4
     finally:
         e.close()

@@ -5,6 +5,7 @@ docs/grafana naming only metrics a live server exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,26 @@ def test_vllm_prefix_scrape_has_the_names_vllms_dashboard_uses(vllm_server: Serv
     reasons = {labels["finished_reason"] for n, labels in ours if n == "vllm:request_success_total"}
     assert reasons == {"stop", "length", "abort", "error"}
     assert values(samples)["vllm:request_success_total{length}"] == 1
+
+
+@pytest.mark.slow
+def test_execution_paths_info_says_which_paths_and_cores_the_server_runs(
+    kv_server: Server,
+) -> None:
+    """What benchmarks record of a server run (benchmarks/machine.py's server_run_paths):
+    serve binds one thread per allowed core by default (--cpu-cores auto); in the engine's
+    own process OpenMP thread 0 keeps the whole mask and threads 1.. are pinned."""
+    import torch
+
+    [labels] = [lb for n, lb, v in scrape(kv_server.url)
+                if n == "kvserve:execution_paths_info" and v == 1.0]  # fmt: skip
+    mask = sorted(os.sched_getaffinity(0))
+    assert labels["model_name"] == TINY and labels["dtype"] == "float32"
+    assert labels["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert labels["num_threads"] == str(len(mask))
+    assert labels["cpu_affinity"] == ",".join(map(str, mask))
+    assert labels["thread_cores"] == "|".join([",".join(map(str, mask)), *map(str, mask[1:])])
+    assert labels["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ exactly (its own mask, one OpenMP thread per core)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -151,3 +153,19 @@ def test_a_bound_thread_reads_back_its_cores() -> None:
     torch.set_num_threads(before)
     assert seen == {"pinned": True, "mask": set(cores), "threads": 2,
                     "omp": (cores, (cores[1],))}  # fmt: skip
+
+
+def test_import_kvserve_sets_the_wait_policy_only_before_torch_loads() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    show = "import os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    for code, expected in [
+        ("import kvserve; " + show, "PASSIVE"),
+        ("import torch, kvserve; " + show, "None"),  # libgomp already read it: left unset
+    ]:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        assert out.stdout.strip() == expected
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's choice wins
+    out = subprocess.run([sys.executable, "-c", "import kvserve; " + show], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "ACTIVE"
