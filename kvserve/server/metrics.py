@@ -382,7 +382,7 @@ def execution_paths_info(engine: AsyncLLMEngine) -> dict[str, str]:
     records which paths it ran: tuples as ``0|1`` (one entry per OpenMP thread), flags as
     space-separated text."""
     labels: dict[str, str] = {}
-    for key, value in engine.engine.execution_paths.as_dict().items():
+    for key, value in engine.execution_paths.as_dict().items():
         if key == "kernel_cflags":
             labels[key] = " ".join(value)
         elif key == "thread_cores":

@@ -20,6 +20,7 @@ from kvserve.config import CacheConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.metrics import ServerMetrics
+from kvserve.worker.execution_paths import ExecutionPaths
 from tests.server.conftest import TINY, Server, start_server
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "kvserve-dashboard.json"
@@ -225,7 +226,12 @@ def fake_engine(callbacks: list[Any]) -> Any:
         max_model_len=100,
         stats=lambda: {},
         add_step_callback=callbacks.append,
-    )
+        execution_paths=ExecutionPaths(
+            fused_ops=True, decode_loop=False, cpu_capability="AVX2", kernel_cflags=("-O3", "-x"),
+            dtype="float32", weight_dtype="bfloat16", num_threads=2, cpu_affinity=(0, 1),
+            thread_cores=((0,), (1,)), omp_wait_policy="PASSIVE",
+        ),
+    )  # fmt: skip
 
 
 def output(rid: str, tokens: list[list[int]], finished: bool = False) -> RequestOutput:
@@ -243,6 +249,11 @@ def test_inter_token_latency_is_per_step_and_aborts_leave_no_state() -> None:
     callbacks: list[Any] = []
     metrics.attach("m", fake_engine(callbacks))
     (on_step,) = callbacks
+    paths = {"model_name": "m", "engine": "0", "fused_ops": "True", "decode_loop": "False",
+             "cpu_capability": "AVX2", "kernel_cflags": "-O3 -x", "dtype": "float32",
+             "weight_dtype": "bfloat16", "num_threads": "2", "cpu_affinity": "0,1",
+             "thread_cores": "0|1", "omp_wait_policy": "PASSIVE"}  # fmt: skip
+    assert metrics.registry.get_sample_value("kvserve:execution_paths_info", paths) == 1.0
 
     def sample(name: str) -> float:
         value = metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m",
