@@ -18,7 +18,7 @@ from kvserve.worker.model_runner import ModelRunner
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self._parallel = config.parallel
-        self._bound: set[int] = set()  # threads whose OpenMP pool is bound (their ident)
+        self._bound = threading.local()  # .done: this thread's OpenMP pool is bound
         self._bind_this_thread()
         self.runner: ModelRunner | None = ModelRunner(config)
         self.info = self.runner.info
@@ -33,11 +33,10 @@ class UniProcExecutor(Executor):
     def _bind_this_thread(self) -> None:
         """Each thread that runs the model has its own OpenMP pool (libgomp's are per thread):
         a server loads in one thread and steps in another, so the stepping thread's pool is
-        bound at its first call (a set lookup afterwards)."""
-        ident = threading.get_ident()
-        if ident not in self._bound:
+        bound at its first call (a thread-local lookup afterwards)."""
+        if not getattr(self._bound, "done", False):
             set_num_threads(self._parallel)
-            self._bound.add(ident)
+            self._bound.done = True
 
     def shutdown(self) -> None:
         self.runner = None  # its model and KV tensors go with it
