@@ -36,3 +36,15 @@ def test_serve_threads_are_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         ["serve", "--tensor-parallel-size", "2", "--cpu-cores", "nobind"]
     )
     assert default_num_threads(args) == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_serve_refuses_a_core_outside_the_mask_before_starting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvserve.cli import main
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    outside = max(os.sched_getaffinity(0)) + 1
+    assert main(["serve", "--cpu-cores", str(outside)]) == 2
+    err = capsys.readouterr().err
+    assert f"kvserve: error: cpu_cores (--cpu-cores): core(s) {outside} of rank 0 are" in err

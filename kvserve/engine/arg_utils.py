@@ -379,10 +379,8 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size (--tensor-parallel-size) must be positive, "
                              f"got {self.tensor_parallel_size}")  # fmt: skip
-        if self.cpu_cores is not None:  # the format; the cores themselves at config time
-            from kvserve.worker.cpu_binding import parse_cpu_cores
-
-            parse_cpu_cores(self.cpu_cores)
+        if str(self.device) == "cpu":  # needs no model: a bad value fails before any start
+            self._cpu_cores()
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
