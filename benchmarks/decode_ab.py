@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the "kernels" package transformers looks for
 sys.path.insert(0, str(REPO))
 
-from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.machine import machine_info, run_paths  # noqa: E402
 
 # setting -> LLM keyword arguments (bf16 weights unless quantized; "eager": Python layers;
 # fp32: float32 compute, the weights in float32 or stored in bf16 (weight_dtype); fp32-unfused
@@ -150,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = {
             "benchmark": "decode_ab", "date": datetime.date.today().isoformat(),
             "machine": machine_info(), "args": {**vars(args), "out": str(args.out)},
+            "run_paths": {key: run_paths(llm) for key, llm in llms.items()},
             "times_ms": times, "summary": summary,
         }  # fmt: skip
         args.out.write_text(json.dumps(record, indent=1))

@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: make `benchmarks` importable
 
-from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.machine import machine_info, server_run_paths  # noqa: E402
 from kvserve.bench import serve  # noqa: E402
 from kvserve.bench.sweep import ServerProcess, free_port  # noqa: E402
 
@@ -197,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     proc.start()
     try:
         proc.wait_healthy(url, args.start_timeout)
+        doc["run_paths"] = server_run_paths(url)  # fused ops, decode loop, ISA, threads
         for label, backend in BACKENDS.items():  # first connections, kernels, caches
             result = run(bench_args(args, backend, 8, 16, WARMUP_SEED), url)
             print(f"warm-up {label}: {result['completed']} ok, {result['failed']} failed")

@@ -12,8 +12,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def machine_info() -> dict[str, Any]:
-    """CPU model (lscpu), cores, Python, torch, load, kvserve's commit and uncommitted files."""
+def machine_info(engine: Any | None = None) -> dict[str, Any]:
+    """CPU model (lscpu), cores, Python, torch, load, kvserve's commit and uncommitted files;
+    with ``engine`` (an ``LLM`` or ``LLMEngine``) also the paths its run took (``run_paths``)."""
     info: dict[str, Any] = {"cpu": platform.processor() or None, "cores": os.cpu_count()}
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -43,7 +44,35 @@ def machine_info() -> dict[str, Any]:
         pass
     info["load_average"] = list(os.getloadavg())
     info["cpu_paths"] = cpu_paths()
+    if engine is not None:
+        info["run_paths"] = run_paths(engine)
     return info
+
+
+def run_paths(engine: Any) -> list[dict[str, Any]]:
+    """Which paths a run took, per rank, as its runners read them back after loading
+    (``ExecutionPaths``): fused ops and C++ decode loop on/off, the CPU capability torch
+    dispatches to and the kernels' build flags, dtype and weight storage, thread count, the
+    model thread's cores and each OpenMP thread's cores, the OpenMP wait policy."""
+    llm_engine = getattr(engine, "engine", engine)  # LLM -> its LLMEngine
+    return [paths.as_dict() for paths in llm_engine.rank_execution_paths]
+
+
+def server_run_paths(base_url: str) -> list[dict[str, str]]:
+    """The same facts for a running ``kvserve serve`` (rank 0's, one entry per model): its
+    ``execution_paths_info`` gauge on ``/metrics`` (any metrics prefix)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [
+        dict(sample.labels)
+        for family in text_string_to_metric_families(text)
+        if family.name.endswith(":execution_paths_info")
+        for sample in family.samples
+    ]
 
 
 # The CPU features kvserve's kernels choose between (the CPU kind changes between sessions).

@@ -3,6 +3,16 @@ benchmark lab."""
 
 import logging
 import os
+import sys
+
+from kvserve.worker.cpu_binding import WAIT_POLICY  # imports no torch
+
+# libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it (the next import does):
+# kvserve's default (measured in docs/performance.md, "OpenMP wait policy") unless the user
+# set one, and only where torch is not loaded yet, so that the variable always says what
+# libgomp uses. Worker processes get it at spawn (cpu_binding.worker_environment).
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
 
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM

@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.worker.cpu_binding import ENV_ALIAS
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +40,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def default_num_threads(args: argparse.Namespace) -> int | None:
-    """torch CPU threads for this command: ``--num-threads``, else for ``serve`` one per core
-    (per rank: cores // tensor_parallel_size).
+    """torch CPU threads for this command: ``--num-threads``, else for ``serve`` one per core:
+    None where ``--cpu-cores`` binds (each rank runs one thread per core of its group), else
+    per rank the process's allowed cores // tensor_parallel_size.
 
     A server loads its model in one thread and steps it in another. Left to torch's lazy
     default, that layout ran decode steps ~20x slower on 2 cores (~300 ms instead of ~15 ms
@@ -52,10 +54,13 @@ def default_num_threads(args: argparse.Namespace) -> int | None:
     if getattr(args, "num_threads", None):
         return int(args.num_threads)
     if getattr(args, "command", None) == "serve" and str(getattr(args, "device", "cpu")) == "cpu":
+        binding = getattr(args, "cpu_cores", None) or os.environ.get(ENV_ALIAS) or "auto"
+        if binding.strip().lower() != "nobind":
+            return None  # --cpu-cores binds: one thread per core of each rank's group
         # Tensor parallelism: one worker process per rank, each with its share of the cores
         # (set in the worker's main thread, the one that runs its model).
         ranks = max(1, int(getattr(args, "tensor_parallel_size", 1) or 1))
-        return max(1, (os.cpu_count() or 1) // ranks)
+        return max(1, len(os.sched_getaffinity(0)) // ranks)
     return None
 
 

@@ -394,6 +394,10 @@ class ParallelConfig:
     # (mp) before the model loads; None leaves torch's default (OMP_NUM_THREADS). A resource,
     # not a result: configs that differ only in it compute the same and compare equal.
     num_threads: int | None = field(default=None, compare=False)
+    # The cores of each rank, resolved from --cpu-cores by the engine (cpu_binding.py); each
+    # rank runs one OpenMP thread per core of its group, each pinned to its core. None: no
+    # binding (nobind, a GPU, or auto beside a --num-threads that differs). A resource too.
+    cpu_cores: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -418,6 +422,13 @@ class ParallelConfig:
         object.__setattr__(self, "distributed_executor_backend", backend)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}.")
+        if self.cpu_cores is not None and (
+            len(self.cpu_cores) != self.tensor_parallel_size or not all(self.cpu_cores)
+        ):
+            raise ValueError(
+                f"cpu_cores needs one non-empty core group per rank, got {self.cpu_cores} "
+                f"for {self.tensor_parallel_size} rank(s)"
+            )
 
     @property
     def world_size(self) -> int:

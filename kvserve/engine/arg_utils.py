@@ -257,6 +257,14 @@ class EngineArgs:
         "per core)",
         type=int,
     )
+    cpu_cores: str | None = _opt(
+        None, "CPU cores each rank's OpenMP threads are pinned to, one thread per core: "
+        "'auto' (the process's affinity mask; with tensor parallelism one NUMA node per rank "
+        "where there are enough nodes, else equal slices), 'nobind' (threads float, only "
+        "--num-threads is set), or core lists like '0-3' or, one group per rank, '0-3|4-7' "
+        "(default: $VLLM_CPU_OMP_THREADS_BIND, else auto)",
+        type=str,
+    )  # fmt: skip
     chat_template: str | None = _opt(
         None, "vLLM's flag: a chat template file, or the template itself, for the chat "
         "endpoint and LLM.chat (default: the tokenizer's)", type=str,
@@ -394,6 +402,8 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size (--tensor-parallel-size) must be positive, "
                              f"got {self.tensor_parallel_size}")  # fmt: skip
+        if str(self.device) == "cpu":  # needs no model: a bad value fails before any start
+            self._cpu_cores()
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
@@ -665,6 +675,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,  # type: ignore[arg-type]
                 num_threads=self.num_threads,
+                cpu_cores=self._cpu_cores(),
             ),
             structured_outputs=StructuredOutputsConfig(
                 compile_timeout=self.grammar_compile_timeout,
@@ -672,6 +683,15 @@ class EngineArgs:
                 cache_memory=parse_bytes(self.grammar_cache_memory),
             ),
         )
+
+    def _cpu_cores(self) -> tuple[tuple[int, ...], ...] | None:
+        """Each rank's cores (``cpu_binding.resolve_cpu_cores``); None: no binding. CPU only:
+        a GPU's host threads are left to torch."""
+        if parse_device(self.device) != "cpu":
+            return None
+        from kvserve.worker.cpu_binding import resolve_cpu_cores
+
+        return resolve_cpu_cores(self.cpu_cores, self.tensor_parallel_size, self.num_threads)
 
     def _resolve_model(self) -> tuple[Path, str, str | None]:
         """(model folder, default served name, the GGUF file behind it if any): a local

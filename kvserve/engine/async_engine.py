@@ -42,6 +42,7 @@ from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.execution_paths import ExecutionPaths
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -153,6 +154,10 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def execution_paths(self) -> ExecutionPaths:
+        return self.engine.execution_paths
 
     @property
     def max_model_len(self) -> int:

@@ -14,6 +14,7 @@ from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.execution_paths import ExecutionPaths
 
 ChatMessages = list[dict[str, Any]]
 
@@ -33,9 +34,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs(model, **kwargs)
-        # num_threads: the engine sets torch's thread count (each worker its own)
+        # num_threads / cpu_cores: the engine sets torch's threads and their cores (each
+        # worker its own, kvserve/worker/cpu_binding.py)
         self.engine = LLMEngine(args.create_engine_config())
         self._ids = itertools.count()
+
+    @property
+    def execution_paths(self) -> ExecutionPaths:
+        """The paths the engine took (rank 0's): ``LLMEngine.execution_paths``."""
+        return self.engine.execution_paths
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -40,6 +40,7 @@ from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.grammar import GrammarCompiler
+from kvserve.worker.execution_paths import ExecutionPaths
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.model_setup import resolve_max_model_len
 from kvserve.worker.runner_output import ModelRunnerOutput, StepTimings
@@ -124,6 +125,14 @@ class LLMEngine:
             "on" if info.fused_ops else "off",
             "on" if info.decode_loop else "off",
         )
+        paths = info.paths
+        logger.info(
+            "execution paths: CPU capability %s, %s math, %s weights, %d thread(s) per rank, "
+            "OpenMP threads on cores %s, OMP_WAIT_POLICY %s",
+            paths.cpu_capability, paths.dtype, paths.weight_dtype, paths.num_threads,
+            "|".join(",".join(map(str, c)) for c in paths.thread_cores) or "(unknown)",
+            paths.omp_wait_policy or "unset",
+        )  # fmt: skip
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         self._child_state: dict[str, CompletionState] = {}
@@ -135,6 +144,17 @@ class LLMEngine:
             self._grammar = GrammarCompiler(
                 self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs
             )
+
+    @property
+    def execution_paths(self) -> ExecutionPaths:
+        """Rank 0's paths (fused ops, decode loop, kernel ISA, weight dtype, threads and their
+        cores), read back in its process after loading: what benchmarks record."""
+        return self.executor.info.paths
+
+    @property
+    def rank_execution_paths(self) -> list[ExecutionPaths]:
+        """Every rank's paths, in rank order (each rank has its own cores)."""
+        return [info.paths for info in self.executor.infos]
 
     def close(self) -> None:
         """Stop the runner(s): worker processes end (idempotent; also at exit)."""

@@ -27,6 +27,7 @@ class Executor(ABC):
     """Runs each step message on every rank's ``ModelRunner``; rank 0's output comes back."""
 
     info: RunnerInfo  # what the runners built (rank 0's): block counts for the engine's pool
+    infos: list[RunnerInfo]  # every rank's, in rank order (each its own paths and cores)
     # the runner itself when it lives in this process (uni), else None
     runner: ModelRunner | None = None
 

@@ -35,6 +35,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.parallel_state import free_port
 from kvserve.executor.abstract import Executor, RankFailedError, WorkerDiedError
 from kvserve.executor.worker import worker_main
+from kvserve.worker.cpu_binding import worker_environment
 from kvserve.worker.model_setup import check_tensor_parallel
 from kvserve.worker.runner_output import RunnerInfo
 
@@ -61,22 +62,24 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._death_callbacks: list[Callable[[str], None]] = []
         self._stopping = threading.Event()  # set by shutdown: exits are expected from then on
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main, args=(config, rank, world_size, port, child),
-                name=f"kvserve-worker-{rank}", daemon=True,
-            )  # fmt: skip
-            proc.start()
-            child.close()  # the worker holds its end: a dead worker closes the pipe
-            self._procs.append(proc)
-            self._conns.append(parent)
+        with worker_environment():
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=worker_main, args=(config, rank, world_size, port, child),
+                    name=f"kvserve-worker-{rank}", daemon=True,
+                )  # fmt: skip
+                proc.start()
+                child.close()  # the worker holds its end: a dead worker closes the pipe
+                self._procs.append(proc)
+                self._conns.append(parent)
         # Workers go when the executor is collected or the interpreter exits, whichever first.
         self._finalizer = weakref.finalize(
             self, _stop_workers, self._procs, self._conns, self._stopping
         )
         infos = self._gather("start-up", STARTUP_TIMEOUT_S)
         self.info: RunnerInfo = infos[0]
+        self.infos: list[RunnerInfo] = infos
         threading.Thread(
             target=_monitor, args=(weakref.ref(self), self._procs, self._stopping),
             name="kvserve-worker-monitor", daemon=True,

@@ -6,9 +6,11 @@ args)`` it calls ``ModelRunner.<method>(*args)`` and answers ``("ok", result)`` 
 result; other ranks answer None) or ``("error", exception)``. ``("shutdown", ())`` or a
 closed pipe (the driver went away) ends the process, after leaving the process group.
 
-Everything runs in the process's main thread: torch's thread count is set there, before the
-model loads, and the same thread runs every step (``torch.set_num_threads`` applies to the
-thread that calls it and the threads it starts later).
+Everything runs in the process's main thread: torch's thread count and the rank's cores
+(``--cpu-cores``) are set there, before the model loads, and the same thread runs every step
+(libgomp's thread pool belongs to the thread that starts it). ``OMP_WAIT_POLICY`` was set in
+the environment the driver spawned the process with (``multiproc.py``): libgomp reads it once,
+when ``import torch`` loads it, before any code of this module runs.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def worker_main(
         from kvserve.executor.uniproc import set_num_threads
         from kvserve.worker.model_runner import ModelRunner
 
-        set_num_threads(config)
+        # Before anything starts a thread: the whole process is confined to the rank's cores
+        # and each OpenMP thread pinned to one (--cpu-cores), so what it starts later inherits.
+        set_num_threads(config.parallel, rank, worker=True)
         tp = init_process_group(rank, world_size, port, config.device)
         runner = ModelRunner(config, tp=tp)
     except BaseException as exc:  # reported to the driver, which raises it

@@ -167,6 +167,7 @@ class _EngineStatsCollector(Collector):
         self.prefix = prefix
         self.engines: dict[str, StatsFn] = {}
         self.cache_info: dict[str, dict[str, str]] = {}  # model -> cache_config_info labels
+        self.paths_info: dict[str, dict[str, str]] = {}  # model -> execution_paths_info labels
 
     def collect(self) -> Iterator[Metric]:
         p = self.prefix
@@ -196,6 +197,15 @@ class _EngineStatsCollector(Collector):
             for model, labels in self.cache_info.items():
                 info.add_metric([labels[k] for k in keys] + [model], 1.0)
             yield info
+        if self.paths_info:
+            keys = sorted(next(iter(self.paths_info.values())))
+            paths = GaugeMetricFamily(
+                f"{p}:execution_paths_info", "The paths rank 0 took (ExecutionPaths)",
+                labels=[*keys, "model_name"],
+            )  # fmt: skip
+            for model, labels in self.paths_info.items():
+                paths.add_metric([labels[k] for k in keys] + [model], 1.0)
+            yield paths
 
     def _per_position(self, snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         """vLLM's accepted draft tokens by their position in the proposal."""
@@ -332,6 +342,7 @@ class ServerMetrics:
             self._add_token_histograms(engine.max_model_len)
         self._collector.engines[model_name] = engine.stats
         self._collector.cache_info[model_name] = cache_config_info(engine)
+        self._collector.paths_info[model_name] = execution_paths_info(engine)
         model = self._models[model_name] = _ModelMetrics(self, model_name)
         engine.add_step_callback(model.on_step)
 
@@ -364,3 +375,21 @@ def cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
         "swap_space_bytes": str(cache.swap_space),
         "engine": ENGINE_INDEX,
     }
+
+
+def execution_paths_info(engine: AsyncLLMEngine) -> dict[str, str]:
+    """``ExecutionPaths`` of rank 0 as labels (kvserve's own), so that a benchmark of a server
+    records which paths it ran: tuples as ``0|1`` (one entry per OpenMP thread), flags as
+    space-separated text."""
+    labels: dict[str, str] = {}
+    for key, value in engine.execution_paths.as_dict().items():
+        if key == "kernel_cflags":
+            labels[key] = " ".join(value)
+        elif key == "thread_cores":
+            labels[key] = "|".join(",".join(map(str, cores)) for cores in value)
+        elif key == "cpu_affinity":
+            labels[key] = ",".join(map(str, value))
+        else:
+            labels[key] = str(value)
+    labels["engine"] = ENGINE_INDEX
+    return labels

@@ -35,7 +35,7 @@ import torch
 
 from kvserve.attention.paged import AttentionMetadata
 from kvserve.attention.selector import select_for_model
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.model.base import CausalLM, ForwardBatch
@@ -44,6 +44,7 @@ from kvserve.ops.malloc_tuning import keep_freed_memory, trim_heap
 from kvserve.ops.packed_linear import packing_supported
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
+from kvserve.worker.execution_paths import collect_paths
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
 from kvserve.worker.model_setup import (
@@ -71,6 +72,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvserve.runner")
+
+
+def quantization_name(mc: ModelConfig) -> str | None:
+    """The quantization method's name (int8, int4, gguf, ...), None when weights are dense."""
+    q = mc.quantization
+    return None if q is None else str(getattr(q, "value", q))
 
 
 class ModelRunner:
@@ -126,8 +133,7 @@ class ModelRunner:
             num_swap_blocks=size.num_swap_blocks,
             bytes_per_block=size.bytes_per_block,
             attention_backend=self.attn_backend.name.value,
-            fused_ops=bool(getattr(self.model, "fused_ops_enabled", False)),
-            decode_loop=getattr(self.model, "decode_loop", None) is not None,
+            paths=collect_paths(self.model, device, mc.dtype, quantization_name(mc)),
             warmup_tokens=warmup_tokens,
             load_seconds=time.perf_counter() - t0,
         )

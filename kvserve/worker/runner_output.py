@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvserve.outputs import TokenLogprobs
 from kvserve.sample.rejection import SpecSamplerOutput
 from kvserve.sample.sampler import SamplerOutput
+from kvserve.worker.execution_paths import ExecutionPaths
 from kvserve.worker.input_batch import CachedRequestState
 
 
@@ -44,10 +45,19 @@ class RunnerInfo:
     num_swap_blocks: int  # CPU swap blocks
     bytes_per_block: int  # K and V of every layer (and the draft's) per block
     attention_backend: str  # the selected backend's name (AttentionBackendEnum value)
-    fused_ops: bool  # the model runs the fused C++ ops
-    decode_loop: bool  # decode-only steps run the layers in one C++ call (decode_loop.py)
+    paths: ExecutionPaths  # fused ops, decode loop, kernel ISA, weight dtype, threads
     warmup_tokens: int  # tokens of the start-up dummy prefill (0: none)
     load_seconds: float  # loading, KV allocation and warm-up
+
+    @property
+    def fused_ops(self) -> bool:
+        """The model runs the fused C++ ops."""
+        return self.paths.fused_ops
+
+    @property
+    def decode_loop(self) -> bool:
+        """Decode-only steps run the layers in one C++ call (decode_loop.py)."""
+        return self.paths.decode_loop
 
 
 @dataclass

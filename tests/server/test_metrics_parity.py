@@ -5,6 +5,7 @@ docs/grafana naming only metrics a live server exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvserve.config import CacheConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.metrics import ServerMetrics
+from kvserve.worker.execution_paths import ExecutionPaths
 from tests.server.conftest import TINY, Server, start_server
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "kvserve-dashboard.json"
@@ -155,6 +157,26 @@ def test_vllm_prefix_scrape_has_the_names_vllms_dashboard_uses(vllm_server: Serv
 
 
 @pytest.mark.slow
+def test_execution_paths_info_says_which_paths_and_cores_the_server_runs(
+    kv_server: Server,
+) -> None:
+    """What benchmarks record of a server run (benchmarks/machine.py's server_run_paths):
+    serve binds one thread per allowed core by default (--cpu-cores auto); in the engine's
+    own process OpenMP thread 0 keeps the whole mask and threads 1.. are pinned."""
+    import torch
+
+    [labels] = [lb for n, lb, v in scrape(kv_server.url)
+                if n == "kvserve:execution_paths_info" and v == 1.0]  # fmt: skip
+    mask = sorted(os.sched_getaffinity(0))
+    assert labels["model_name"] == TINY and labels["dtype"] == "float32"
+    assert labels["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert labels["num_threads"] == str(len(mask))
+    assert labels["cpu_affinity"] == ",".join(map(str, mask))
+    assert labels["thread_cores"] == "|".join([",".join(map(str, mask)), *map(str, mask[1:])])
+    assert labels["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.mark.slow
 def test_request_metrics_count_requests_not_choices(kv_server: Server) -> None:
     before = values(scrape(kv_server.url))
     usage = complete(kv_server, max_tokens=5, n=2, temperature=0.8, seed=3)["usage"]
@@ -204,7 +226,12 @@ def fake_engine(callbacks: list[Any]) -> Any:
         max_model_len=100,
         stats=lambda: {},
         add_step_callback=callbacks.append,
-    )
+        execution_paths=ExecutionPaths(
+            fused_ops=True, decode_loop=False, cpu_capability="AVX2", kernel_cflags=("-O3", "-x"),
+            dtype="float32", weight_dtype="bfloat16", num_threads=2, cpu_affinity=(0, 1),
+            thread_cores=((0,), (1,)), omp_wait_policy="PASSIVE",
+        ),
+    )  # fmt: skip
 
 
 def output(rid: str, tokens: list[list[int]], finished: bool = False) -> RequestOutput:
@@ -222,6 +249,11 @@ def test_inter_token_latency_is_per_step_and_aborts_leave_no_state() -> None:
     callbacks: list[Any] = []
     metrics.attach("m", fake_engine(callbacks))
     (on_step,) = callbacks
+    paths = {"model_name": "m", "engine": "0", "fused_ops": "True", "decode_loop": "False",
+             "cpu_capability": "AVX2", "kernel_cflags": "-O3 -x", "dtype": "float32",
+             "weight_dtype": "bfloat16", "num_threads": "2", "cpu_affinity": "0,1",
+             "thread_cores": "0|1", "omp_wait_policy": "PASSIVE"}  # fmt: skip
+    assert metrics.registry.get_sample_value("kvserve:execution_paths_info", paths) == 1.0
 
     def sample(name: str) -> float:
         value = metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m",
