@@ -177,28 +177,42 @@ void dequant_f32_avx2(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, in
   }
 }
 
-// acc[MR rows][16] (row stride lda) += x[MR rows][kc] . w[kc][16].
+// acc[MR rows][16] (row stride lda) += x[MR rows][kc] . w[kc][16]. Named accumulators, not
+// arrays: gcc 12 kept arrays of __m256 on the stack and stored all 12 every step (measured:
+// 64 rows at 33 GFLOP/s on one Zen 3 core, against 50 for MKL's float32 GEMM).
+#define KV_MICRO_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define KV_MICRO_LOAD(r)                                 \
+  __m256 lo##r = _mm256_setzero_ps(), hi##r = lo##r;    \
+  if constexpr (MR > r) {                                \
+    lo##r = _mm256_loadu_ps(acc + r * lda);              \
+    hi##r = _mm256_loadu_ps(acc + r * lda + 8);          \
+  }
+#define KV_MICRO_FMA(r)                                          \
+  if constexpr (MR > r) {                                        \
+    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);     \
+    lo##r = _mm256_fmadd_ps(xv, w0, lo##r);                      \
+    hi##r = _mm256_fmadd_ps(xv, w1, hi##r);                      \
+  }
+#define KV_MICRO_STORE(r)                        \
+  if constexpr (MR > r) {                        \
+    _mm256_storeu_ps(acc + r * lda, lo##r);      \
+    _mm256_storeu_ps(acc + r * lda + 8, hi##r);  \
+  }
 template <int MR>
 void micro_f32_avx2(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc,
                     int64_t lda) {
-  __m256 c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) {
-    c0[r] = _mm256_loadu_ps(acc + r * lda);
-    c1[r] = _mm256_loadu_ps(acc + r * lda + 8);
-  }
+  static_assert(MR >= 1 && MR <= kMicroRows);
+  KV_MICRO_ROWS(KV_MICRO_LOAD)
   for (int64_t kk = 0; kk < kc; ++kk) {
     const __m256 w0 = _mm256_loadu_ps(w + kk * 16), w1 = _mm256_loadu_ps(w + kk * 16 + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);
-      c0[r] = _mm256_fmadd_ps(xv, w0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(xv, w1, c1[r]);
-    }
+    KV_MICRO_ROWS(KV_MICRO_FMA)
   }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(acc + r * lda, c0[r]);
-    _mm256_storeu_ps(acc + r * lda + 8, c1[r]);
-  }
+  KV_MICRO_ROWS(KV_MICRO_STORE)
 }
+#undef KV_MICRO_ROWS
+#undef KV_MICRO_LOAD
+#undef KV_MICRO_FMA
+#undef KV_MICRO_STORE
 
 // acc[mc][nv * 16] += x[mc][kc] . the chunk in buf [nv][kc][16].
 void rows_f32_avx2(const float* x, int64_t ldx, int64_t mc, const float* buf, int64_t kc,
