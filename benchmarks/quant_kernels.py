@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="with --float32: another tree's kvserve to compare")
     ap.add_argument("--alternate", type=int, default=1, help="with --float32: runs per tree")
     ap.add_argument("--out", help="with --float32: write the results here as JSON")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="with --float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.float32:
@@ -180,6 +181,7 @@ def float32_main(args: argparse.Namespace) -> None:
     if args.out:
         record = {"benchmark": "quant_kernels --float32", "n": args.n, "k": args.k,
                   "threads": args.threads, "repeats": args.repeats, "stream_mb": args.stream_mb,
+                  "clock": args.clock,
                   "alternate": args.alternate, "machine": machine_info(),
                   "lscpu": f32.lscpu_record(), **res}  # fmt: skip
         with open(args.out, "w") as f:

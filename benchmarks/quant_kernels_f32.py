@@ -29,14 +29,21 @@ import torch.nn.functional as F
 VARIANTS = [("int8 g32", 8, 32), ("int8 g128", 8, 128), ("int4 g32", 4, 32), ("int4 g128", 4, 128)]
 
 
+# perf_counter (wall) or process_time (``--clock cpu``: this process's CPU seconds, which on a
+# shared machine do not count the time other processes hold the cores; use with --threads 1,
+# since with more an OpenMP barrier's spinning counts too).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def timed_cycle(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -123,7 +130,7 @@ def compare(args: Any) -> dict[str, Any]:
     if args.baseline:
         trees = {"before": str(Path(args.baseline).resolve()), "after": here}
     spec = {"n": args.n, "k": args.k, "rows": args.rows, "repeats": args.repeats,
-            "stream_mb": args.stream_mb, "threads": args.threads}  # fmt: skip
+            "stream_mb": args.stream_mb, "threads": args.threads, "clock": args.clock}  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
     for i in range(args.alternate):
         for tree, path in trees.items():
@@ -148,8 +155,10 @@ def compare(args: Any) -> dict[str, Any]:
 
 
 def worker_main() -> None:
+    global _clock
     spec = json.loads(sys.argv[-1])
     torch.set_num_threads(spec["threads"])
+    _clock = CLOCKS[spec["clock"]]
     res = worker(
         spec["n"], spec["k"], spec["rows"], spec["repeats"], spec["stream_mb"], spec["forced"]
     )
