@@ -13,6 +13,14 @@ vdpbf16ps). Prints medians in microseconds; the crossing of the two bf16 paths i
     python benchmarks/quant_kernels.py --shapes builtin --rows 1,4,16,64
     python benchmarks/quant_kernels.py --streamed --layers 22 --rows 1,8   # weights cold
 
+    python benchmarks/quant_kernels.py --float32 --baseline /tmp/main-tree --alternate 3 \
+        --out benchmarks/results/quant_kernels-f32-DATE.json   # AVX2 CPUs: float32 x
+
+``--float32`` (``benchmarks/quant_kernels_f32.py``): float32 activations, the path of CPUs
+without AVX512-BF16, at one ``--n`` x ``--k`` shape (TinyLlama-1.1B's MLP by default), weights
+streamed from memory, against float32 F.linear and the memory floor; with ``--baseline`` also
+another tree's kernel (before / after), with the machine record, to ``--out`` as JSON.
+
 ``--streamed``: the four projections of ``--layers`` decoder layers, each with its own
 weights (TinyLlama-1.1B: 22 layers, 0.6 GB in int4), run one after the other as a decode step
 does, so the weights stream from memory instead of sitting in cache; prints milliseconds per
@@ -118,8 +126,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--streamed", action="store_true", help="weights cold, see above")
     ap.add_argument("--layers", type=int, default=22, help="with --streamed")
+    ap.add_argument("--float32", action="store_true", help="float32 activations, see above")
+    ap.add_argument("--n", type=int, default=5632, help="with --float32")
+    ap.add_argument("--k", type=int, default=2048, help="with --float32")
+    ap.add_argument("--stream-mb", type=int, default=256, help="with --float32")
+    ap.add_argument("--baseline", help="with --float32: another tree's kvserve to compare")
+    ap.add_argument("--alternate", type=int, default=1, help="with --float32: runs per tree")
+    ap.add_argument("--out", help="with --float32: write the results here as JSON")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="with --float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.float32:
+        float32_main(args)
+        return
     if not cpu_kernels.available() or not torch.ops.kvserve.quant_linear_a8_supported():
         raise SystemExit("the quantized kernels need the C++ kernels, AVX512-BF16 and VNNI")
     rows = [int(r) for r in args.rows.split(",")]
@@ -148,6 +167,25 @@ def main() -> None:
         i4 = min(t["int4 a8"], t["int4 direct"], t["int4 tiles"]) / t["bf16 prepacked"]
         cells = " | ".join(f"{t[c]:.0f}" for c in cols)
         print(f"| {m} | {cells} | {i8:.2f} | {i4:.2f} |")
+
+
+def float32_main(args: argparse.Namespace) -> None:
+    import json
+
+    import quant_kernels_f32 as f32
+    from machine import machine_info
+
+    args.rows = [int(r) for r in args.rows.split(",")]
+    res = f32.compare(args)
+    print(f32.table(res["summary"], args.rows))
+    if args.out:
+        record = {"benchmark": "quant_kernels --float32", "n": args.n, "k": args.k,
+                  "threads": args.threads, "repeats": args.repeats, "stream_mb": args.stream_mb,
+                  "clock": args.clock,
+                  "alternate": args.alternate, "machine": machine_info(),
+                  "lscpu": f32.lscpu_record(), **res}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a fol
 hash of the sources and flags. ``kernel_build`` makes the build safe to kill: a lock that
 knows its owner (a killed build's lock is free), a log line when building or waiting, and a
 timeout (``$KVSERVE_KERNEL_BUILD_TIMEOUT``) after which the PyTorch paths are used.
+``$KVSERVE_CPU_ISA`` (``native``, ``avx2``, ``avx512``) builds a fixed instruction set's
+variant instead of this CPU's own, in a cache folder of its own (``CpuIsa``).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -40,14 +43,82 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-march=native"],
 }
 
+ISA_ENV = "KVSERVE_CPU_ISA"
+
+
+class CpuIsa(enum.Enum):
+    """Which instruction set the kernels are built for (``$KVSERVE_CPU_ISA``).
+
+    ``native`` is this CPU's own (``-march=native``). The forced ones build a fixed variant,
+    so that a CI machine of one kind also builds and tests the other kind's code paths: an
+    AVX-512 machine runs the AVX2 kernels under ``avx2``."""
+
+    NATIVE = "native"
+    AVX2 = "avx2"  # x86-64-v3: AVX2, FMA, F16C, BMI1/2 (AMD Zen 1-3, Intel Haswell on)
+    AVX512 = "avx512"  # x86-64-v4 + AVX512-BF16 + AVX512-VNNI: every AVX-512 path kvserve has
+
+
+_FORCED_FLAGS = {
+    CpuIsa.AVX2: ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-march=x86-64-v3",
+                  "-mtune=generic"],
+    CpuIsa.AVX512: ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-march=x86-64-v4",
+                    "-mavx512bf16", "-mavx512vnni", "-mtune=generic"],
+}  # fmt: skip
+
+# /proc/cpuinfo flags each forced variant executes (gcc's -march levels, plus what is added).
+_REQUIRED_FLAGS = {
+    CpuIsa.AVX2: ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"),
+    CpuIsa.AVX512: ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                    "avx512vl", "avx512_bf16", "avx512_vnni"),
+}  # fmt: skip
+
+
+def requested_isa() -> CpuIsa:
+    """``$KVSERVE_CPU_ISA`` (default native); any other value is an error."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower() or CpuIsa.NATIVE.value
+    try:
+        return CpuIsa(raw)
+    except ValueError:
+        choices = ", ".join(i.value for i in CpuIsa)
+        raise ValueError(f"${ISA_ENV} must be one of {choices}, got {raw!r}") from None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def missing_flags(isa: CpuIsa, flags: frozenset[str]) -> list[str]:
+    """The CPU flags ``isa``'s build executes that ``flags`` lacks (none for native)."""
+    return [f for f in _REQUIRED_FLAGS.get(isa, ()) if f not in flags]
+
 
 def kernel_build_spec() -> kernel_build.KernelBuild:
-    """This CPU's build of the kernels: its name, sources, flags and cache folder."""
-    cap = torch.backends.cpu.get_cpu_capability()
+    """This CPU's build of the kernels (or the ``$KVSERVE_CPU_ISA`` variant): its name,
+    sources, flags and cache folder. A forced ISA this CPU lacks raises ``RuntimeError``."""
+    isa = requested_isa()
+    if isa is CpuIsa.NATIVE:
+        cap = torch.backends.cpu.get_cpu_capability()
+        name, isa_flags = cap.lower(), _CAPABILITY_FLAGS.get(cap, [])
+    else:
+        missing = missing_flags(isa, cpu_flags())
+        if missing:
+            raise RuntimeError(
+                f"${ISA_ENV}={isa.value}: this CPU lacks {', '.join(missing)} (unset it to "
+                "build for this CPU's own instruction set)"
+            )
+        name, isa_flags = f"isa_{isa.value}", _FORCED_FLAGS[isa]
     # -ffp-contract=off: a*b+c must round twice, as the PyTorch op chains being fused do.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_CAPABILITY_FLAGS.get(cap, [])]
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags]
     return kernel_build.KernelBuild(
-        name=f"kvserve_cpu_kernels_{cap.lower()}",
+        name=f"kvserve_cpu_kernels_{name}",
         sources=tuple(_SOURCES),
         cflags=tuple(flags),
         ldflags=("-fopenmp",),
@@ -55,12 +126,23 @@ def kernel_build_spec() -> kernel_build.KernelBuild:
     )
 
 
+def build_isa() -> str:
+    """What the kernels are (or would be) built for: ``avx2`` / ``avx512`` when forced, else
+    this CPU's torch capability in lower case (``avx2``, ``avx512``, ``default``)."""
+    isa = requested_isa()
+    if isa is CpuIsa.NATIVE:
+        return torch.backends.cpu.get_cpu_capability().lower()
+    return isa.value
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if impossible
-    or not done within ``$KVSERVE_KERNEL_BUILD_TIMEOUT`` seconds."""
+    (a forced ``$KVSERVE_CPU_ISA`` this CPU lacks too) or not done within
+    ``$KVSERVE_KERNEL_BUILD_TIMEOUT`` seconds. An unknown ``$KVSERVE_CPU_ISA`` raises."""
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
         return False
+    requested_isa()  # a bad $KVSERVE_CPU_ISA is an error, not a silent fallback
     try:
         error = kernel_build.load(kernel_build_spec(), kernel_build.build_timeout())
     except Exception as exc:  # any failure means "use the reference path"

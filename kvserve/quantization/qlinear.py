@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 # bf16 batches of up to this many rows take the kernel's direct path (codes times float32
 # activations, a scale per group) instead of dequantizing to bf16 tiles for vdpbf16ps.
 # Measured (benchmarks/quant_kernels.py, TinyLlama-1.1B's four projections, AMD EPYC Zen 5,
-# 2 threads, us): 4 rows int8 direct 1030 / tiles 1357, 8 rows 2049 / 1751.
+# 2 threads, us): 4 rows int8 direct 1030 / tiles 1357, 8 rows 2049 / 1751. The float32
+# paths (csrc/quant_linear_avx2.h, also bf16 widened on AVX2-only CPUs) cross at the same
+# place: AMD EPYC Zen 3, 1 thread, N=5632 K=2048, CPU time per call in us (a busy machine):
+# int8 g32 4 rows direct 2893 / tiles 3729, 8 rows 5621 / 5415; int4 g32 2801 / 4058 and
+# 6325 / 5137.
 DIRECT_ROWS = 4
 
 

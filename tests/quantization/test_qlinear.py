@@ -60,6 +60,44 @@ def test_float32_kernel_equals_reference(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+F32_CASES = [  # bits, group, zeros, float16 scales, N (not a multiple of 64), K
+    (8, 32, False, True, 80, 256),  # Q8_0
+    (8, 128, False, False, 208, 384),
+    (8, 64, True, True, 48, 64),  # one group: per channel
+    (4, 32, False, True, 112, 512),  # Q4_0
+    (4, 32, True, False, 80, 320),  # Q4_K-like
+    (4, 64, True, True, 16, 192),
+    (4, 128, False, False, 208, 768),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group", "zeros", "half", "n", "k"), F32_CASES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tiles"])
+def test_each_float32_path_equals_reference(
+    bits: int, group: int, zeros: bool, half: bool, n: int, k: int, rows: int, direct: bool
+) -> None:
+    """Both float32 paths (AVX2 where built: csrc/quant_linear_avx2.h) at every row count."""
+    qw = _weights(n, k, bits, group, zeros, half)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    layer = QuantLinear(qw, None, CPU, torch.float32)
+    out = x.new_empty(rows, n)
+    torch.ops.kvserve.quant_linear(
+        out, x, layer.codes, layer.scales_t, layer.zeros_t, bits, group, layer.offset,
+        rows if direct else 0,
+    )  # fmt: skip
+    ref = reference_linear(x.double(), qw).float()  # exact products, float64 sums
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@needs_kernels
+def test_the_float32_paths_are_avx2_where_the_cpu_has_it() -> None:
+    has = not cpu_kernels.missing_flags(cpu_kernels.CpuIsa.AVX2, cpu_kernels.cpu_flags())
+    want = "avx2" if has else "generic"
+    assert str(torch.ops.kvserve.quant_linear_f32_isa()) == want
+
+
 @needs_kernels
 @pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 130])  # direct up to DIRECT_ROWS

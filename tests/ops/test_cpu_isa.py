@@ -1,0 +1,129 @@
+"""``$KVSERVE_CPU_ISA``: the kernels built for a fixed instruction set (issue 31).
+
+So that one CI machine tests both kinds' code: an AVX-512 machine builds and runs the AVX2
+variant (``avx2``), and a machine with AVX-512 BF16 and VNNI builds the ``avx512`` one whatever
+its native default. A forced variant the CPU cannot execute is refused with the missing flags
+named. The builds run in subprocesses (the environment variable is read once per process), in
+the usual ``$TORCH_EXTENSIONS_DIR``, so a second run loads the cached library.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.ops import cpu_kernels
+from kvserve.ops.cpu_kernels import ISA_ENV, CpuIsa
+
+FLAGS = cpu_kernels.cpu_flags()
+BUILD_TIMEOUT = 900  # s: a cold build of every kernel took 272 s on a busy 2-core machine
+
+# Run by the forced builds: the kernels load, are the variant asked for, and the quantized
+# kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference.
+CHECK = """
+import sys
+import torch
+from kvserve.ops import cpu_kernels
+from kvserve.quantization.qlinear import QuantLinear, reference_linear
+from kvserve.quantization.qweight import quantize_rtn
+
+assert cpu_kernels.available(), "kernels did not build"
+print(cpu_kernels.kernel_build_spec().name, torch.ops.kvserve.quant_linear_f32_isa(),
+      torch.ops.kvserve.quant_linear_bf16_native(), torch.ops.kvserve.quant_linear_a8_supported())
+cpu = torch.device("cpu")
+g = torch.Generator().manual_seed(0)
+for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128, None)):
+    qw = quantize_rtn(torch.randn(80, 384, generator=g), bits, group, sym)
+    layer = QuantLinear(qw, None, cpu, torch.float32)
+    assert layer.use_kernel
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 384, generator=g)
+        ref = reference_linear(x.double(), qw).float()
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+print("equal")
+"""
+
+
+def run_forced(isa: str, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, ISA_ENV: isa, "KVSERVE_KERNEL_BUILD_TIMEOUT": str(BUILD_TIMEOUT)}
+    env.pop("KVSERVE_DISABLE_CPU_KERNELS", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        timeout=BUILD_TIMEOUT + 120,
+    )  # fmt: skip
+
+
+def test_the_isa_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert cpu_kernels.requested_isa() is CpuIsa.NATIVE
+    monkeypatch.setenv(ISA_ENV, " AVX2 ")
+    assert cpu_kernels.requested_isa() is CpuIsa.AVX2
+    monkeypatch.setenv(ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match=r"^\$KVSERVE_CPU_ISA must be one of native, avx2, "):
+        cpu_kernels.requested_isa()
+
+
+def test_a_forced_isa_builds_its_own_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    if cpu_kernels.missing_flags(CpuIsa.AVX2, FLAGS):
+        with pytest.raises(RuntimeError, match=r"KVSERVE_CPU_ISA=avx2: this CPU lacks "):
+            cpu_kernels.kernel_build_spec()
+        return
+    spec = cpu_kernels.kernel_build_spec()
+    assert spec.name == "kvserve_cpu_kernels_isa_avx2"
+    assert "-march=x86-64-v3" in spec.cflags and "-march=native" not in spec.cflags
+    assert not any("AVX512" in f for f in spec.cflags)
+    monkeypatch.setenv(ISA_ENV, "native")
+    assert cpu_kernels.kernel_build_spec().digest != spec.digest  # another cache folder
+
+
+def test_missing_flags_names_what_the_cpu_lacks() -> None:
+    zen3 = frozenset(["avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"])
+    assert cpu_kernels.missing_flags(CpuIsa.AVX2, zen3) == []
+    assert cpu_kernels.missing_flags(CpuIsa.NATIVE, frozenset()) == []
+    lacks = cpu_kernels.missing_flags(CpuIsa.AVX512, zen3 | {"avx512f", "avx512bw"})
+    assert lacks == ["avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"]
+
+
+@pytest.mark.slow  # builds every kernel once (minutes), then loads the cached build
+@pytest.mark.skipif(
+    bool(cpu_kernels.missing_flags(CpuIsa.AVX2, FLAGS)),
+    reason="this CPU lacks AVX2 (or FMA, F16C, BMI): it cannot run the AVX2 build",
+)
+def test_the_avx2_build_equals_the_reference() -> None:
+    out = run_forced("avx2", CHECK)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # no AVX-512 path in it, whatever this CPU has: bf16 activations widened, no int8 ones
+    assert out.stdout.splitlines() == ["kvserve_cpu_kernels_isa_avx2 avx2 False False", "equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    bool(cpu_kernels.missing_flags(CpuIsa.AVX512, FLAGS)),
+    reason="this CPU lacks "
+    + ", ".join(cpu_kernels.missing_flags(CpuIsa.AVX512, FLAGS))
+    + ": it cannot run the AVX-512 build",
+)
+def test_the_avx512_build_equals_the_reference() -> None:
+    out = run_forced("avx512", CHECK)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["kvserve_cpu_kernels_isa_avx512 avx2 True True", "equal"]
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.missing_flags(CpuIsa.AVX512, FLAGS), reason="this CPU has AVX-512"
+)
+def test_an_isa_the_cpu_lacks_falls_back_with_a_warning() -> None:
+    code = "from kvserve.ops import cpu_kernels; print(cpu_kernels.available())"
+    out = run_forced("avx512", code)
+    assert out.returncode == 0 and out.stdout == "False\n", out.stderr
+    lacks = ", ".join(cpu_kernels.missing_flags(CpuIsa.AVX512, FLAGS))
+    why = RuntimeError(
+        f"${ISA_ENV}=avx512: this CPU lacks {lacks} (unset it to build for this CPU's own "
+        "instruction set)"
+    )
+    want = f"CPU kernels unavailable, using the PyTorch paths: {why!r}"
+    assert want in out.stderr, out.stderr
