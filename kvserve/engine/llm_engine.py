@@ -39,7 +39,8 @@ from kvserve.model.loader import load_hf_config
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured_output.grammar import GrammarCompiler
+from kvserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
+from kvserve.structured_output.reasoning import ReasoningState
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.model_setup import resolve_max_model_len
 from kvserve.worker.runner_output import ModelRunnerOutput, StepTimings
@@ -177,8 +178,7 @@ class LLMEngine:
                 # Distinct but reproducible streams per completion, as vLLM does.
                 child_params = dataclasses.replace(params, n=1, seed=params.seed + i)
                 child_params.bad_words_token_ids = params.bad_words_token_ids
-            so = params.structured_outputs
-            grammar = None if so is None else self.grammar_compiler.new_request(so)
+            grammar = self._constraints(child_params)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, priority,
@@ -239,6 +239,19 @@ class LLMEngine:
         if self._grammar is None:
             raise ValueError("structured outputs need a tokenizer; this model has none")
         return self._grammar
+
+    def _constraints(self, params: SamplingParams) -> StructuredOutputRequest | None:
+        """One sequence's token constraints: its grammar (applied after the thinking when the
+        request has reasoning markers) and its thinking budget; None when it has neither."""
+        so, markers = params.structured_outputs, params.reasoning_markers
+        if so is None and params.thinking_token_budget is None:
+            return None
+        reasoning = None
+        if markers is not None:
+            reasoning = ReasoningState(markers, params.thinking_token_budget)
+        if so is None:
+            return StructuredOutputRequest(None, self.vocab_size, reasoning)
+        return self.grammar_compiler.new_request(so, reasoning)
 
     def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         """Start compiling the request's grammar (cached by its text); None when unconstrained.

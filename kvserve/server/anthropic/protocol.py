@@ -74,7 +74,7 @@ class ToolChoice(_Request):
 
 class Thinking(_Request):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    # not enforced: the thinking is bounded by max_tokens alone (docs/server.md)
+    # enabled: the chat side's thinking_token_budget (the end marker forced after it)
     budget_tokens: Int | None = Field(None, ge=0)
     # refused when "omitted" (translate.py), so the document offers "summarized" alone
     display: Literal["summarized", "omitted"] | None = Field(

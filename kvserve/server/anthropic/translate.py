@@ -11,7 +11,9 @@
 - custom ``tools`` are functions with ``input_schema`` as their parameters; ``tool_choice``
   auto / any / tool / none is auto / required / the named function / none, and
   ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``;
-- ``thinking`` disabled / enabled is ``chat_template_kwargs.enable_thinking`` false / true;
+- ``thinking`` disabled / enabled is ``chat_template_kwargs.enable_thinking`` false / true,
+  and enabled's ``budget_tokens`` is ``thinking_token_budget`` (the engine forces the end of
+  the thinking after that many tokens; Anthropic's own floor of 1,024 is not imposed);
 - ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` keep their
   meaning under the chat names;
 - ``output_config.format`` (or the older ``output_format``) ``json_schema`` is
@@ -199,8 +201,10 @@ def _output_format(req: MessagesRequest, chat: dict[str, Any]) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
 
 
-def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request that means what ``req`` means (400 for what it cannot say)."""
+def to_chat_request(req: CountTokensRequest, thinks: bool = True) -> ChatCompletionRequest:
+    """The chat request that means what ``req`` means (400 for what it cannot say).
+    ``thinks``: the server has a reasoning parser; without one a thinking budget bounds
+    nothing (the model does not think) and is dropped, as agents send it unasked."""
     messages = _system(req.system)
     for i, m in enumerate(req.messages):
         if m.role == "user":
@@ -215,6 +219,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     _tool_choice(req, chat)
     if req.thinking is not None and req.thinking.type != "adaptive":
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    if thinks and req.thinking is not None and req.thinking.type == "enabled":
+        chat["thinking_token_budget"] = req.thinking.budget_tokens
     if req.thinking is not None and req.thinking.display == "omitted":
         raise bad_request("thinking.display 'omitted' is not supported by kvserve", "thinking")
     if isinstance(req, MessagesRequest):
