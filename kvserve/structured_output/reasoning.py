@@ -27,14 +27,17 @@ class ReasoningMarkers:
     """A reasoning model's markers as token ids of its tokenizer.
 
     ``start_ids`` empty: the output is thinking from its first token (DeepSeek-R1, whose
-    template opens ``<think>`` in the prompt; gpt-oss). Else the output thinks only when it
-    opens with them (Qwen3); otherwise it is all answer. ``forced_end_ids``: what a spent
+    template opens ``<think>`` in the prompt). Else, with ``start_required``, the output
+    thinks only when it opens with them (Qwen3's ``<think>``), otherwise it is all answer;
+    without, it thinks either way and the start is only not counted against the budget
+    (gpt-oss's ``<|channel|>analysis<|message|>`` header). ``forced_end_ids``: what a spent
     budget forces; it must end with ``end_ids`` (empty: ``end_ids`` alone).
     """
 
     end_ids: tuple[int, ...]
     start_ids: tuple[int, ...] = ()
     forced_end_ids: tuple[int, ...] = ()
+    start_required: bool = True
 
     def __post_init__(self) -> None:
         if not self.end_ids:
@@ -65,7 +68,8 @@ class ReasoningState:
         self.markers = markers
         self.budget = budget
         self.tokens: list[int] = []  # the output so far (kept for rollback)
-        self.phase = Phase.OPENING if markers.start_ids else Phase.THINKING
+        opening = markers.start_ids and markers.start_required
+        self.phase = Phase.OPENING if opening else Phase.THINKING
         self.thinking_tokens = 0  # counted against the budget (not the markers)
         self._forced = 0  # tokens of the forced end already written
 
@@ -82,10 +86,11 @@ class ReasoningState:
             if len(self.tokens) == len(m.start_ids):
                 self.phase = Phase.THINKING
             return False
+        n = len(self.tokens)
         if self.forced_token() is not None:
             self._forced += 1
-        else:
-            self.thinking_tokens += 1
+        elif not (n <= len(m.start_ids) and m.start_ids[:n] == tuple(self.tokens)):
+            self.thinking_tokens += 1  # the start marker is not thinking
         if tuple(self.tokens[-len(m.end_ids) :]) == m.end_ids:
             self.phase = Phase.ANSWER
         return False

@@ -171,7 +171,7 @@ def test_waiting_for_grammar_does_not_block_others(llm: LLM) -> None:
     compiler = engine.grammar_compiler
     gate: Future[Any] = Future()
     real = compiler.new_request
-    compiler.new_request = lambda so: StructuredOutputRequest(gate, compiler.vocab_size)  # type: ignore[method-assign]
+    compiler.new_request = lambda so, r=None: StructuredOutputRequest(gate, compiler.vocab_size, r)  # type: ignore[method-assign]
     try:
         engine.add_request("slow", "Pick:", SamplingParams(structured_outputs=S(choice=["A"])))
     finally:
@@ -198,7 +198,9 @@ def test_failed_grammar_and_refused_token_fail_only_their_request(llm: LLM) -> N
     failed: Future[Any] = Future()
     failed.set_exception(GrammarError("invalid regex for structured outputs: test"))
     real = compiler.new_request
-    compiler.new_request = lambda so: StructuredOutputRequest(failed, compiler.vocab_size)  # type: ignore[method-assign]
+    compiler.new_request = lambda so, r=None: StructuredOutputRequest(
+        failed, compiler.vocab_size, r
+    )  # type: ignore[method-assign]
     try:
         engine.add_request("bad", "x", SamplingParams(structured_outputs=S(regex="a")))
     finally:

@@ -163,3 +163,18 @@ def test_sampling_params_thinking_budget() -> None:
     with pytest.raises(ParamError, match="integer"):
         SamplingParams(thinking_token_budget=1.5, reasoning_markers=ReasoningMarkers((7,)))
     SamplingParams(thinking_token_budget=0, reasoning_markers=ReasoningMarkers((7,)))
+
+
+def test_a_start_that_is_not_required_is_not_counted(tokenizer: PreTrainedTokenizerBase) -> None:
+    """gpt-oss: the analysis header opens the thinking but is no thinking token; an output
+    without it thinks all the same."""
+    header, end = tuple(ids(tokenizer, "<a>")), tuple(ids(tokenizer, "</a>"))
+    m = ReasoningMarkers(end_ids=end, start_ids=header, start_required=False)
+    state = ReasoningState(m, budget=1)
+    assert state.phase is Phase.THINKING
+    for t in header:
+        assert state.accept(t) is False and state.forced_token() is None
+    state.accept(ids(tokenizer, "x")[0])
+    assert state.thinking_tokens == 1 and state.forced_token() == end[0]
+    other = ReasoningState(m, budget=1)
+    assert other.accept(ids(tokenizer, "y")[0]) is False and other.thinking_tokens == 1

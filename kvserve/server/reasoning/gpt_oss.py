@@ -104,11 +104,18 @@ class GptOssReasoningParser(ReasoningParser):
 
     def markers(self) -> ReasoningMarkers:
         """The answer starts after ``<|channel|>final<|message|>``; a spent budget closes the
-        thinking message and opens the final one."""
-        encode = self.tokenizer.encode
-        end = tuple(encode(self.end, add_special_tokens=False))
-        forced = tuple(encode(f"{END}{START}assistant{self.end}", add_special_tokens=False))
-        return ReasoningMarkers(end_ids=end, forced_end_ids=forced)
+        thinking message and opens the final one. The analysis header the output opens with
+        is not counted against a budget."""
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+        return ReasoningMarkers(
+            end_ids=ids(self.end),
+            start_ids=ids(self.start),
+            forced_end_ids=ids(f"{END}{START}assistant{self.end}"),
+            start_required=False,
+        )
 
     def _text(self, message: _Message, final: bool) -> str:
         if not message.closed:

@@ -127,7 +127,8 @@ def test_markers_for_the_engine(tok: PreTrainedTokenizerBase) -> None:
     m = GptOssReasoningParser(tok).markers()
     assert tok.decode(m.end_ids) == "<|channel|>final<|message|>"
     assert tok.decode(m.forced) == "<|end|><|start|>assistant<|channel|>final<|message|>"
-    assert m.start_ids == ()
+    assert tok.decode(m.start_ids) == "<|channel|>analysis<|message|>"
+    assert not m.start_required  # gpt-oss thinks whatever its output opens with
 
 
 def test_tokenizer_check(tok: PreTrainedTokenizerBase, builtin_model_dir: Path) -> None:

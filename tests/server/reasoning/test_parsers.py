@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.server.chat_pipeline import ChatPlan, ChoiceDeltas, choice_message
+from kvserve.server.chat_pipeline import ChatPlan, ChoiceDeltas, choice_message, reasoning_for
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
@@ -15,7 +17,7 @@ from kvserve.server.reasoning import (
 )
 from kvserve.server.serving import PromptInfo
 from kvserve.server.tool_parsers import HermesToolParser
-from kvserve.server.tools import ToolPlan
+from kvserve.server.tools import ChatOptions, ToolPlan
 
 CASES = {
     # text: (deepseek_r1's split, qwen3's split)
@@ -126,3 +128,15 @@ def test_tool_calls_are_parsed_in_the_answer_after_the_thinking() -> None:
     inside = "<think>" + TOOL_OUTPUT.split("</think>")[1] + "</think>ok"
     message, finish = choice_message(plan, inside, "stop")
     assert (message.content, message.tool_calls, finish) == ("ok", None, "stop")
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi"}], "thinking_token_budget": 4}
+    )
+    with pytest.raises(APIError) as e:
+        reasoning_for(req, ChatOptions(), None)
+    assert (e.value.status, e.value.param) == (400, "thinking_token_budget")
+    assert "--reasoning-parser" in e.value.message
+    off = req.model_copy(update={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reasoning_for(off, ChatOptions(reasoning_parser="qwen3"), None) is None
