@@ -25,7 +25,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works
 from kvserve.engine.generation_defaults import sampling_defaults
-from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.input_processor import InputProcessor, PromptType, ValidatedRequest
 from kvserve.engine.output_processor import (
     CompletionState,
     ParentRequest,
@@ -162,15 +162,21 @@ class LLMEngine:
         request (vLLM's signature). ``priority``: lower runs first under the ``priority``
         scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
         params = params or self.get_default_sampling_params()
+        request = self.processor.process(prompt, params, priority)
+        self.add_validated(request_id, request, arrival_time)
+
+    def add_validated(
+        self, request_id: str, request: ValidatedRequest, arrival_time: float | None = None
+    ) -> None:
+        """Queue a request the input processor has already checked (the async engine checks
+        at the door, ``LLM`` before it queues anything): admitted as is, not checked again."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, params = request.prompt, request.prompt_token_ids, request.params
+        max_tokens, priority = request.max_tokens, request.priority
         if isinstance(params, PoolingParams):
-            text, ids = self.processor.tokenize_for_pooling(prompt, params)
-            self.processor.validate(ids, params, priority)
             self._add_pooling_request(request_id, text, ids, params, arrival_time, priority)
             return
-        text, ids = self.processor.tokenize_prompt(prompt)
-        max_tokens = self.processor.validate(ids, params, priority)
         parent = ParentRequest(request_id, text, ids, params)
         for i in range(params.n):
             child_params = params

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvserve.core.request import RequestStatus
+from kvserve.engine.decoding_setup import bad_words_token_ids
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
@@ -239,7 +240,8 @@ def test_seam_fields_offline(llm: LLM) -> None:
     word = tok.decode(base.outputs[0].token_ids[:1]).strip()
     no_word = SamplingParams(temperature=0, max_tokens=8, bad_words=[word])
     (out,) = llm.generate(["The capital of France is"], no_word, use_tqdm=False)
-    bad_ids = {ids[0] for ids in no_word.bad_words_token_ids if len(ids) == 1}
+    assert no_word.bad_words_token_ids == []  # the caller's parameters are not written into
+    bad_ids = {ids[0] for ids in bad_words_token_ids(tok, [word]) if len(ids) == 1}
     assert first in bad_ids and not bad_ids & set(out.outputs[0].token_ids)
     with pytest.raises(ValueError, match="out of the vocabulary"):
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
