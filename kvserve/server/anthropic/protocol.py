@@ -38,7 +38,7 @@ class Block(_Request):
 
 
 class MessageParam(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: text only (Claude Code sends one)
     content: str | list[Block]
 
 
@@ -92,7 +92,7 @@ class OutputFormat(_Request):
 
 
 class OutputConfig(_Request):
-    effort: str | None = None  # refused when set: no effort levels here
+    effort: str | None = None  # only "high", Anthropic's default (translate.py)
     format: OutputFormat | None = None
 
 
