@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.structured_output.params import StructuredOutputsParams
+    from kvserve.structured_output.reasoning import ReasoningMarkers
 
 # Below this temperature sampling is treated as greedy (argmax); vLLM uses the same cut-off.
 _GREEDY_EPS = 1e-5
@@ -22,9 +23,14 @@ LOGIT_BIAS_LIMIT = 100.0
 # use seed + i, which must stay inside that range.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
-_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+_INT_FIELDS = (
+    "n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed",
+    "thinking_token_budget",
+)  # fmt: skip
 # The integer fields where None means "not set"; n, top_k and min_tokens always need a value.
-_OPTIONAL_INT_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+_OPTIONAL_INT_FIELDS = (
+    "max_tokens", "logprobs", "prompt_logprobs", "seed", "thinking_token_budget"
+)  # fmt: skip
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -88,6 +94,29 @@ def _check_types(params: SamplingParams) -> None:
         or (isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop))
     ):
         raise ParamError("stop", f"stop must be a string or a list of strings, got {stop!r}.")
+
+
+def _check_reasoning(params: SamplingParams) -> None:
+    """reasoning_markers and thinking_token_budget (``structured_output/reasoning.py``)."""
+    markers = params.reasoning_markers
+    if markers is not None:
+        from kvserve.structured_output.reasoning import ReasoningMarkers
+
+        if not isinstance(markers, ReasoningMarkers):
+            raise ParamError("reasoning_markers", "reasoning_markers must be ReasoningMarkers.")
+    budget = params.thinking_token_budget
+    if budget is None:
+        return
+    if budget < 0:
+        raise ParamError(
+            "thinking_token_budget", f"thinking_token_budget must be >= 0, got {budget}."
+        )
+    if markers is None:
+        raise ParamError(
+            "thinking_token_budget",
+            "thinking_token_budget needs a reasoning model's markers: serve it with "
+            "--reasoning-parser (Python API: reasoning_markers) and leave thinking on.",
+        )
 
 
 def _check_seam_fields(params: SamplingParams) -> None:
@@ -171,6 +200,11 @@ class SamplingParams:
     logits_processors: list[Callable[..., Any]] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # grammar the output must match
     extra_args: dict[str, Any] | None = None  # free-form, for custom logits processors (vLLM)
+    # A reasoning model's thinking markers (the server sets them from --reasoning-parser):
+    # structured_outputs then constrain only the answer after the thinking.
+    reasoning_markers: ReasoningMarkers | None = None
+    # vLLM's field: after this many thinking tokens the end marker is forced (needs markers)
+    thinking_token_budget: int | None = None
     stop_list: list[str] = field(init=False, default_factory=list)  # normalised `stop`
     # bad_words as token id sequences, filled by the engine from its tokenizer (vLLM's field)
     bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list)
@@ -245,6 +279,7 @@ class SamplingParams:
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_seam_fields(self)
+        _check_reasoning(self)
 
     @property
     def greedy(self) -> bool:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine.input_processor import InputProcessor, ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
 from kvserve.executor import WorkerDiedError
@@ -80,16 +80,15 @@ class RequestFailedError(RuntimeError):
 @dataclass
 class _AddCommand:
     request_id: str
-    prompt: PromptType
-    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
+    request: ValidatedRequest  # checked at the door; the engine thread admits it as is
     arrival_time: float
-    priority: int = 0  # lower runs first (vLLM's convention); used by the priority policy
     num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
 
     @property
     def n(self) -> int:
         """Sequences the request adds to the queue (an embedding request is one)."""
-        return self.params.n if isinstance(self.params, SamplingParams) else 1
+        params = self.request.params
+        return params.n if isinstance(params, SamplingParams) else 1
 
 
 @dataclass
@@ -271,17 +270,12 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
-        if isinstance(params, PoolingParams):
-            text, ids = self.processor.tokenize_for_pooling(prompt, params)
-        else:
-            text, ids = self.processor.tokenize_prompt(prompt)
-        self.processor.validate(ids, params, priority)
-        # Hand over the tokenized form so the engine thread does not tokenize again.
-        resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
+        # Tokenized and checked once, here: the engine thread neither tokenizes nor checks again.
+        request = self.processor.process(prompt, params, priority)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        cmd = _AddCommand(request_id, resolved, params, time.monotonic(), priority)
-        cmd.num_tokens = len(ids) * cmd.n
+        cmd = _AddCommand(request_id, request, time.monotonic())
+        cmd.num_tokens = len(request.prompt_token_ids) * cmd.n
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -480,9 +474,7 @@ class AsyncLLMEngine:
                 _run_call(cmd, self.engine)
                 continue
             try:
-                self.engine.add_request(
-                    cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority
-                )
+                self.engine.add_validated(cmd.request_id, cmd.request, cmd.arrival_time)
             except Exception as exc:  # this request's own fault: fail just this one
                 if not isinstance(exc, ValueError):
                     logger.exception("adding request %s failed", cmd.request_id)

@@ -1,10 +1,16 @@
 """The engine's front door: prompts to token ids, and the checks that a request can ever run
 (vLLM's input ``Processor``). It reads the model's limits and the KV cache's size and
 changes nothing; ``LLMEngine``, ``LLM`` and the async engine call it before a request is
-queued, so bad input fails at once with a ``ValueError`` and never reaches a step."""
+queued, so bad input fails at once with a ``ValueError`` and never reaches a step.
+
+A request is checked once: ``process`` (or ``validate`` on token ids) returns a
+``ValidatedRequest``, which ``LLMEngine.add_validated`` admits on the engine thread without
+checking again; the caller's ``SamplingParams`` are never written into."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -17,6 +23,18 @@ from kvserve.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingPara
 
 # A prompt: text, token ids, or vLLM's dict forms.
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request checked against the model's real limits: what the engine admits as is."""
+
+    prompt: str | None  # the prompt's text, when it had one
+    prompt_token_ids: list[int]
+    # The engine's own parameters: the caller's, or a copy carrying bad_words_token_ids
+    params: SamplingParams | PoolingParams
+    max_tokens: int  # resolved against the context and the KV cache; 0: an embedding request
+    priority: int = 0
 
 
 class InputProcessor:
@@ -71,12 +89,27 @@ class InputProcessor:
         cut = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         return (text if len(cut) == len(ids) else None), cut
 
+    def process(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int = 0
+    ) -> ValidatedRequest:
+        """Tokenize ``prompt`` (an embedding request's cut to ``truncate_prompt_tokens``) and
+        ``validate`` it. Raises ValueError."""
+        if isinstance(params, PoolingParams):
+            text, ids = self.tokenize_for_pooling(prompt, params)
+        else:
+            text, ids = self.tokenize_prompt(prompt)
+        return self.validate(ids, params, priority, text)
+
     def validate(
-        self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int = 0
-    ) -> int:
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
+        text: str | None = None,
+    ) -> ValidatedRequest:
         """Check a request can ever run, with the model's real limits (every token id inside
-        the vocabulary); returns its resolved max_tokens (0 for an embedding request, which
-        ``PoolingParams`` make). Raises ValueError."""
+        the vocabulary): the one check a request gets (its max_tokens resolved; 0 for an
+        embedding request, which ``PoolingParams`` make). Raises ValueError."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
@@ -86,7 +119,7 @@ class InputProcessor:
             raise ValueError(f"token id {bad[0]!r} is out of the vocabulary (size {vocab})")
         if isinstance(params, PoolingParams):
             self._validate_pooling(n, params, priority)
-            return 0
+            return ValidatedRequest(text, list(prompt_ids), params, 0, priority)
         bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
         if bad:
             raise ValueError(
@@ -94,7 +127,7 @@ class InputProcessor:
             )
         self._check_priority(priority)
         check_max_logprobs(params, self.config.model.max_logprobs, vocab)
-        validate_decoding_fields(params, self.tokenizer, vocab)
+        bad_words = validate_decoding_fields(params, self.tokenizer, vocab)
         for cls in self.config.model.logits_processors:
             cls.validate_params(params)  # a custom processor may refuse the request
         if params.logits_processors and self._runner_elsewhere:
@@ -121,7 +154,10 @@ class InputProcessor:
                 f"holds only {capacity} tokens ({self.kv.pool.num_blocks} blocks); it can never "
                 f"fit: raise kv_cache_memory / num_kv_blocks or lower max_tokens"
             )
-        return max_tokens
+        if bad_words:  # the engine's own copy: the caller's parameters stay as given
+            params = copy.copy(params)
+            params.bad_words_token_ids = bad_words
+        return ValidatedRequest(text, list(prompt_ids), params, max_tokens, priority)
 
     def _validate_pooling(self, n: int, params: PoolingParams, priority: int) -> None:
         """An embedding request's own limits: its prompt fills at most the whole context

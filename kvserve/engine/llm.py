@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.input_processor import ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
@@ -86,14 +87,18 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        # Validate everything first, so a bad prompt leaves nothing half-queued.
-        for p, sp, prio in zip(prompts, params_list, priorities, strict=True):
-            self.engine.processor.validate(self.engine.processor.tokenize_prompt(p)[1], sp, prio)
+        # Tokenize and validate everything first (once), so a bad prompt leaves nothing
+        # half-queued.
+        process = self.engine.processor.process
+        checked = [
+            process(p, sp, prio)
+            for p, sp, prio in zip(prompts, params_list, priorities, strict=True)
+        ]
         for sp in params_list:
             grammar = self.engine.compile_grammar(sp)
             if grammar is not None:
                 grammar.result()  # raises GrammarError (a ValueError) with the compiler's reason
-        return self._run(prompts, params_list, priorities, use_tqdm)  # type: ignore[return-value]
+        return self._run(checked, use_tqdm)  # type: ignore[return-value]
 
     def embed(
         self,
@@ -116,26 +121,17 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        resolved: list[PromptType] = []
-        for p, prio in zip(prompts, priorities, strict=True):  # all checked before any runs
-            text, ids = self.engine.processor.tokenize_for_pooling(p, params)
-            self.engine.processor.validate(ids, params, prio)
-            resolved.append({"prompt": text, "prompt_token_ids": ids})
-        outs = self._run(resolved, [params] * len(prompts), priorities, use_tqdm)
-        return outs  # type: ignore[return-value]
+        process = self.engine.processor.process
+        checked = [process(p, params, prio) for p, prio in zip(prompts, priorities, strict=True)]
+        return self._run(checked, use_tqdm)  # type: ignore[return-value]
 
-    def _run(
-        self,
-        prompts: list[PromptType],
-        params: Sequence[SamplingParams | PoolingParams],
-        priorities: list[int],
-        use_tqdm: bool,
-    ) -> list[EngineOutput]:
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+    def _run(self, requests: list[ValidatedRequest], use_tqdm: bool) -> list[EngineOutput]:
+        """Queue the checked requests (not checked again) and step until all are done."""
+        ids = [f"offline-{next(self._ids)}" for _ in requests]
         done: dict[str, EngineOutput] = {}
         try:
-            for rid, p, sp, prio in zip(ids, prompts, params, priorities, strict=True):
-                self.engine.add_request(rid, p, sp, priority=prio)
+            for rid, request in zip(ids, requests, strict=True):
+                self.engine.add_validated(rid, request)
             with tqdm(
                 total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
             ) as bar:

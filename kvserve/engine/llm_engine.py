@@ -25,7 +25,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works
 from kvserve.engine.generation_defaults import sampling_defaults
-from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.input_processor import InputProcessor, PromptType, ValidatedRequest
 from kvserve.engine.output_processor import (
     CompletionState,
     ParentRequest,
@@ -39,7 +39,8 @@ from kvserve.model.loader import load_hf_config
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured_output.grammar import GrammarCompiler
+from kvserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
+from kvserve.structured_output.reasoning import ReasoningState
 from kvserve.worker.execution_paths import ExecutionPaths
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.model_setup import resolve_max_model_len
@@ -181,15 +182,21 @@ class LLMEngine:
         request (vLLM's signature). ``priority``: lower runs first under the ``priority``
         scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
         params = params or self.get_default_sampling_params()
+        request = self.processor.process(prompt, params, priority)
+        self.add_validated(request_id, request, arrival_time)
+
+    def add_validated(
+        self, request_id: str, request: ValidatedRequest, arrival_time: float | None = None
+    ) -> None:
+        """Queue a request the input processor has already checked (the async engine checks
+        at the door, ``LLM`` before it queues anything): admitted as is, not checked again."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, params = request.prompt, request.prompt_token_ids, request.params
+        max_tokens, priority = request.max_tokens, request.priority
         if isinstance(params, PoolingParams):
-            text, ids = self.processor.tokenize_for_pooling(prompt, params)
-            self.processor.validate(ids, params, priority)
             self._add_pooling_request(request_id, text, ids, params, arrival_time, priority)
             return
-        text, ids = self.processor.tokenize_prompt(prompt)
-        max_tokens = self.processor.validate(ids, params, priority)
         parent = ParentRequest(request_id, text, ids, params)
         for i in range(params.n):
             child_params = params
@@ -197,8 +204,7 @@ class LLMEngine:
                 # Distinct but reproducible streams per completion, as vLLM does.
                 child_params = dataclasses.replace(params, n=1, seed=params.seed + i)
                 child_params.bad_words_token_ids = params.bad_words_token_ids
-            so = params.structured_outputs
-            grammar = None if so is None else self.grammar_compiler.new_request(so)
+            grammar = self._constraints(child_params)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, priority,
@@ -259,6 +265,19 @@ class LLMEngine:
         if self._grammar is None:
             raise ValueError("structured outputs need a tokenizer; this model has none")
         return self._grammar
+
+    def _constraints(self, params: SamplingParams) -> StructuredOutputRequest | None:
+        """One sequence's token constraints: its grammar (applied after the thinking when the
+        request has reasoning markers) and its thinking budget; None when it has neither."""
+        so, markers = params.structured_outputs, params.reasoning_markers
+        if so is None and params.thinking_token_budget is None:
+            return None
+        reasoning = None
+        if markers is not None:
+            reasoning = ReasoningState(markers, params.thinking_token_budget)
+        if so is None:
+            return StructuredOutputRequest(None, self.vocab_size, reasoning)
+        return self.grammar_compiler.new_request(so, reasoning)
 
     def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         """Start compiling the request's grammar (cached by its text); None when unconstrained.

@@ -275,6 +275,7 @@ def published_limits(state: ServerState) -> PublishedLimits:
         auto_tool_choice=bool(
             state.chat_options.enable_auto_tool_choice and state.chat_options.tool_call_parser
         ),
+        reasoning=state.chat_options.reasoning_parser is not None,
     )
 
 

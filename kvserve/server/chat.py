@@ -93,7 +93,7 @@ async def create_chat_completion(
     choices = [
         ChatCompletionChoice(
             index=c.index,
-            message=(m := choice_message(run.plan, c.text, c.finish_reason))[0],
+            message=(m := choice_message(run.plan, c.text, c.finish_reason, c.token_ids))[0],
             logprobs=_choice_logprobs(engine, c, 0, top_k),
             finish_reason=m[1],
             stop_reason=c.stop_reason,
@@ -168,7 +168,9 @@ async def _stream(
                     continue  # tokens without text yet wait for the next chunk
                 delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
                 if choice_deltas is not None:
-                    delta, finish_reason = choice_deltas[i].step(c.text, c.finish_reason)
+                    delta, finish_reason = choice_deltas[i].step(
+                        c.text, c.finish_reason, c.token_ids
+                    )
                     if not delta and finish_reason is None:
                         continue  # held back (a call's name is not complete yet, say)
                 logprobs = _choice_logprobs(engine, c, sent_tokens[i], top_k)

@@ -12,7 +12,7 @@ tool parser to the answer after the thinking.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -32,7 +32,6 @@ from kvserve.server.request_limits import (
     check_chat,
     check_request_cost,
     check_tools,
-    structured_param,
 )
 from kvserve.server.serving import (
     Limits,
@@ -53,12 +52,11 @@ from kvserve.server.tools import (
     plan_tools,
     template_conversation,
 )
+from kvserve.structured_output.reasoning import ReasoningMarkers
 
-REASONING_GRAMMAR_ERROR = (
-    "structured outputs and tool_choice 'required' / a named tool (Messages: 'any' / 'tool') "
-    "constrain the whole output, thinking included, so with --reasoning-parser they need "
-    'thinking turned off: chat_template_kwargs {"enable_thinking": false} (Messages: '
-    'thinking {"type": "disabled"})'
+BUDGET_WITHOUT_PARSER = (
+    "thinking_token_budget needs a reasoning model served with --reasoning-parser (Messages: "
+    "thinking.budget_tokens)"
 )
 
 
@@ -106,11 +104,24 @@ async def chat_prompt(
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
 
 
-def reasoning_for(req: ChatCompletionRequest, options: ChatOptions) -> ReasoningParser | None:
+def reasoning_for(
+    req: ChatCompletionRequest, options: ChatOptions, tokenizer: Any
+) -> ReasoningParser | None:
     """The request's reasoning parser: the server's, unless the request turned thinking off."""
-    if options.reasoning_parser is None or not thinking_enabled(req.chat_template_kwargs):
+    if options.reasoning_parser is None:
+        if req.thinking_token_budget is not None:
+            raise bad_request(BUDGET_WITHOUT_PARSER, "thinking_token_budget")
         return None
-    return get_reasoning_parser(options.reasoning_parser)()
+    if not thinking_enabled(req.chat_template_kwargs):
+        return None  # no thinking: a budget has nothing to bound
+    return get_reasoning_parser(options.reasoning_parser)(tokenizer)
+
+
+def with_reasoning(
+    params: SamplingParams, markers: ReasoningMarkers, budget: int | None
+) -> SamplingParams:
+    """``params`` for a request whose output thinks first (checked again: a bad budget)."""
+    return replace(params, reasoning_markers=markers, thinking_token_budget=budget)
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,7 @@ async def plan_chat(
     check_fan_out(limits, req.n, 1)
     template = chat_template_args(req, tools, options)
     prompt = await chat_prompt(engine, req.messages, req.add_generation_prompt, template)
-    return ChatPlan(prompt, tools, reasoning_for(req, options))
+    return ChatPlan(prompt, tools, reasoning_for(req, options, engine.tokenizer))
 
 
 @dataclass(frozen=True)
@@ -155,9 +166,10 @@ async def start_chat(
     engine: AsyncLLMEngine,
     limits: Limits,
     options: ChatOptions,
-    id_prefix: str = "chatcmpl",
+    request_id: str | None = None,
 ) -> ChatRun:
-    """Check, render, build the parameters, compile the grammar and submit ``req``."""
+    """Check, render, build the parameters, compile the grammar and submit ``req`` (as
+    ``request_id``; None: a new ``chatcmpl-`` id)."""
     plan = await plan_chat(req, engine, limits, options)
     requested = req.max_completion_tokens or req.max_tokens
     defaults = engine.default_sampling_params  # the model's (--generation-config auto)
@@ -167,28 +179,27 @@ async def start_chat(
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req.sampling_params, max_tokens, top_k, defaults)
     plan.tools.apply_grammar(params)  # tool_choice required / named
-    if plan.reasoning is not None and params.structured_outputs is not None:
-        # vLLM starts the grammar once the thinking ends; kvserve's grammar covers the whole
-        # output, so the thinking could not be written: refused rather than silently lost.
-        raise bad_request(
-            REASONING_GRAMMAR_ERROR,
-            "tool_choice" if plan.tools.schema is not None else structured_param(req),
-        )
+    if plan.reasoning is not None:
+        # The engine starts the grammar after the thinking and enforces the budget (vLLM's
+        # rules; kvserve/structured_output/reasoning.py).
+        markers = plan.reasoning.markers()
+        params = make_params(with_reasoning, params, markers, req.thinking_token_budget)
     check_request_cost(limits, engine, params, req, "top_logprobs")
     await check_grammar(raw, engine, params)
-    request_id = new_id(id_prefix)
+    request_id = request_id or new_id("chatcmpl")
     streams = start_streams(engine, [plan.prompt], params, request_id, req.priority)
     raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)
     return ChatRun(request_id, plan, params, streams, top_k)
 
 
 def choice_message(
-    plan: ChatPlan, text: str, finish_reason: str | None
+    plan: ChatPlan, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
 ) -> tuple[ChatResponseMessage, str | None]:
-    """A finished choice's message (thinking, answer, tool calls) and its finish reason."""
+    """A finished choice's message (thinking, answer, tool calls) and its finish reason
+    (``token_ids``: the output's, for token-level reasoning parsers)."""
     reasoning = None
     if plan.reasoning is not None:
-        split = plan.reasoning.split(text, final=True)
+        split = plan.reasoning.split(text, True, token_ids)
         reasoning, text = split.reasoning or None, split.content
     message, finish_reason = plan.tools.message(text, finish_reason)
     if reasoning is not None:
@@ -213,11 +224,14 @@ class ChoiceDeltas:
         )
         self.sent = 0  # characters of content sent (without tools)
 
-    def step(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """The delta for the output ``text`` so far (``{}``: nothing new to send)."""
+    def step(
+        self, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+    ) -> tuple[dict[str, Any], str | None]:
+        """The delta for the output ``text`` (and ``token_ids``) so far (``{}``: nothing new
+        to send)."""
         delta: dict[str, Any] = {}
         if self.reasoning is not None:
-            thinking, text = self.reasoning.step(text, finish_reason is not None)
+            thinking, text = self.reasoning.step(text, finish_reason is not None, token_ids)
             if thinking:
                 delta["reasoning"] = delta["reasoning_content"] = thinking
         if self.tools is not None:

@@ -12,7 +12,8 @@ request models (and their error messages) stay as they are:
   ``--max-prompts-per-request``, ``--scheduling-policy`` (``priority`` is 0 unless it is
   ``priority``), ``--trust-request-chat-template`` (``chat_template`` must be null
   without it) and ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (``tool_choice``
-  ``"auto"`` only with both; chat's and the Responses API's).
+  ``"auto"`` only with both; chat's and the Responses API's), ``--reasoning-parser``
+  (``thinking_token_budget`` must be null without it).
 
 What JSON Schema cannot state is listed in ``docs/server.md`` ("What the document cannot
 say"): relations between fields (``min_tokens`` <= ``max_tokens``, ``stream_options`` only
@@ -41,6 +42,7 @@ class PublishedLimits:
     priority_scheduling: bool  # --scheduling-policy priority: any int64 priority
     request_chat_template: bool  # --trust-request-chat-template
     auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser
+    reasoning: bool = False  # --reasoning-parser: thinking_token_budget means something
 
 
 # Bounds SamplingParams enforces (kvserve/sampling_params.py), for the fields' integer or
@@ -139,6 +141,12 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
         for arm in _arms(props.get("tool_choice"), "string"):
             if "auto" in arm.get("enum", ()):
                 arm["enum"] = [c for c in arm["enum"] if c != "auto"]
+    if not limits.reasoning and "thinking_token_budget" in props:  # chat_pipeline.py
+        props["thinking_token_budget"] = {
+            "type": "null",
+            "default": None,
+            "description": "needs the server's --reasoning-parser",
+        }
     if not limits.request_chat_template and "chat_template" in props:
         props["chat_template"] = {
             "type": "null",

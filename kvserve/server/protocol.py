@@ -292,6 +292,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     documents: list[dict[str, str]] | None = None  # passed to the template (RAG templates)
+    # vLLM's field: at most this many thinking tokens, then the end marker is forced (needs
+    # --reasoning-parser; kvserve/structured_output/reasoning.py)
+    thinking_token_budget: Int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_prompt_ending(self) -> ChatCompletionRequest:

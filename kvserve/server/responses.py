@@ -39,6 +39,7 @@ from kvserve.server.responses_store import ResponseStore, StoredResponse
 from kvserve.server.serving import (
     final_outputs,
     merge_streams,
+    new_id,
     run_watching_disconnect,
     stream_error,
     to_json,
@@ -110,7 +111,7 @@ async def create_response(
     new = input_messages(req.input)
     chat = to_chat_request(req, history, new)
     try:
-        run = await start_chat(chat, raw, engine, state.limits, state.chat_options, "resp")
+        run = await start_chat(chat, raw, engine, state.limits, state.chat_options, new_id("resp"))
     except APIError as e:  # name the Responses field, not the chat one it became
         e.param = RESPONSES_PARAM.get(e.param or "", e.param)
         raise
@@ -130,7 +131,7 @@ async def create_response(
     (out,) = await run_watching_disconnect(raw, final_outputs(run.streams))
     builder = OutputBuilder(run.plan.tools, run.plan.reasoning)
     (c,) = out.outputs
-    builder.step(c.text, c.finish_reason or "stop")
+    builder.step(c.text, c.finish_reason or "stop", c.token_ids)
     body = _finish(turn, store, builder, out)
     return Response(to_json(body), media_type="application/json")
 
@@ -216,7 +217,7 @@ async def _stream(turn: _Turn, store: ResponseStore) -> AsyncIterator[str]:
     try:
         async for _, out in merged:
             (c,) = out.outputs
-            for event in builder.step(c.text, c.finish_reason):
+            for event in builder.step(c.text, c.finish_reason, c.token_ids):
                 yield event
             if out.finished:
                 body = _finish(turn, store, builder, out)

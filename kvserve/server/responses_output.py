@@ -17,6 +17,7 @@ when ``max_output_tokens`` cut the answer). Every event has a ``sequence_number`
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,12 +102,15 @@ class OutputBuilder:
         self.sequence += 1
         return f"event: {kind}\ndata: {to_json(data)}\n\n"
 
-    def step(self, text: str, finish_reason: str | None) -> list[str]:
-        """The events for the output grown to ``text`` (``finish_reason``: it is complete)."""
+    def step(
+        self, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+    ) -> list[str]:
+        """The events for the output grown to ``text`` / ``token_ids`` (``finish_reason``: it
+        is complete)."""
         events: list[str] = []
         reasoning, answer = None, text
         if self.reasoning is not None:  # both parts only grow at their end (reasoning/base.py)
-            split = self.reasoning.split(text, final=finish_reason is not None)
+            split = self.reasoning.split(text, finish_reason is not None, token_ids)
             reasoning, answer = split.reasoning, split.content
         if reasoning:
             events += self._reasoning_delta(reasoning)

@@ -35,6 +35,7 @@ from kvserve.structured_output.compile_worker import (
     compile_params,
 )
 from kvserve.structured_output.params import GrammarError, StructuredOutputsParams
+from kvserve.structured_output.reasoning import Phase, ReasoningState
 
 logger = logging.getLogger("kvserve.grammar")
 
@@ -120,9 +121,12 @@ class GrammarCompiler:
         waiter.add_done_callback(lambda w: w.cancelled() and self._release(digest, pending))
         return waiter
 
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A request's matcher state over the (possibly still compiling) grammar."""
-        return StructuredOutputRequest(self.compile(params), self.vocab_size)
+    def new_request(
+        self, params: StructuredOutputsParams, reasoning: ReasoningState | None = None
+    ) -> StructuredOutputRequest:
+        """A request's matcher state over the (possibly still compiling) grammar; with
+        ``reasoning`` the grammar applies after the thinking (``reasoning.py``)."""
+        return StructuredOutputRequest(self.compile(params), self.vocab_size, reasoning)
 
     def warm_up(self) -> None:
         """Fork the lanes' workers now (a server calls this), not with the first grammar."""
@@ -213,16 +217,26 @@ def _relay(job: Future[Any], waiter: Future[Any]) -> None:
 
 
 class StructuredOutputRequest:
-    """One sequence's grammar state: the compiled grammar (once ready) and its matcher.
+    """One sequence's token constraints: the compiled grammar (once ready) and its matcher, and
+    with a reasoning model its ``ReasoningState`` (``reasoning.py``): the grammar then takes
+    only the answer's tokens, and a spent ``thinking_token_budget`` forces the end marker.
 
-    The scheduler and engine use only these methods; the matcher advances with every token the
-    sequence accepts and can roll back (speculative decoding's rejected tokens).
+    The scheduler and engine use only these methods; the matcher advances with every answer
+    token the sequence accepts and can roll back (speculative decoding's rejected tokens).
     """
 
-    def __init__(self, grammar: Future[Any], vocab_size: int) -> None:
-        self.grammar = grammar
+    def __init__(
+        self,
+        grammar: Future[Any] | None,
+        vocab_size: int,
+        reasoning: ReasoningState | None = None,
+    ) -> None:
+        self.has_grammar = grammar is not None  # False: only a thinking budget to enforce
+        self.grammar = grammar if grammar is not None else _done(None)
         self.vocab_size = vocab_size
+        self.reasoning = reasoning
         self._matcher: Any = None
+        self._to_matcher: list[bool] = []  # per accepted token: whether the matcher took it
         # Why the request cannot go on: the compiler's reason, or a token the grammar refused
         self.error: str | None = None
 
@@ -250,29 +264,64 @@ class StructuredOutputRequest:
             self._matcher = xgrammar.GrammarMatcher(self.grammar.result())
         return self._matcher
 
+    def prefill_row(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write what needs no grammar into row ``row`` of an all-allowed int32 ``[G, W]``
+        bitmask (a forced token; the thinking is free); True when the grammar must fill it."""
+        r = self.reasoning
+        if r is not None:
+            forced = r.forced_token()
+            if forced is not None:
+                bitmask[row] = 0
+                allow_token(bitmask, row, forced)
+                return False
+            if r.phase is Phase.THINKING:
+                return False
+        return self.has_grammar
+
+    def finish_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """After the grammar filled the row: an undecided output may still open its thinking."""
+        start = self.reasoning.may_open() if self.reasoning is not None else None
+        if start is not None:
+            allow_token(bitmask, row, start)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 ``[G, W]`` bitmask."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.prefill_row(bitmask, row):
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            self.finish_row(bitmask, row)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over the sequence's new tokens; False (and ``error`` set) on a token the
         grammar refuses, which only a broken mask could let through."""
         for t in token_ids:
-            if self.matcher.is_terminated():
-                return True  # nothing follows the end (the request stops on it)
-            if not self.matcher.accept_token(t):
+            answer = self.reasoning.accept(t) if self.reasoning is not None else True
+            take = answer and self.has_grammar and not self.matcher.is_terminated()
+            self._to_matcher.append(take)
+            if take and not self.matcher.accept_token(t):
                 self.error = f"token {t} does not match the structured output grammar"
                 return False
         return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
-        if num_tokens > 0:
-            self.matcher.rollback(num_tokens)
+        if num_tokens <= 0:
+            return
+        undone = self._to_matcher[len(self._to_matcher) - num_tokens :]
+        del self._to_matcher[len(self._to_matcher) - num_tokens :]
+        if sum(undone):
+            self.matcher.rollback(sum(undone))
+        if self.reasoning is not None:
+            self.reasoning.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
         return self._matcher is not None and self._matcher.is_terminated()
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set ``token``'s bit in row ``row`` of an int32 ``[G, W]`` bitmask (bit 31 is the sign)."""
+    bit = 1 << (token % 32)
+    bitmask[row, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 # From this many constrained rows on, the bitmask is filled by xgrammar's batch matcher on two
@@ -288,13 +337,17 @@ def grammar_bitmask(requests: list[StructuredOutputRequest]) -> torch.Tensor:
 
     width = bitmask_width(requests[0].vocab_size)
     bitmask = torch.full((len(requests), width), -1, dtype=torch.int32)  # [G, W]; -1: all
-    if len(requests) < _BATCH_FILL_ROWS:
-        for g, so in enumerate(requests):
-            so.fill_bitmask(bitmask, g)
-        return bitmask
-    if _batch_matcher is None:
-        import xgrammar
+    rows = [g for g, so in enumerate(requests) if so.prefill_row(bitmask, g)]
+    if len(rows) < _BATCH_FILL_ROWS:
+        for g in rows:
+            requests[g].matcher.fill_next_token_bitmask(bitmask, g)
+    else:
+        if _batch_matcher is None:
+            import xgrammar
 
-        _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=2)
-    _batch_matcher.batch_fill_next_token_bitmask([so.matcher for so in requests], bitmask)
+            _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=2)
+        matchers = [requests[g].matcher for g in rows]
+        _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+    for g in rows:
+        requests[g].finish_row(bitmask, g)
     return bitmask

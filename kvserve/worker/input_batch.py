@@ -76,8 +76,10 @@ class CachedRequestState:
 
     @property
     def structured(self) -> bool:
-        """Grammar-constrained (its bitmask rows come with each step's message)."""
-        return self.params.structured_outputs is not None
+        """Grammar-constrained or with a thinking budget (its bitmask rows come with each
+        step's message)."""
+        p = self.params
+        return p.structured_outputs is not None or p.thinking_token_budget is not None
 
     def min_tokens_stop_ids(self) -> list[int]:
         """Token ids masked while the output is shorter than ``min_tokens``: EOS (unless

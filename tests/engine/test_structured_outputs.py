@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvserve.core.request import RequestStatus
+from kvserve.engine.decoding_setup import bad_words_token_ids
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
@@ -171,7 +172,7 @@ def test_waiting_for_grammar_does_not_block_others(llm: LLM) -> None:
     compiler = engine.grammar_compiler
     gate: Future[Any] = Future()
     real = compiler.new_request
-    compiler.new_request = lambda so: StructuredOutputRequest(gate, compiler.vocab_size)  # type: ignore[method-assign]
+    compiler.new_request = lambda so, r=None: StructuredOutputRequest(gate, compiler.vocab_size, r)  # type: ignore[method-assign]
     try:
         engine.add_request("slow", "Pick:", SamplingParams(structured_outputs=S(choice=["A"])))
     finally:
@@ -198,7 +199,9 @@ def test_failed_grammar_and_refused_token_fail_only_their_request(llm: LLM) -> N
     failed: Future[Any] = Future()
     failed.set_exception(GrammarError("invalid regex for structured outputs: test"))
     real = compiler.new_request
-    compiler.new_request = lambda so: StructuredOutputRequest(failed, compiler.vocab_size)  # type: ignore[method-assign]
+    compiler.new_request = lambda so, r=None: StructuredOutputRequest(
+        failed, compiler.vocab_size, r
+    )  # type: ignore[method-assign]
     try:
         engine.add_request("bad", "x", SamplingParams(structured_outputs=S(regex="a")))
     finally:
@@ -237,7 +240,8 @@ def test_seam_fields_offline(llm: LLM) -> None:
     word = tok.decode(base.outputs[0].token_ids[:1]).strip()
     no_word = SamplingParams(temperature=0, max_tokens=8, bad_words=[word])
     (out,) = llm.generate(["The capital of France is"], no_word, use_tqdm=False)
-    bad_ids = {ids[0] for ids in no_word.bad_words_token_ids if len(ids) == 1}
+    assert no_word.bad_words_token_ids == []  # the caller's parameters are not written into
+    bad_ids = {ids[0] for ids in bad_words_token_ids(tok, [word]) if len(ids) == 1}
     assert first in bad_ids and not bad_ids & set(out.outputs[0].token_ids)
     with pytest.raises(ValueError, match="out of the vocabulary"):
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

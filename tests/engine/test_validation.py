@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.input_processor import InputProcessor
 from tests.engine.utils import random_prompts
 
 GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -128,3 +131,27 @@ def test_engine_checks_token_ids_against_the_vocabulary(llm: LLM) -> None:
     out = llm.generate({"prompt_token_ids": [5, 6]}, [params], use_tqdm=False)
     ref = llm.generate({"prompt_token_ids": [5, 6]}, [same], use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
+def counting_validate(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count ``InputProcessor.validate`` calls (the one check a request gets)."""
+    calls: list[int] = []
+    real = InputProcessor.validate
+
+    def counting(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(InputProcessor, "validate", counting)
+    return calls
+
+
+def test_each_request_is_validated_once(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLM.generate checks every prompt before queueing any and the engine admits them as
+    checked: one validation per prompt, and the caller's SamplingParams stay as given."""
+    calls = counting_validate(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    before = dataclasses.asdict(params)
+    llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}], params, use_tqdm=False)
+    assert len(calls) == 2
+    assert dataclasses.asdict(params) == before

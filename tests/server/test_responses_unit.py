@@ -229,3 +229,19 @@ def test_tool_choice_auto_is_published_only_with_auto_tool_choice(auto: bool) ->
     publish_limits(doc, limits)
     enum = doc["components"]["schemas"]["R"]["properties"]["tool_choice"]["anyOf"][0]["enum"]
     assert enum == (["none", "auto", "required"] if auto else ["none", "required"])
+
+
+@pytest.mark.parametrize("reasoning", [True, False])
+def test_thinking_token_budget_is_published_only_with_a_reasoning_parser(
+    reasoning: bool,
+) -> None:
+    limits = PublishedLimits(None, 2, 4, 5, 8, 16, False, False, False, reasoning=reasoning)
+    budget = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": None}
+    body = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/R"}}}}
+    doc: dict[str, Any] = {
+        "paths": {"/r": {"post": {"requestBody": body}}},
+        "components": {"schemas": {"R": {"properties": {"thinking_token_budget": dict(budget)}}}},
+    }
+    publish_limits(doc, limits)
+    got = doc["components"]["schemas"]["R"]["properties"]["thinking_token_budget"]
+    assert got == budget if reasoning else got["type"] == "null"

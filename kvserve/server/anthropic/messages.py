@@ -13,6 +13,7 @@ the start is an ``error`` event. The stream's blocks add up to the unary message
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +48,15 @@ from kvserve.server.serving import (
     to_json,
 )
 from kvserve.server.tools import ChatOptions
+
+# Anthropic's ids: a kind, ``_01``, then 22 base62 characters (``msg_01XFDUDYJgAACzvnptvVoYEL``,
+# ``toolu_01A09q90qw90lq917835lq9``); clients (Claude Code among them) keep and echo them.
+_ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def anthropic_id(kind: str) -> str:
+    """A new random id of Anthropic's shape: ``msg`` for messages, ``toolu`` for tool uses."""
+    return f"{kind}_01" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(22))
 
 
 def stop_reason(
@@ -90,7 +100,7 @@ def content_blocks(message: ChatResponseMessage) -> list[dict[str, Any]]:
         blocks.append(
             {
                 "type": "tool_use",
-                "id": call.id,
+                "id": anthropic_id("toolu"),  # the chat side's call id is OpenAI-shaped
                 "name": call.function.name,
                 "input": tool_input(call.function.arguments),
             }
@@ -105,12 +115,13 @@ async def create_message(
     limits: Limits,
     options: ChatOptions,
 ) -> Response:
-    run = await start_chat(to_chat_request(req), raw, engine, limits, options, "msg")
+    chat = to_chat_request(req, options.reasoning_parser is not None)
+    run = await start_chat(chat, raw, engine, limits, options, anthropic_id("msg"))
     if req.stream:
         return StreamingResponse(_stream(run, engine), media_type="text/event-stream")
     (out,) = await run_watching_disconnect(raw, final_outputs(run.streams))
     c = out.outputs[0]
-    message, finish = choice_message(run.plan, c.text, c.finish_reason)
+    message, finish = choice_message(run.plan, c.text, c.finish_reason, c.token_ids)
     reason, sequence = stop_reason(finish, c.stop_reason, bool(message.tool_calls))
     body = MessageResponse(
         id=run.request_id,
@@ -127,7 +138,8 @@ async def count_tokens(
     req: CountTokensRequest, engine: AsyncLLMEngine, limits: Limits, options: ChatOptions
 ) -> CountTokensResponse:
     """The prompt tokens ``/v1/messages`` would give the engine (the same checks first)."""
-    plan = await plan_chat(to_chat_request(req), engine, limits, options)
+    chat = to_chat_request(req, options.reasoning_parser is not None)
+    plan = await plan_chat(chat, engine, limits, options)
     return CountTokensResponse(input_tokens=len(plan.prompt.token_ids))
 
 
@@ -171,8 +183,8 @@ class BlockEvents:
             function = call.get("function") or {}
             if call.get("id") is not None:  # a call's first delta: id, name, arguments so far
                 self.called_tools = True
-                block = {"type": "tool_use", "id": call["id"], "name": function.get("name"),
-                         "input": {}}  # fmt: skip
+                block = {"type": "tool_use", "id": anthropic_id("toolu"),
+                         "name": function.get("name"), "input": {}}  # fmt: skip
                 events += self._switch(("tool_use", call["index"]), block)
             if arguments := function.get("arguments"):
                 events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
@@ -199,7 +211,7 @@ async def _stream(run: ChatRun, engine: AsyncLLMEngine) -> AsyncIterator[str]:
     try:
         async for _, out in merged:
             c = out.outputs[0]
-            delta, finish = deltas.step(c.text, c.finish_reason)
+            delta, finish = deltas.step(c.text, c.finish_reason, c.token_ids)
             for e in blocks.feed(delta):
                 yield e
             if not out.finished:

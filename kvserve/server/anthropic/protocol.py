@@ -38,7 +38,7 @@ class Block(_Request):
 
 
 class MessageParam(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: text only (Claude Code sends one)
     content: str | list[Block]
 
 
@@ -74,7 +74,7 @@ class ToolChoice(_Request):
 
 class Thinking(_Request):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    # not enforced: the thinking is bounded by max_tokens alone (docs/server.md)
+    # enabled: the chat side's thinking_token_budget (the end marker forced after it)
     budget_tokens: Int | None = Field(None, ge=0)
     # refused when "omitted" (translate.py), so the document offers "summarized" alone
     display: Literal["summarized", "omitted"] | None = Field(
@@ -92,7 +92,7 @@ class OutputFormat(_Request):
 
 
 class OutputConfig(_Request):
-    effort: str | None = None  # refused when set: no effort levels here
+    effort: str | None = None  # only "high", Anthropic's default (translate.py)
     format: OutputFormat | None = None
 
 

@@ -1,6 +1,7 @@
 """Anthropic's request, translated into the chat pipeline's ``ChatCompletionRequest``.
 
-- ``system`` (a string or text blocks) is the first message, role ``system``;
+- ``system`` (a string or text blocks) is the first message, role ``system``; a message of
+  role ``system`` inside ``messages`` (Claude Code sends one) is a ``system`` message there;
 - a user message's ``text`` blocks are its content; each ``tool_result`` block becomes a
   ``tool`` message answering ``tool_use_id`` (``is_error``: its text is prefixed ``Error: ``);
 - an assistant message's ``text`` blocks are its content, ``tool_use`` blocks its
@@ -11,7 +12,9 @@
 - custom ``tools`` are functions with ``input_schema`` as their parameters; ``tool_choice``
   auto / any / tool / none is auto / required / the named function / none, and
   ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``;
-- ``thinking`` disabled / enabled is ``chat_template_kwargs.enable_thinking`` false / true;
+- ``thinking`` disabled / enabled is ``chat_template_kwargs.enable_thinking`` false / true,
+  and enabled's ``budget_tokens`` is ``thinking_token_budget`` (the engine forces the end of
+  the thinking after that many tokens; Anthropic's own floor of 1,024 is not imposed);
 - ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` keep their
   meaning under the chat names;
 - ``output_config.format`` (or the older ``output_format``) ``json_schema`` is
@@ -19,7 +22,9 @@
 
 Anything kvserve cannot honour is a 400 naming it: server tools (web search, code execution,
 bash, text editor, computer use...), image / document / search-result blocks, MCP servers,
-containers, context management, ``output_config.effort``, ``thinking.display: omitted``.
+containers, context edits that would change the prompt (``clear_thinking`` keeping all is
+accepted: it changes nothing), ``output_config.effort`` other than the default ``high``,
+``thinking.display: omitted``.
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ from kvserve.server.protocol import ChatCompletionRequest
 UNSUPPORTED_FIELDS = {
     "mcp_servers": "MCP servers (the client must run its tools itself)",
     "container": "code-execution containers",
-    "context_management": "context management (clearing old tool results)",
     "inference_geo": "inference_geo",
     "speed": "speed modes",
 }
 _USER_BLOCKS = ("text", "tool_result")
+# output_config.effort: Anthropic's default level is accepted (it asks for nothing different);
+# other levels would change how much the model thinks, which kvserve cannot do
+DEFAULT_EFFORT = "high"
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
@@ -54,6 +61,27 @@ def check_unsupported_fields(body: dict[str, Any]) -> None:
     for name, what in UNSUPPORTED_FIELDS.items():
         if body.get(name) is not None:
             raise bad_request(f"{name}: {what} is not supported by kvserve", name)
+    _check_context_management(body.get("context_management"))
+
+
+def _check_context_management(value: Any) -> None:
+    """Context edits change the prompt, so only those that change nothing pass: Claude Code
+    sends ``{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}`` with every
+    request (keep all earlier thinking: what kvserve does). Anything else is a 400."""
+    if value is None:
+        return
+    edits = value.get("edits") if isinstance(value, dict) else None
+    if isinstance(edits, list) and all(
+        isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking_")
+        and e.get("keep") == "all" and set(e) <= {"type", "keep"}
+        for e in edits
+    ):  # fmt: skip
+        return
+    raise bad_request(
+        "context_management: context edits (clearing old tool results or thinking) are not "
+        'supported by kvserve; only clear_thinking edits with keep "all" (no change) are',
+        "context_management",
+    )
 
 
 def _block_text(block: Block, where: str) -> str:
@@ -145,15 +173,18 @@ def _unsupported_block(b: Block, where: str, role: str, allowed: tuple[str, ...]
     )
 
 
-def _system(system: str | list[Block] | None) -> list[dict[str, Any]]:
+def _system(system: str | list[Block] | None, where: str = "system") -> list[dict[str, Any]]:
     if system is None:
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
+    param = where.split("[")[0]
     for k, b in enumerate(system):
         if b.type != "text":
-            raise bad_request(f"system[{k}]: system blocks must be text, not {b.type!r}", "system")
-    texts = [{"type": "text", "text": _block_text(b, f"system[{k}]")} for k, b in enumerate(system)]
+            raise bad_request(f"{where}[{k}]: system blocks must be text, not {b.type!r}", param)
+    texts = [
+        {"type": "text", "text": _block_text(b, f"{where}[{k}]")} for k, b in enumerate(system)
+    ]
     return [{"role": "system", "content": texts}]
 
 
@@ -188,8 +219,12 @@ def _tool_choice(req: CountTokensRequest, chat: dict[str, Any]) -> None:
 
 def _output_format(req: MessagesRequest, chat: dict[str, Any]) -> None:
     config = req.output_config
-    if config is not None and config.effort is not None:
-        raise bad_request("output_config.effort is not supported by kvserve", "output_config")
+    if config is not None and config.effort not in (None, DEFAULT_EFFORT):
+        raise bad_request(
+            f"output_config.effort {config.effort!r} is not supported by kvserve (only "
+            f"{DEFAULT_EFFORT!r}, Anthropic's default, which changes nothing)",
+            "output_config",
+        )
     fmt = config.format if config is not None and config.format is not None else None
     if fmt is not None and req.output_format is not None:
         raise bad_request("give output_config.format or output_format, not both", "output_format")
@@ -199,12 +234,17 @@ def _output_format(req: MessagesRequest, chat: dict[str, Any]) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
 
 
-def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request that means what ``req`` means (400 for what it cannot say)."""
+def to_chat_request(req: CountTokensRequest, thinks: bool = True) -> ChatCompletionRequest:
+    """The chat request that means what ``req`` means (400 for what it cannot say).
+    ``thinks``: the server has a reasoning parser; without one a thinking budget bounds
+    nothing (the model does not think) and is dropped, as agents send it unasked."""
     messages = _system(req.system)
     for i, m in enumerate(req.messages):
         if m.role == "user":
             messages.extend(_user_messages(m, i))
+        elif m.role == "system":  # a system message inside the conversation (Claude Code's)
+            content = m.content if isinstance(m.content, str) else list(m.content)
+            messages.extend(_system(content, f"messages[{i}].content"))
         else:
             messages.append(_assistant_message(m, i))
     chat: dict[str, Any] = {"model": req.model, "messages": messages}
@@ -215,6 +255,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     _tool_choice(req, chat)
     if req.thinking is not None and req.thinking.type != "adaptive":
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    if thinks and req.thinking is not None and req.thinking.type == "enabled":
+        chat["thinking_token_budget"] = req.thinking.budget_tokens
     if req.thinking is not None and req.thinking.display == "omitted":
         raise bad_request("thinking.display 'omitted' is not supported by kvserve", "thinking")
     if isinstance(req, MessagesRequest):

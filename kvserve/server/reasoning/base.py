@@ -18,10 +18,12 @@ tokenizers. ``check_tokenizer`` refuses a tokenizer without them at startup.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvserve.server.tool_parsers.base import holdback
+from kvserve.structured_output.reasoning import ReasoningMarkers
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,26 @@ class ReasoningSplit:
 
 
 class ReasoningParser:
-    """Base class: the markers, the tokenizer check and the split; parsers are stateless."""
+    """Base class: the markers, the tokenizer check and the split. A parser holds the
+    tokenizer (token-level parsers decode with it) and no per-output state."""
 
     name: ClassVar[str] = ""
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
+    # Whether the output opens the thinking itself (Qwen3: ``<think>``); False: the output
+    # is thinking from its first token (the template opened it in the prompt)
+    opens_in_output: ClassVar[bool] = False
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def markers(self) -> ReasoningMarkers:
+        """The markers as token ids, for the engine: the grammar starts after ``end`` and a
+        thinking budget forces it (``structured_output/reasoning.py``)."""
+        tok = self.tokenizer
+        end = tuple(tok.convert_tokens_to_ids([self.end]))
+        start = tuple(tok.convert_tokens_to_ids([self.start])) if self.opens_in_output else ()
+        return ReasoningMarkers(end_ids=end, start_ids=start)
 
     @classmethod
     def check_tokenizer(cls, tokenizer: Any, model: str) -> None:
@@ -58,7 +75,9 @@ class ReasoningParser:
                 f"of {model}'s tokenizer, so it is dropped from the output text"
             )
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
+    def split(self, text: str, final: bool, token_ids: Sequence[int] = ()) -> ReasoningSplit:
+        """The output so far (``text``; its ``token_ids`` for token-level parsers) split in
+        thinking and answer; ``final``: the output is complete."""
         raise NotImplementedError
 
     def _after_start(self, text: str) -> str:

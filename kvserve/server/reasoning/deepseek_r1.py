@@ -5,13 +5,15 @@ rule: the thinking was cut before it ended)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvserve.server.reasoning.base import ReasoningParser, ReasoningSplit, pending_start
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
+    def split(self, text: str, final: bool, token_ids: Sequence[int] = ()) -> ReasoningSplit:
         if pending_start(text, self.start, final):
             return ReasoningSplit("", "")
         return self._thinking(self._after_start(text), final)

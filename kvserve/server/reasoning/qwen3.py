@@ -10,13 +10,16 @@ thinking; here a thinking that started and never ended is thinking both ways (as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvserve.server.reasoning.base import ReasoningParser, ReasoningSplit, pending_start
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    opens_in_output = True
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
+    def split(self, text: str, final: bool, token_ids: Sequence[int] = ()) -> ReasoningSplit:
         if pending_start(text, self.start, final):
             return ReasoningSplit(None, "")
         if not text.startswith(self.start):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvserve.server.reasoning.base import ReasoningParser, ReasoningSplit
@@ -23,9 +23,10 @@ class ReasoningStreamer:
         self.parser = parser
         self.sent = 0  # characters of thinking sent
 
-    def step(self, text: str, final: bool) -> tuple[str, str]:
-        """(thinking not sent yet, the whole answer so far) for the output ``text`` so far."""
-        split: ReasoningSplit = self.parser.split(text, final)
+    def step(self, text: str, final: bool, token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """(thinking not sent yet, the whole answer so far) for the output ``text`` (and its
+        ``token_ids``) so far."""
+        split: ReasoningSplit = self.parser.split(text, final, token_ids)
         reasoning = split.reasoning or ""
         new = reasoning[self.sent :]
         self.sent = max(self.sent, len(reasoning))

@@ -4,6 +4,7 @@ against the shared ``kvserve serve`` (built-in model, behind an API key)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic
@@ -59,6 +60,18 @@ def summary(m: anthropic.types.Message) -> dict[str, Any]:
     }  # fmt: skip
 
 
+MESSAGE_ID = re.compile(r"msg_01[0-9A-Za-z]{22}")
+TOOL_USE_ID = re.compile(r"toolu_01[0-9A-Za-z]{22}")
+
+
+def check_ids(m: anthropic.types.Message) -> None:
+    """Anthropic's id shapes: ``msg_01...`` for the message, ``toolu_01...`` per tool use."""
+    assert MESSAGE_ID.fullmatch(m.id), m.id
+    tool_ids = [b.id for b in m.content if b.type == "tool_use"]
+    assert all(TOOL_USE_ID.fullmatch(i) for i in tool_ids), tool_ids
+    assert len(set(tool_ids)) == len(tool_ids)
+
+
 def unary_and_streamed(server: Server, **kw: Any) -> anthropic.types.Message:
     """The unary answer, after checking that the streamed one (greedy) is the same."""
     c = client(server)
@@ -67,6 +80,9 @@ def unary_and_streamed(server: Server, **kw: Any) -> anthropic.types.Message:
     with c.messages.stream(model=BUILTIN, extra_body=greedy, **kw) as s:
         streamed = s.get_final_message()
     assert summary(streamed) == summary(unary)
+    check_ids(unary)
+    check_ids(streamed)
+    assert unary.id != streamed.id
     return unary
 
 

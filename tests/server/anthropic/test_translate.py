@@ -102,7 +102,9 @@ REFUSED = [
     ({"messages": HI, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "bash_20250124"),
     ({"messages": HI, "tool_choice": {"type": "tool"}}, "needs the tool's 'name'"),
     ({"messages": HI, "system": [{"type": "image", "source": {}}]}, "system blocks must be text"),
-    ({"messages": HI, "output_config": {"effort": "high"}}, "effort"),
+    ({"messages": HI, "output_config": {"effort": "low"}}, "effort 'low' is not supported"),
+    ({"messages": [*HI, {"role": "system", "content": [{"type": "image", "source": {}}]}]},
+     r"messages\[1\].content\[0\]: system blocks must be text"),
     ({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024,
                                     "display": "omitted"}}, "omitted"),
 ]  # fmt: skip
@@ -119,6 +121,37 @@ def test_unsupported_fields() -> None:
     check_unsupported_fields({"mcp_servers": None, "metadata": {}})  # null: not given
     with pytest.raises(APIError, match="mcp_servers"):
         check_unsupported_fields({"mcp_servers": []})
+    # Claude Code's context edit that keeps all thinking changes nothing: accepted
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    check_unsupported_fields({"context_management": keep_all})
+    for edits in (
+        [{"type": "clear_tool_uses_20250919"}],
+        [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}],
+    ):
+        with pytest.raises(APIError, match="context_management") as e:
+            check_unsupported_fields({"context_management": {"edits": edits}})
+        assert e.value.param == "context_management"
+
+
+def test_claude_codes_request_shape() -> None:
+    """What Claude Code 2.1 sends (recorded against kvserve): system blocks with
+    cache_control, a system message after the user's, adaptive thinking, effort "high"."""
+    req = chat(
+        system=[{"type": "text", "text": "You are an agent.",
+                 "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Say hi",
+                                          "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "Agent types: ..."},
+        ],
+        thinking={"type": "adaptive"}, output_config={"effort": "high"},
+    )  # fmt: skip
+    assert req["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "You are an agent."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+        {"role": "system", "content": "Agent types: ..."},
+    ]
+    assert "continue_final_message" not in req  # a last system message is no prefill
 
 
 def test_stop_reason() -> None:

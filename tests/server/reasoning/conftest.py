@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,11 @@ def build_thinker(path: Path, builtin_model_dir: Path) -> None:
     assert len(starts) == 2 and len(set(chain)) == len(chain)
     assert not set(starts) & set(chain), "a prompt's last token is also in the chain"
 
+    write_bigram_model(path, tok, successors)
+
+
+def write_bigram_model(path: Path, tok: Any, successors: dict[int, int]) -> None:
+    """A one-layer Llama whose greedy next token after ``t`` is ``successors[t]``."""
     torch.manual_seed(0)
     vocab = len(tok) + 6  # room past the added tokens
     cfg = LlamaConfig(
@@ -97,6 +103,52 @@ def thinker_server(thinker_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             str(thinker_dir), "--served-model-name", THINK_MODEL,
             "--reasoning-parser", "qwen3",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--num-kv-blocks", "64", "--max-num-seqs", "8",
+        ],
+        log,
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+# -- gpt-oss's harmony format -----------------------------------------------------------------
+HARMONY_MODEL = "tiny-harmony"
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                  "<|call|>", "<|constrain|>")  # fmt: skip
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}<|start|>{{ message.role }}<|message|>{{ message.content }}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+# The bigram model's own output: one analysis message closed by <|return|>. A bigram cannot
+# write <|channel|> twice with two successors, so the final channel comes from a thinking
+# budget, which forces <|end|><|start|>assistant<|channel|>final<|message|>; the model then
+# writes the same words again as the answer.
+HARMONY_OUTPUT = "<|channel|>analysis<|message|>Hello world<|return|>"
+
+
+def build_harmony(path: Path, builtin_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir)
+    markers = [AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS]
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.save_pretrained(path)
+    chain = [*tok.encode(HARMONY_OUTPUT, add_special_tokens=False), tok.eos_token_id]
+    assert len(set(chain)) == len(chain)
+    successors = dict(itertools.pairwise(chain)) | {_last_prompt_token(tok): chain[0]}
+    write_bigram_model(path, tok, successors)
+
+
+@pytest.fixture(scope="module")
+def harmony_server(
+    builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """The harmony bigram model with ``--reasoning-parser gpt_oss``."""
+    path = tmp_path_factory.mktemp("models") / HARMONY_MODEL
+    build_harmony(path, builtin_model_dir)
+    log = tmp_path_factory.mktemp("logs") / "harmony_server.log"
+    srv = start_server(
+        [
+            str(path), "--served-model-name", HARMONY_MODEL, "--reasoning-parser", "gpt_oss",
             "--num-kv-blocks", "64", "--max-num-seqs", "8",
         ],
         log,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.server.chat_pipeline import ChatPlan, ChoiceDeltas, choice_message
+from kvserve.server.chat_pipeline import ChatPlan, ChoiceDeltas, choice_message, reasoning_for
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
@@ -15,7 +17,7 @@ from kvserve.server.reasoning import (
 )
 from kvserve.server.serving import PromptInfo
 from kvserve.server.tool_parsers import HermesToolParser
-from kvserve.server.tools import ToolPlan
+from kvserve.server.tools import ChatOptions, ToolPlan
 
 CASES = {
     # text: (deepseek_r1's split, qwen3's split)
@@ -40,7 +42,7 @@ def test_split(name: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("text", list(CASES))
-@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])  # the text parsers
 def test_streamed_pieces_add_up_to_the_unary_split(name: str, text: str) -> None:
     parser: ReasoningParser = get_reasoning_parser(name)()
     unary = parser.split(text, final=True)
@@ -65,8 +67,9 @@ def test_thinking_enabled() -> None:
 
 
 def test_unknown_parser() -> None:
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
-        get_reasoning_parser("gpt_oss")
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "gpt_oss", "openai_gptoss", "qwen3"]
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3, gpt_oss"):
+        get_reasoning_parser("granite")
 
 
 class _Tokenizer:
@@ -125,3 +128,15 @@ def test_tool_calls_are_parsed_in_the_answer_after_the_thinking() -> None:
     inside = "<think>" + TOOL_OUTPUT.split("</think>")[1] + "</think>ok"
     message, finish = choice_message(plan, inside, "stop")
     assert (message.content, message.tool_calls, finish) == ("ok", None, "stop")
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi"}], "thinking_token_budget": 4}
+    )
+    with pytest.raises(APIError) as e:
+        reasoning_for(req, ChatOptions(), None)
+    assert (e.value.status, e.value.param) == (400, "thinking_token_budget")
+    assert "--reasoning-parser" in e.value.message
+    off = req.model_copy(update={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reasoning_for(off, ChatOptions(reasoning_parser="qwen3"), None) is None

@@ -1,8 +1,9 @@
 """--reasoning-parser against a real ``kvserve serve`` of the bigram thinking model
 (``conftest.py``), whose greedy output is exactly ``<think>I think</think>Hello world``:
 chat (``reasoning`` and ``reasoning_content``, unary and streamed), Messages (``thinking``
-blocks and ``thinking_delta``), thinking turned off, the grammar combinations refused, and a
-model without the markers refused at startup."""
+blocks and ``thinking_delta``), thinking turned off, the grammar applied after the thinking,
+the thinking budget, a model without the markers refused at startup, and gpt-oss's harmony
+format (``gpt_oss``) on a bigram model of its own."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from tests.server.conftest import Server, start_server
-from tests.server.reasoning.conftest import ANSWER, REASONING, THINK_MODEL
+from tests.server.reasoning.conftest import ANSWER, HARMONY_MODEL, REASONING, THINK_MODEL
 from tests.server.test_completions import sse_events
 
 pytestmark = pytest.mark.slow
@@ -58,16 +60,75 @@ def test_enable_thinking_false(thinker_server: Server) -> None:
     assert message == {"role": "assistant", "content": ANSWER}  # no reasoning keys at all
 
 
-def test_grammar_with_thinking_is_refused_and_works_without(thinker_server: Server) -> None:
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "enum": ["Hello world"]}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_the_grammar_applies_after_the_thinking(thinker_server: Server) -> None:
+    """vLLM's rule: the thinking is free, the grammar constrains the answer after </think>.
+    The bigram model writes <think>I think</think> by itself (no grammar could allow <think>
+    as JSON's first token), then only the schema's JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    r = chat(thinker_server, response_format=fmt, max_tokens=128)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == REASONING
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert json.loads(message["content"]) == {"a": "Hello world"}
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # thinking off: the grammar covers the whole output, as before
     regex = {"structured_outputs": {"regex": "Hello"}}
-    r = chat(thinker_server, **regex)
-    assert r.status_code == 400 and "enable_thinking" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "structured_outputs"
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = chat(thinker_server, tools=tools, tool_choice="required")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = chat(thinker_server, chat_template_kwargs=OFF, **regex)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello"
+
+
+def test_a_forced_tool_call_after_the_thinking(thinker_server: Server) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        r = chat(thinker_server, tools=tools, tool_choice=choice, parallel_tool_calls=False,
+                 max_tokens=128)  # fmt: skip
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["reasoning"] == REASONING
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "f"
+        assert json.loads(call["function"]["arguments"]) == {"a": "Hello world"}
+
+
+@pytest.mark.parametrize(
+    ("budget", "reasoning", "tokens"),
+    [(0, None, 5), (1, "I", 6), (2, REASONING, 7), (5, REASONING, 7)],
+)
+def test_thinking_token_budget(
+    thinker_server: Server, budget: int, reasoning: str | None, tokens: int
+) -> None:
+    """After ``budget`` thinking tokens </think> is forced and the answer goes on: the
+    unbounded output is <think> I think </think> Hello world <|im_end|> (7 tokens)."""
+    r = chat(thinker_server, thinking_token_budget=budget)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    message = body["choices"][0]["message"]
+    assert message.get("reasoning") == reasoning and message["content"] == ANSWER
+    assert body["usage"]["completion_tokens"] == tokens
+    stream = {"model": THINK_MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True,
+              "thinking_token_budget": budget}  # fmt: skip
+    *chunks, _ = sse_events(thinker_server, "/v1/chat/completions", stream)
+    deltas = [c["choices"][0]["delta"] for c in chunks]  # type: ignore[index]
+    assert "".join(d.get("reasoning", "") for d in deltas) == (reasoning or "")
+    assert "".join(d.get("content") or "" for d in deltas) == ANSWER
+
+
+def test_thinking_budget_bad_values(thinker_server: Server) -> None:
+    r = chat(thinker_server, thinking_token_budget=-1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    # thinking off: nothing to bound, the answer as usual
+    r = chat(thinker_server, thinking_token_budget=1, chat_template_kwargs=OFF)
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
 
 
 def test_responses_reasoning_item(thinker_server: Server) -> None:
@@ -127,20 +188,26 @@ def test_messages_thinking_delta_events(thinker_server: Server) -> None:
     assert "".join(thinking) == REASONING
 
 
-def test_messages_forced_tool_with_thinking_is_refused(thinker_server: Server) -> None:
-    tool = {"name": "f", "input_schema": {"type": "object"}}
-    with pytest.raises(anthropic.BadRequestError, match="disabled"):
-        _anthropic(thinker_server).messages.create(
-            model=THINK_MODEL, max_tokens=16, messages=MESSAGES, tools=[tool],
-            tool_choice={"type": "any"},
-        )  # fmt: skip
-    m = _anthropic(thinker_server).messages.create(
-        model=THINK_MODEL, max_tokens=16, messages=MESSAGES, tools=[tool],
-        tool_choice={"type": "tool", "name": "f"}, thinking={"type": "disabled"},
+def test_messages_budget_tokens_and_a_forced_tool(thinker_server: Server) -> None:
+    c = _anthropic(thinker_server)
+    m = c.messages.create(
+        model=THINK_MODEL, max_tokens=16, messages=MESSAGES,
+        thinking={"type": "enabled", "budget_tokens": 1},
     )  # fmt: skip
-    # the bigram model has no idea of JSON: the grammar may run to max_tokens in whitespace
-    assert m.stop_reason in ("tool_use", "max_tokens")
-    assert [(b.type, b.name) for b in m.content] == [("tool_use", "f")]  # type: ignore[union-attr]
+    assert [b.model_dump(exclude_none=True) for b in m.content] == [
+        {"type": "thinking", "thinking": "I", "signature": ""},
+        {"type": "text", "text": ANSWER},
+    ]
+    assert m.usage.output_tokens == 6  # <think> I </think>(forced) Hello world <|im_end|>
+    tool = {"name": "f", "input_schema": SCHEMA}
+    m = c.messages.create(
+        model=THINK_MODEL, max_tokens=128, messages=MESSAGES, tools=[tool],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )  # fmt: skip
+    assert m.stop_reason == "tool_use"
+    thinking, call = m.content
+    assert thinking.type == "thinking" and thinking.thinking == REASONING  # type: ignore[union-attr]
+    assert call.type == "tool_use" and call.input == {"a": "Hello world"}  # type: ignore[union-attr]
 
 
 def test_a_model_without_the_markers_is_refused_at_startup(
@@ -149,3 +216,24 @@ def test_a_model_without_the_markers_is_refused_at_startup(
     with pytest.raises(RuntimeError, match="server exited with 1") as e:
         start_server([str(tiny_model_dir), "--reasoning-parser", "deepseek_r1"], tmp_path / "log")
     assert "has no <think> or </think> token" in str(e.value)
+
+
+def test_gpt_oss_harmony(harmony_server: Server) -> None:
+    """The harmony bigram model (conftest.py) writes one analysis message; with a budget of
+    one token the engine forces <|end|><|start|>assistant<|channel|>final<|message|> and the
+    model writes its words again as the final answer. Unary and streamed alike."""
+    client = harmony_server.client()
+    kw: dict[str, Any] = {"model": HARMONY_MODEL, "messages": MESSAGES, "max_tokens": 32}
+    r = client.chat.completions.create(**kw)
+    message = r.choices[0].message.model_dump()
+    assert (message["reasoning"], message["content"]) == ("Hello world", None)
+    assert r.usage.completion_tokens == 7  # 3 header tokens, Hello, world, <|return|>, EOS
+    budget = {"thinking_token_budget": 1}
+    r = client.chat.completions.create(**kw, extra_body=budget)
+    message = r.choices[0].message.model_dump()
+    assert (message["reasoning"], message["content"]) == ("Hello", "Hello world")
+    got = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(**kw, extra_body=budget, stream=True):
+        for key in got:
+            got[key] += getattr(chunk.choices[0].delta, key, None) or ""
+    assert got == {"reasoning": "Hello", "content": "Hello world"}
