@@ -6,6 +6,7 @@ import os
 
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -22,6 +23,7 @@ __all__ = [
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "KVPolicy",
+    "LoRARequest",
     "PoolingParams",
     "PreemptionMode",
     "RequestOutput",

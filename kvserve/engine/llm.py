@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
@@ -59,13 +60,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given.
 
         ``priority``: one value per prompt, lower runs first (needs
-        ``scheduling_policy="priority"``). A request the engine fails on (never expected:
-        input is validated first) comes back with finish reason ``error`` and
-        ``RequestOutput.error`` set; the other requests are not affected.
+        ``scheduling_policy="priority"``). ``lora_request``: the adapter of every prompt, or
+        one per prompt (None: the base model); needs ``enable_lora=True``. A request the
+        engine fails on (never expected: input is validated first) comes back with finish
+        reason ``error`` and ``RequestOutput.error`` set; the other requests are not affected.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -79,6 +82,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _lora_list(lora_request, len(prompts))
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         for p, sp, prio in zip(prompts, params_list, priorities, strict=True):
             self.engine.processor.validate(self.engine.processor.tokenize_prompt(p)[1], sp, prio)
@@ -86,7 +90,20 @@ class LLM:
             grammar = self.engine.compile_grammar(sp)
             if grammar is not None:
                 grammar.result()  # raises GrammarError (a ValueError) with the compiler's reason
-        return self._run(prompts, params_list, priorities, use_tqdm)  # type: ignore[return-value]
+        for lr in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(lr)  # a bad adapter raises before anything is queued
+        outs = self._run(prompts, params_list, priorities, use_tqdm, loras)
+        return outs  # type: ignore[return-value]
+
+    # -- LoRA adapters (vLLM's LLMEngine methods, here on LLM too) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def embed(
         self,
@@ -123,12 +140,14 @@ class LLM:
         params: Sequence[SamplingParams | PoolingParams],
         priorities: list[int],
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[EngineOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         done: dict[str, EngineOutput] = {}
+        lrs = loras or [None] * len(prompts)
         try:
-            for rid, p, sp, prio in zip(ids, prompts, params, priorities, strict=True):
-                self.engine.add_request(rid, p, sp, priority=prio)
+            for rid, p, sp, prio, lr in zip(ids, prompts, params, priorities, lrs, strict=True):
+                self.engine.add_request(rid, p, sp, priority=prio, lora_request=lr)
             with tqdm(
                 total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
             ) as bar:
@@ -168,6 +187,21 @@ class LLM:
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: vLLM's single-or-list argument."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+    for lr in loras:
+        if lr is not None and not isinstance(lr, LoRARequest):
+            raise TypeError(f"lora_request entries must be LoRARequest or None, got {lr!r}")
+    return loras
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
