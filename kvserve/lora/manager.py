@@ -3,10 +3,11 @@
 Two tiers, as in vLLM: up to ``max_cpu_loras`` adapters read into host memory (LRU), and
 ``max_loras`` device slots of stacked weights in every adapted layer (LRU among the
 adapters not in the current step). The scheduler never puts more than ``max_loras``
-distinct adapters in one step, so ``prepare`` always finds room. Adapters used by a
-request the runner holds (``set_live``) are never dropped from host memory, even past
-``max_cpu_loras`` or after ``remove``: requests in flight finish on the adapter they began
-with; a removed adapter goes when its last request does.
+distinct adapters in one step, so ``prepare`` always finds room. An adapter dropped from
+host memory leaves its device slot too, and is read from its folder again when a request
+needs it. Adapters used by a request the runner holds (``set_live``) are never dropped, even
+past ``max_cpu_loras`` or after ``remove``: requests in flight finish on the adapter they
+began with; a removed adapter goes when its last request does.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class LoRAManager:
         self._cpu: OrderedDict[int, LoRAModel] = OrderedDict()  # host memory, LRU first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # id -> device slot, LRU first
         self._live: set[int] = set()  # ids of requests the runner holds
+        self._step: set[int] = set()  # ids of the step being prepared (never evicted by it)
         self.num_loads = 0  # adapters read from disk (tests watch the LRU with it)
         self.num_slot_loads = 0  # adapters copied into a device slot
 
@@ -101,8 +103,9 @@ class LoRAManager:
         if len(wanted) > self.config.max_loras:  # the scheduler's cap: a bug if broken
             raise RuntimeError(f"{len(wanted)} adapters in one step; max_loras is "
                                f"{self.config.max_loras}")  # fmt: skip
+        self._step = set(wanted)
         for req in wanted.values():
-            self._ensure_slot(req, set(wanted))
+            self._ensure_slot(req, self._step)
         slots = [-1 if r is None else self._slot_of[r.lora_int_id] for r in rows]
         return LoRAMapping.from_rows(slots, counts, self.device)
 
@@ -134,21 +137,21 @@ class LoRAManager:
         )
         self.num_loads += 1
         self._cpu[req.lora_int_id] = model
-        self._evict_cpu()
+        self._evict_cpu(keep=req.lora_int_id)
         logger.info("LoRA adapter %r (id %d, rank %d) loaded from %s", req.lora_name,
                     req.lora_int_id, model.rank, req.lora_path)  # fmt: skip
         return model
 
-    def _evict_cpu(self) -> None:
-        """Drop least recently used adapters past ``max_cpu_loras`` (never a live one, nor
-        one in a device slot: those come back without reading the disk)."""
+    def _evict_cpu(self, keep: int) -> None:
+        """Drop least recently used adapters past ``max_cpu_loras``, with their device slot
+        (never ``keep``, nor one a live request uses: those may pass the limit)."""
         extra = len(self._cpu) - self.config.cpu_capacity
         for lid in list(self._cpu):
             if extra <= 0:
                 break
-            if lid in self._live or lid in self._slot_of:
+            if lid == keep or lid in self._live or lid in self._step:
                 continue
-            del self._cpu[lid]
+            self._drop(lid)
             extra -= 1
 
     def _drop(self, lid: int) -> None:
