@@ -38,6 +38,7 @@ from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
 from kvserve.executor import WorkerDiedError
+from kvserve.lora.request import LoRARequest
 from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
@@ -84,6 +85,7 @@ class _AddCommand:
     arrival_time: float
     priority: int = 0  # lower runs first (vLLM's convention); used by the priority policy
     num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def n(self) -> int:
@@ -233,6 +235,7 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request and return its output stream: ``async for out in generate(...)``.
 
@@ -241,9 +244,13 @@ class AsyncLLMEngine:
         once, before the caller commits to (say) a streaming HTTP response. Must be called from
         a running event loop, which is where the outputs are delivered. ``priority`` orders
         admission under the ``priority`` scheduling policy (lower first, as in vLLM).
+        ``lora_request``: the adapter it runs with (registered with ``LLMEngine.add_lora``
+        first, through ``call``; the server does so when it loads one).
         """
         params = params or self.engine.get_default_sampling_params()
-        return self._submit(prompt, params, request_id, priority)
+        if lora_request is not None and self.engine.config.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        return self._submit(prompt, params, request_id, priority, lora_request)
 
     def encode(
         self,
@@ -263,6 +270,7 @@ class AsyncLLMEngine:
         params: SamplingParams | PoolingParams,
         request_id: str | None,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
@@ -275,7 +283,9 @@ class AsyncLLMEngine:
         resolved: PromptType = {"prompt": text, "prompt_token_ids": ids}
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        cmd = _AddCommand(request_id, resolved, params, time.monotonic(), priority)
+        cmd = _AddCommand(
+            request_id, resolved, params, time.monotonic(), priority, lora_request=lora_request
+        )
         cmd.num_tokens = len(ids) * cmd.n
         with self._cond:
             if request_id in self._streams:
@@ -476,8 +486,9 @@ class AsyncLLMEngine:
                 continue
             try:
                 self.engine.add_request(
-                    cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority
-                )
+                    cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,
+                    lora_request=cmd.lora_request,
+                )  # fmt: skip
             except Exception as exc:  # this request's own fault: fail just this one
                 if not isinstance(exc, ValueError):
                     logger.exception("adding request %s failed", cmd.request_id)
