@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.lora.request import LoRARequest
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvserve.server.app import ServerState
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_ERROR_REF = "#/components/schemas/ErrorResponse"
 
 
 @dataclass(frozen=True)
@@ -173,9 +174,19 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    errors = error_responses(400, 403, 404, 500, 503)
+    # The success is vLLM's plain text, the errors the API's JSON: each documented with its
+    # own media type (a response_class would give every status text/plain).
+    errors: dict[int | str, dict[str, Any]] = {
+        s: {"description": e["description"],
+            "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}}}
+        for s, e in error_responses(400, 403, 404, 413, 500, 503).items()
+    }  # fmt: skip
+    errors[200] = {
+        "description": "Success",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses=errors)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
         _check_allowed(state)
         engine = state.engine_for(req.base_model_name)
@@ -195,7 +206,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         state.loras.add(ServedLoRA(lora, engine.model_name))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=errors)
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses=errors)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         _check_allowed(state)
         state.engine_for(None)  # 503 while loading
