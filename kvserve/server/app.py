@@ -130,7 +130,9 @@ class ServerState:
         """Observability of an admitted API request's engine requests: vLLM's
         request_params_* histograms and, with tracing on, each one's span when it finishes
         (a child of the ``traceparent`` in ``headers``, HTTP headers or gRPC metadata)."""
-        self.metrics.observe_params(engine.model_name, params, len(streams))
+        # an adapter's requests count under its base model (the metrics' model_name label)
+        base = getattr(engine, "base_model_name", engine.model_name)
+        self.metrics.observe_params(base, params, len(streams))
         if self.tracer is not None:
             self.tracer.watch(streams, engine.model_name, params, headers)
 

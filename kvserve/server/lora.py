@@ -111,6 +111,11 @@ class LoRAEngine:
     def model_name(self) -> str:
         return self._served.request.lora_name
 
+    @property
+    def base_model_name(self) -> str:
+        """The served model it runs on (what the metrics' model_name label names)."""
+        return self._served.base
+
     def generate(
         self, prompt: Any, params: Any = None, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
