@@ -177,3 +177,24 @@ def test_bad_adapter_and_lora_off(
         off.generate(prompts[0], PARAMS, lora_request=LoRARequest("a", 1, str(adapters["qv4"])))
     with pytest.raises(ValueError, match=r"max_loras \(--max-loras\) needs enable_lora"):
         LLM(str(lora_base), max_loras=2)
+
+
+def test_int4_base(lora_base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Adapters over an int4 base (the C++ int4 kernel): peft's merged model over the
+    dequantized base gives the same tokens, four adapters and the base in one batch."""
+    from tests.engine.test_quantization import dequantized_copy
+
+    dq = dequantized_copy(lora_base, tmp_path / "dq", 4, 32)
+    models = {n: merged_model(dq, adapters[n]) for n in NAMES}
+    models[None] = merged_model(dq, None)  # type: ignore[index]
+    want = [hf_greedy(models[c], p, MAX_TOKENS) for c, p in zip(CHOICE, PROMPTS, strict=True)]
+    llm = LLM(
+        str(lora_base), dtype="float32", num_kv_blocks=128, quantization="int4",
+        quantization_group_size=32, enable_lora=True, max_loras=4,
+    )  # fmt: skip
+    from kvserve.quantization.qlinear import QuantLinear
+
+    assert llm.engine.runner is not None
+    layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
+    assert isinstance(layer, QuantLinear) and layer.bits == 4 and layer.use_kernel
+    assert generate(llm, adapters) == want
