@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (num_threads)")
     args = ap.parse_args()
     base, _ = resolve_model(None)
     tmp = Path(tempfile.mkdtemp())
@@ -64,8 +65,9 @@ def main() -> None:
                 for i in range(4)]  # fmt: skip
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,), generator=g).tolist() for _ in range(args.batch)]
-    lora = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=16)
-    eager = LLM(str(base), enforce_eager=True)
+    kw = {"num_threads": args.threads, "num_kv_blocks": 256, "warmup": False}
+    lora = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=16, **kw)
+    eager = LLM(str(base), enforce_eager=True, **kw)
     settings = {
         "base (C++ loop)": (lora, [None] * args.batch),
         "base (Python layers)": (eager, [None] * args.batch),
@@ -78,6 +80,7 @@ def main() -> None:
         for name in order:
             llm, loras = settings[name]
             results[name].append(decode_tps(llm, prompts, loras, args.tokens))
+            print(f"repeat {rep}: {name}: {results[name][-1]:.1f} tok/s", flush=True)
     base_tps = statistics.median(results["base (C++ loop)"])
     print(f"batch {args.batch}, {args.tokens} decode tokens, median of {args.repeats}:")
     for name, values in results.items():
