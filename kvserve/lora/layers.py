@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvserve.lora.peft_loader import LoRAModel
-from kvserve.lora.punica import LoRAMapping, lora_delta
+from kvserve.lora.punica import LoRAMapping, lora_delta_grouped
 
 
 class LoRASlotWeights:
@@ -59,7 +59,7 @@ class LoRASlotWeights:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``out`` [T, sum N_i] (the base output, a fresh tensor) plus each row's delta."""
-        lora_delta(x, self.a, self.bs, mapping, out)
+        lora_delta_grouped(x, self.a, self.bs, mapping, out)
         return out
 
     @property

@@ -9,10 +9,8 @@ never merging weights and never looping over requests:
   slices of a fused layer and one "expand" matmul per slice, scattered back with
   ``index_add_``: at most ``max_loras`` groups, whatever the number of requests (punica's
   SGMV: segments of rows sharing an adapter).
-- ``lora_delta_gathered`` (small steps with several adapters: decode): every row gathers
-  its own slot's A and B and one batched matmul per slice runs them all (punica's BGMV);
-  memory ``T * n*R * K``, so only up to ``GATHER_MAX_TOKENS`` rows (``choose_path``).
-- ``lora_delta_reference``: the same per-row gather as einsums, for the tests.
+- ``lora_delta_reference``: every row gathers its own A and B (punica's BGMV as batched
+  einsums); memory ``T * S*R * K``, so the tests' reference only.
 
 A slot's rank is padded with zeros to ``max_lora_rank``, so adapters of any rank share the
 stacked tensors; the scaling is folded into B when an adapter enters its slot.
@@ -20,29 +18,10 @@ stacked tensors; the scaling is folded into B when an adapter enters its slot.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-# Most token rows the gathered path takes: its gathered A is T * n*R * K values (32 rows of a
-# 1536-wide down_proj at rank 16: 3 MiB float32). Past it, or with one adapter, the grouped
-# path runs fewer, larger matmuls.
-GATHER_MAX_TOKENS = 32
-
-
-class LoRAPath(enum.Enum):
-    GROUPED = "grouped"  # one matmul pair per active slot (SGMV)
-    GATHERED = "gathered"  # one batched matmul over per-row gathered weights (BGMV)
-
-
-def choose_path(num_tokens: int, num_groups: int) -> LoRAPath:
-    """Gathered for small steps with several adapters (decode: the grouped path would run
-    one tiny matmul pair per adapter per linear), grouped otherwise."""
-    if num_groups > 1 and num_tokens <= GATHER_MAX_TOKENS:
-        return LoRAPath.GATHERED
-    return LoRAPath.GROUPED
 
 
 @dataclass(frozen=True)
@@ -53,10 +32,6 @@ class LoRAMapping:
     token_slots: torch.Tensor  # [T] int64, each row's slot (-1: the base model only)
     # per active slot: (slot, row indices [n] int64), or None when the slot has every row
     groups: tuple[tuple[int, torch.Tensor | None], ...]
-    path: LoRAPath = LoRAPath.GROUPED  # how the layers compute this step (choose_path)
-    # the gathered path's: each row's slot with -1 as 0, and whether any row is the base's
-    gather_slots: torch.Tensor | None = None  # [T] int64
-    base_rows: torch.Tensor | None = None  # [T] bool, None when every row has an adapter
 
     @classmethod
     def from_rows(
@@ -71,45 +46,7 @@ class LoRAMapping:
         for slot in sorted(set(slots) - {-1}):
             rows = torch.nonzero(token_slots == slot).flatten()  # [n]
             groups.append((slot, None if rows.shape[0] == total else rows.to(device)))
-        path = choose_path(total, len(groups))
-        if path is LoRAPath.GROUPED:
-            return cls(token_slots.to(device), tuple(groups))
-        base = token_slots < 0  # [T]
-        return cls(
-            token_slots.to(device), tuple(groups), path, token_slots.clamp(min=0).to(device),
-            base.to(device) if bool(base.any()) else None,
-        )  # fmt: skip
-
-
-def lora_delta(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bs: Sequence[torch.Tensor],
-    mapping: LoRAMapping,
-    out: torch.Tensor,
-) -> None:
-    """Add each row's delta to ``out`` in place, by the path the step's mapping chose."""
-    if mapping.path is LoRAPath.GATHERED:
-        lora_delta_gathered(x, a, bs, mapping, out)
-    else:
-        lora_delta_grouped(x, a, bs, mapping, out)
-
-
-def lora_delta_gathered(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bs: Sequence[torch.Tensor],
-    mapping: LoRAMapping,
-    out: torch.Tensor,
-) -> None:
-    """``lora_delta_grouped``'s result with per-row gathered weights and batched matmuls."""
-    assert mapping.gather_slots is not None, "a mapping built for the grouped path"
-    slots, r = mapping.gather_slots, bs[0].shape[-1]
-    h = torch.bmm(a[slots], x.unsqueeze(2))  # [T, n*R, 1]
-    if mapping.base_rows is not None:  # their gathered slot 0 is someone else's adapter
-        h = h.masked_fill(mapping.base_rows[:, None, None], 0)
-    parts = [torch.bmm(b[slots], h[:, i * r : (i + 1) * r]) for i, b in enumerate(bs)]
-    out += torch.cat(parts, dim=1).squeeze(2)  # [T, sum N_i]
+        return cls(token_slots.to(device), tuple(groups))
 
 
 def lora_delta_grouped(

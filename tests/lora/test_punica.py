@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.lora.punica import (
-    LoRAMapping,
-    LoRAPath,
-    choose_path,
-    lora_delta_gathered,
-    lora_delta_grouped,
-    lora_delta_reference,
-)
+from kvserve.lora.punica import LoRAMapping, lora_delta_grouped, lora_delta_reference
 
 
 def _weights(
@@ -47,25 +40,6 @@ def test_grouped_equals_reference(row_slots: list[int], counts: list[int], outs:
     # rows of the base model are untouched, bit for bit
     base_rows = mapping.token_slots == -1
     assert torch.equal(out[base_rows], base[base_rows])
-    # the gathered path (built whatever the policy would choose) gives the same
-    gathered_map = LoRAMapping(
-        mapping.token_slots, mapping.groups, LoRAPath.GATHERED,
-        mapping.token_slots.clamp(min=0), base_rows if bool(base_rows.any()) else None,
-    )  # fmt: skip
-    gathered = base.clone()
-    lora_delta_gathered(x, a, bs, gathered_map, gathered)
-    torch.testing.assert_close(gathered - base, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(gathered[base_rows], base[base_rows])
-
-
-def test_path_policy() -> None:
-    assert choose_path(4, 4) is LoRAPath.GATHERED  # decode rows of four adapters
-    assert choose_path(4, 1) is LoRAPath.GROUPED  # one adapter: one matmul pair anyway
-    assert choose_path(33, 2) is LoRAPath.GROUPED  # a prefill: fewer, larger matmuls
-    m = LoRAMapping.from_rows([0, -1, 1], [1, 1, 1], torch.device("cpu"))
-    assert m.path is LoRAPath.GATHERED and m.gather_slots is not None
-    assert m.gather_slots.tolist() == [0, 0, 1]
-    assert m.base_rows is not None and m.base_rows.tolist() == [False, True, False]
 
 
 def test_reference_is_one_matmul_pair_per_row() -> None:
