@@ -16,6 +16,7 @@ if "torch" not in sys.modules:
 
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import LLM
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -32,6 +33,7 @@ __all__ = [
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "KVPolicy",
+    "LoRARequest",
     "PoolingParams",
     "PreemptionMode",
     "RequestOutput",

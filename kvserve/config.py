@@ -435,6 +435,32 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): adapters in device slots and in host memory."""
+
+    max_loras: int = 1  # adapters in device slots at once = most distinct adapters per step
+    max_lora_rank: int = 16  # the largest rank an adapter may have (slots are this wide)
+    max_cpu_loras: int | None = None  # adapters kept in host memory (LRU); None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        """``max_cpu_loras`` resolved (never None after construction)."""
+        return int(self.max_cpu_loras or self.max_loras)
+
+
 # -- structured outputs: grammar compilation limits ------------------------------------------
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
@@ -468,6 +494,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (--enable-lora turns them on)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))

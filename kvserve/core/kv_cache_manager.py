@@ -55,7 +55,7 @@ class KVCacheManager:
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], req.cache_keys))
         return hashes[: num_tokens // bs]
 
     def get_computed_blocks(self, req: Request) -> list[int]:

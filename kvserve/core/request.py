@@ -12,6 +12,7 @@ from kvserve.pooling_params import PoolingSpec
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvserve.lora.request import LoRARequest
     from kvserve.structured_output.grammar import StructuredOutputRequest
 
 
@@ -53,8 +54,10 @@ class Request:
         priority: int = 0,
         structured_output: StructuredOutputRequest | None = None,
         pooling: PoolingSpec | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.priority = priority  # lower runs first under SchedulingPolicy.PRIORITY
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -89,6 +92,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0: the base model (vLLM's convention)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_keys(self) -> tuple[object, ...]:
+        """Extra keys of its prefix-cache block hashes: K/V computed under an adapter is
+        never served to the base model or another adapter (vLLM's LoRA extra keys)."""
+        return () if self.lora_request is None else self.lora_request.cache_key
 
     @property
     def num_tokens(self) -> int:

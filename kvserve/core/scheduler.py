@@ -19,6 +19,10 @@ proposals in one step; the runner returns the accepted run (1..k+1 tokens) and
 The scheduling policy (``request_queue.py``) orders the waiting and swapped queues and picks
 preemption victims: FCFS, or priority (lower value first). Under priority + preempt, a waiting
 request whose priority beats a running one's by the threshold may preempt it.
+
+Multi-LoRA: the running requests never use more than ``max_loras`` distinct adapters (the
+runner's device slots); a waiting request whose adapter would be one too many stays in the
+queue while those behind it go ahead (vLLM v1's rule).
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ class Scheduler:
         cache: CacheConfig,
         kv: KVCacheManager,
         spec: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = sched
+        self.max_loras = max_loras  # most distinct adapters running at once; None: LoRA off
         self.spec = spec
         # KV slots held past a request's scheduled tokens for the draft model's proposals
         self.lookahead = 0 if spec is None else spec.num_lookahead_slots
@@ -215,10 +221,24 @@ class Scheduler:
             out.scheduled.remove(req)
         return n
 
+    def _lora_blocked(self, req: Request, ids: set[int]) -> bool:
+        """True when ``req``'s adapter would be one more than ``max_loras`` beside ``ids``."""
+        lid = req.lora_int_id
+        return (
+            self.max_loras is not None and lid != 0 and lid not in ids
+            and len(ids) >= self.max_loras
+        )  # fmt: skip
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         idx = 0
+        loras: set[int] = set()  # adapters scheduled this step
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
+            if self._lora_blocked(req, loras):  # never while admissions keep the cap
+                idx += 1
+                continue
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if self.lookahead:  # best effort: the draft proposes only into slots it holds
                 self.kv.allocate_slots(req.request_id, self._slots(req, n))
@@ -290,9 +310,14 @@ class Scheduler:
         self._preempt(victim, out)
         return given_back
 
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.swapped.peek()
+            if self._lora_blocked(req, self._running_loras()):
+                break  # its adapter waits for a slot; swapped requests keep their order
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = blocks_for(req.num_computed_tokens + n, self.block_size)
             if not self.kv.can_allocate(max(need, self.kv.num_swapped_blocks(req.request_id))):
@@ -308,8 +333,20 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []  # their adapter has no slot this step: they keep places
+        try:
+            self._admit_waiting(out, budget, skipped)
+        finally:
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
+        loras = self._running_loras()
         while self.waiting and budget > 0:
             req = self.waiting.peek()  # waiting requests hold no blocks: nothing is computed
+            if self._lora_blocked(req, loras):
+                skipped.append(self.waiting.pop())
+                continue
             skip = req.skips_prefix_cache  # prompt logprobs need the logits of every position
             computed = [] if skip else self.kv.get_computed_blocks(req)  # a hit, whole blocks
             if not skip and self._waits_for_pending(req, computed):
@@ -331,6 +368,8 @@ class Scheduler:
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
                 req.num_cached_tokens = hit
             self._admit(out, req, n)
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             budget -= n
 
     def _allocate_new(self, req: Request, num_tokens: int, computed: list[int]) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvserve.core.request import Request
+from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingSpec
 from kvserve.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose K/V is already there (a prefix-cache hit)
     # prompt logprob entries the engine already holds ([None] counts 1); None: not asked
     num_prompt_logprobs: int | None
+    lora_request: LoRARequest | None = None  # its adapter (the runner loads it); None: base
 
     @classmethod
     def from_request(cls, req: Request, block_ids: list[int]) -> NewRequestData:
@@ -53,6 +55,7 @@ class NewRequestData:
             block_ids=list(block_ids),
             num_computed_tokens=req.num_computed_tokens,
             num_prompt_logprobs=None if lps is None else len(lps),
+            lora_request=req.lora_request,
         )
 
 

@@ -26,6 +26,7 @@ from kvserve.config import (
     AttentionBackendEnum,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -57,7 +58,6 @@ VLLM_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "data_parallel_size": (1, "kvserve runs one engine per model"),
     "kv_cache_dtype": ("auto", "the KV cache always has the model's dtype"),
     "trust_remote_code": (False, "kvserve never runs a model's own Python code"),
-    "enable_lora": (False, "kvserve has no LoRA adapters"),
     "cpu_offload_gb": (0, "kvserve does not offload weights"),
 }
 # Options of `kvserve serve` alone (the HTTP server's tracing and metrics): refused by LLM()
@@ -370,6 +370,17 @@ class EngineArgs:
         "64MiB", "compiled grammars kept for reuse, in bytes (e.g. 64MiB; least recently "
         "used dropped first; vLLM's VLLM_XGRAMMAR_CACHE_MB)", type=str,
     )  # fmt: skip
+    # -- LoRA adapters (vLLM's flags; kvserve/lora, docs/lora.md) -------------------------
+    enable_lora: bool = _opt(
+        False, "serve PEFT LoRA adapters over the base model, mixed in one batch "
+        "(LLM.generate(lora_request=...), serve --lora-modules)",
+    )  # fmt: skip
+    max_loras: int = _opt(1, "adapters in device slots at once: most distinct adapters per step")
+    max_lora_rank: int = _opt(16, "the largest LoRA rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = _opt(
+        None, "adapters kept in host memory, least recently used dropped (default: max_loras)",
+        type=int,
+    )  # fmt: skip
     # -- serve only (SERVER_ONLY): observability of the HTTP server -----------------------
     otlp_traces_endpoint: str | None = _opt(
         None, "vLLM's flag: send an OpenTelemetry span per request (vLLM's llm_request with "
@@ -426,6 +437,7 @@ class EngineArgs:
         for spec in self.logits_processors or ():
             load_processor_class(spec)  # an unknown or wrong class fails before loading
         self.speculative()  # a bad speculative_config fails before loading
+        self.lora_config()  # bad LoRA limits fail before loading
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(
                 f"metrics_prefix (--metrics-prefix) must be letters, digits and '_', not "
@@ -464,6 +476,20 @@ class EngineArgs:
             return SpeculativeConfig(**raw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"speculative_config: {e}") from e
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits when ``enable_lora``; None (and no LoRA option changed) otherwise."""
+        if not self.enable_lora:
+            defaults = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
+            changed = [n for n, d in defaults.items() if getattr(self, n) != d]
+            if changed:
+                raise ValueError(f"{changed[0]} ({flag_name(changed[0])}) needs enable_lora "
+                                 "(--enable-lora)")  # fmt: skip
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora (--enable-lora) with tensor_parallel_size > 1 is not "
+                             "supported yet")  # fmt: skip
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _check_quantization(self) -> None:
         if self.quantization_group_size is not None and self.quantization not in ("int8", "int4"):
@@ -682,6 +708,7 @@ class EngineArgs:
                 compile_max_memory=parse_bytes(self.grammar_compile_max_memory),
                 cache_memory=parse_bytes(self.grammar_cache_memory),
             ),
+            lora=self.lora_config(),
         )
 
     def _cpu_cores(self) -> tuple[tuple[int, ...], ...] | None:

@@ -38,6 +38,7 @@ from kvserve.engine.input_processor import InputProcessor, ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
 from kvserve.executor import WorkerDiedError
+from kvserve.lora.request import LoRARequest
 from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
@@ -83,6 +84,7 @@ class _AddCommand:
     request: ValidatedRequest  # checked at the door; the engine thread admits it as is
     arrival_time: float
     num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def n(self) -> int:
@@ -237,6 +239,7 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request and return its output stream: ``async for out in generate(...)``.
 
@@ -245,9 +248,13 @@ class AsyncLLMEngine:
         once, before the caller commits to (say) a streaming HTTP response. Must be called from
         a running event loop, which is where the outputs are delivered. ``priority`` orders
         admission under the ``priority`` scheduling policy (lower first, as in vLLM).
+        ``lora_request``: the adapter it runs with (registered with ``LLMEngine.add_lora``
+        first, through ``call``; the server does so when it loads one).
         """
         params = params or self.engine.get_default_sampling_params()
-        return self._submit(prompt, params, request_id, priority)
+        if lora_request is not None and self.engine.config.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        return self._submit(prompt, params, request_id, priority, lora_request)
 
     def encode(
         self,
@@ -267,6 +274,7 @@ class AsyncLLMEngine:
         params: SamplingParams | PoolingParams,
         request_id: str | None,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
@@ -274,7 +282,7 @@ class AsyncLLMEngine:
         request = self.processor.process(prompt, params, priority)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        cmd = _AddCommand(request_id, request, time.monotonic())
+        cmd = _AddCommand(request_id, request, time.monotonic(), lora_request=lora_request)
         cmd.num_tokens = len(request.prompt_token_ids) * cmd.n
         with self._cond:
             if request_id in self._streams:
@@ -474,7 +482,9 @@ class AsyncLLMEngine:
                 _run_call(cmd, self.engine)
                 continue
             try:
-                self.engine.add_validated(cmd.request_id, cmd.request, cmd.arrival_time)
+                self.engine.add_validated(
+                    cmd.request_id, cmd.request, cmd.arrival_time, cmd.lora_request
+                )
             except Exception as exc:  # this request's own fault: fail just this one
                 if not isinstance(exc, ValueError):
                     logger.exception("adding request %s failed", cmd.request_id)

@@ -12,6 +12,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
@@ -67,13 +68,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given.
 
         ``priority``: one value per prompt, lower runs first (needs
-        ``scheduling_policy="priority"``). A request the engine fails on (never expected:
-        input is validated first) comes back with finish reason ``error`` and
-        ``RequestOutput.error`` set; the other requests are not affected.
+        ``scheduling_policy="priority"``). ``lora_request``: the adapter of every prompt, or
+        one per prompt (None: the base model); needs ``enable_lora=True``. A request the
+        engine fails on (never expected: input is validated first) comes back with finish
+        reason ``error`` and ``RequestOutput.error`` set; the other requests are not affected.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -87,6 +90,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _lora_list(lora_request, len(prompts))
         # Tokenize and validate everything first (once), so a bad prompt leaves nothing
         # half-queued.
         process = self.engine.processor.process
@@ -98,7 +102,19 @@ class LLM:
             grammar = self.engine.compile_grammar(sp)
             if grammar is not None:
                 grammar.result()  # raises GrammarError (a ValueError) with the compiler's reason
-        return self._run(checked, use_tqdm)  # type: ignore[return-value]
+        for lr in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(lr)  # a bad adapter raises before anything is queued
+        return self._run(checked, use_tqdm, loras)  # type: ignore[return-value]
+
+    # -- LoRA adapters (vLLM's LLMEngine methods, here on LLM too) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def embed(
         self,
@@ -125,13 +141,19 @@ class LLM:
         checked = [process(p, params, prio) for p, prio in zip(prompts, priorities, strict=True)]
         return self._run(checked, use_tqdm)  # type: ignore[return-value]
 
-    def _run(self, requests: list[ValidatedRequest], use_tqdm: bool) -> list[EngineOutput]:
+    def _run(
+        self,
+        requests: list[ValidatedRequest],
+        use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[EngineOutput]:
         """Queue the checked requests (not checked again) and step until all are done."""
         ids = [f"offline-{next(self._ids)}" for _ in requests]
         done: dict[str, EngineOutput] = {}
+        lrs = loras or [None] * len(requests)
         try:
-            for rid, request in zip(ids, requests, strict=True):
-                self.engine.add_validated(rid, request)
+            for rid, request, lr in zip(ids, requests, lrs, strict=True):
+                self.engine.add_validated(rid, request, lora_request=lr)
             with tqdm(
                 total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
             ) as bar:
@@ -171,6 +193,21 @@ class LLM:
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: vLLM's single-or-list argument."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+    for lr in loras:
+        if lr is not None and not isinstance(lr, LoRARequest):
+            raise TypeError(f"lora_request entries must be LoRARequest or None, got {lr!r}")
+    return loras
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

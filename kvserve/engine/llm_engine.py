@@ -35,6 +35,7 @@ from kvserve.engine.output_processor import (
     update_text,
 )
 from kvserve.executor import Executor, create_executor
+from kvserve.lora.request import LoRARequest
 from kvserve.model.loader import load_hf_config
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
@@ -99,7 +100,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             info.num_blocks, cc.block_size, info.num_swap_blocks, cc.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, cc, self.kv, config.speculative)
+        max_loras = None if config.lora is None else config.lora.max_loras
+        self.scheduler = Scheduler(config.scheduler, cc, self.kv, config.speculative, max_loras)
+        # LoRA adapters registered (add_lora), by name: what the server lists and resolves
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_removals: set[int] = set()  # removed while requests still used them
         self.processor = InputProcessor(
             config, self.tokenizer, self.hf_config, self.max_model_len, self.kv
         )
@@ -177,23 +182,34 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (``n`` child sequences), or with ``PoolingParams`` an embedding
         request (vLLM's signature). ``priority``: lower runs first under the ``priority``
-        scheduling policy; must be 0 otherwise. Raises ValueError for bad input."""
+        scheduling policy; must be 0 otherwise. ``lora_request``: the adapter it runs with
+        (added first if new). Raises ValueError for bad input (a bad adapter included)."""
         params = params or self.get_default_sampling_params()
         request = self.processor.process(prompt, params, priority)
-        self.add_validated(request_id, request, arrival_time)
+        self.add_validated(request_id, request, arrival_time, lora_request)
 
     def add_validated(
-        self, request_id: str, request: ValidatedRequest, arrival_time: float | None = None
+        self,
+        request_id: str,
+        request: ValidatedRequest,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request the input processor has already checked (the async engine checks
-        at the door, ``LLM`` before it queues anything): admitted as is, not checked again."""
+        at the door, ``LLM`` before it queues anything): admitted as is, not checked again.
+        ``lora_request``: the adapter it runs with (added first if new; a bad one raises)."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, params = request.prompt, request.prompt_token_ids, request.params
         max_tokens, priority = request.max_tokens, request.priority
+        if lora_request is not None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("embedding requests run the base model: no lora_request")
+            self.add_lora(lora_request)
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, text, ids, params, arrival_time, priority)
             return
@@ -208,7 +224,7 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, priority,
-                grammar,
+                grammar, lora_request=lora_request,
             )  # fmt: skip
             stream = None
             if self.tokenizer is not None and params.detokenize:
@@ -246,6 +262,53 @@ class LLMEngine:
         self._child_state[request_id] = state
         self._parents[request_id] = parent
         self.scheduler.add_request(req)
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and read it into the runners' host memory (vLLM's
+        ``add_lora``); False if it was registered already. Raises ValueError with the reason
+        (LoRA off, a name or id taken by another adapter, a bad adapter)."""
+        if self.config.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True "
+                             "(--enable-lora)")  # fmt: skip
+        known = self.loras.get(lora_request.lora_name)
+        if known == lora_request:
+            return False
+        if known is not None:
+            raise ValueError(f"a LoRA adapter named {lora_request.lora_name!r} is already "
+                             f"loaded (id {known.lora_int_id}, {known.lora_path})")  # fmt: skip
+        for other in self.loras.values():
+            if other.lora_int_id == lora_request.lora_int_id:
+                raise ValueError(f"lora_int_id {other.lora_int_id} is already adapter "
+                                 f"{other.lora_name!r}")  # fmt: skip
+        self.executor.collective_rpc("add_lora", lora_request)
+        self.loras[lora_request.lora_name] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's ``remove_lora``): new requests can no longer name it;
+        requests already queued or running on it finish on it. False if unknown."""
+        name = next((n for n, r in self.loras.items() if r.lora_int_id == lora_int_id), None)
+        if name is None:
+            return False
+        del self.loras[name]
+        if not any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            self.executor.collective_rpc("remove_lora", lora_int_id)
+        else:  # queued requests still need it: the runner forgets it after the last one
+            self._lora_removals.add(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The registered adapters' ids (vLLM's ``list_loras``)."""
+        return {r.lora_int_id for r in self.loras.values()}
+
+    def _finish_lora_removals(self) -> None:
+        """Removed adapters whose last request is gone leave the runners' memory."""
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for lid in [i for i in self._lora_removals if i not in in_use]:
+            self._lora_removals.discard(lid)
+            if lid not in self.list_loras():  # not added again meanwhile
+                self.executor.collective_rpc("remove_lora", lid)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks are freed at once. Unknown ids are ignored."""
@@ -322,6 +385,8 @@ class LLMEngine:
         itself is broken (see ``fault_isolation``)."""
         timings = self.timings
         t0 = time.perf_counter()
+        if self._lora_removals:
+            self._finish_lora_removals()
         sched = self.scheduler.schedule()
         timings.schedule += time.perf_counter() - t0
         if not sched.scheduled and self.scheduler.waiting_for_grammar:

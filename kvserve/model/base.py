@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.paged import AttentionMetadata
+from kvserve.lora.punica import LoRAMapping
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, Hkv, bs, D]
 
@@ -34,10 +35,9 @@ class ForwardBatch:
     kv_caches: KVCaches  # per layer (K, V) [num_blocks, Hkv, block_size, D]
     attn_metadata: AttentionMetadata  # the rows, slots and block tables (built by the backend)
     attn_backend: AttentionBackend  # what every attention layer calls (attention/selector.py)
-    # Reserved for multi-LoRA: [B] int64 adapter index of each row (-1: the base model only),
-    # for the linear layers to pick their low-rank deltas per row. Nothing reads it yet; None
-    # means every row runs the base model.
-    adapter_ids: torch.Tensor | None = None
+    # Multi-LoRA: each token row's adapter slot, grouped by slot (kvserve/lora/punica.py),
+    # read by the adapted linears; None: every row runs the base model.
+    lora: LoRAMapping | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -63,7 +63,8 @@ class DecodeLoop:
         md = batch.attn_metadata
         dec = md.decode
         return (
-            dec is not None
+            batch.lora is None  # adapters' deltas are added by the Python layers only
+            and dec is not None
             and isinstance(batch.attn_backend, CpuKernelBackend)
             and dec.token_idx is None  # every row of the step is a one-token decode row
             and not md.prefill_groups

@@ -124,6 +124,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     architectures = SUPPORTED_ARCHITECTURES
     norm_class = GemmaRMSNorm
     supports_tensor_parallel = False  # its layers are built unsharded (make_layer)
+    supports_lora = False  # its decoder layer does not hand the step's adapters to its MLP
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         arch = (getattr(config, "architectures", None) or [SUPPORTED_ARCHITECTURES[0]])[0]

@@ -32,6 +32,8 @@ from kvserve.distributed.layers import (
     load_weight,
 )
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, divide
+from kvserve.lora.layers import LoRASlotWeights
+from kvserve.lora.punica import LoRAMapping
 from kvserve.model.base import ForwardBatch
 from kvserve.model.decode_loop import DecodeLoop, build_decode_loop
 from kvserve.ops import cpu_kernels
@@ -202,6 +204,9 @@ class Attention(nn.Module):
         if soft_cap is not None:
             self.attn_kwargs["soft_cap"] = soft_cap
         self.fused = False  # (q/k norm +) RoPE + KV write as one C++ kernel
+        # LoRA slot weights (kvserve/lora/layers.py attach_lora), owned by the LoRAManager
+        self.lora_qkv: LoRASlotWeights | None = None
+        self.lora_o: LoRASlotWeights | None = None
 
     def forward(
         self,
@@ -212,6 +217,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, md, backend = x.shape[0], batch.attn_metadata, batch.attn_backend
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if batch.lora is not None and self.lora_qkv is not None:
+            qkv = self.lora_qkv.add_delta(qkv, x, batch.lora)
         if self.fused:
             cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
             norms = None
@@ -232,7 +239,11 @@ class Attention(nn.Module):
             q, k = apply_rope(rope, q, k)
             backend.write_kv(k, v, kv_cache[0], kv_cache[1], md)
         o = backend.forward(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
-        return self.o_proj(o.reshape(t, self.q_size))  # o: [T, H, D]
+        o = o.reshape(t, self.q_size)  # [T, H * D]
+        out = self.o_proj(o)  # [T, hidden]
+        if batch.lora is not None and self.lora_o is not None:
+            out = self.lora_o.add_delta(out, o, batch.lora)
+        return out
 
 
 # The gated MLP's activations: transformers' ``hidden_act`` name -> (PyTorch op, C++ kernel
@@ -261,12 +272,24 @@ class MLP(nn.Module):
         self.intermediate = self.gate_up_proj.local_sizes[0]  # this rank's features
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
         self.fused = False  # act(gate) * up as one C++ kernel
+        # LoRA slot weights (kvserve/lora/layers.py attach_lora), owned by the LoRAManager
+        self.lora_gate_up: LoRASlotWeights | None = None
+        self.lora_down: LoRASlotWeights | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        """``lora``: the step's adapter rows (``ForwardBatch.lora``); None: the base model."""
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if lora is not None and self.lora_gate_up is not None:
+            gate_up = self.lora_gate_up.add_delta(gate_up, x, lora)
         if self.fused:
-            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            h = self.act_and_mul(gate_up)  # [T, I]
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = self.act(gate) * up
+        out = self.down_proj(h)  # [T, hidden]
+        if lora is not None and self.lora_down is not None:
+            out = self.lora_down.add_delta(out, h, lora)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -295,7 +318,7 @@ class DecoderLayer(nn.Module):
             residual, h = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(rope, h, kv_cache, batch)
         residual, h = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, batch.lora), residual
 
 
 def _llama_attention(
@@ -328,6 +351,7 @@ class LlamaForCausalLM(nn.Module):
     architectures = SUPPORTED_ARCHITECTURES  # what this class runs (config.architectures[0])
     norm_class: type[RMSNorm] = RMSNorm
     supports_tensor_parallel = True  # the loader refuses tp > 1 for classes without it
+    supports_lora = True  # its layers add LoRA deltas (kvserve/lora/layers.py attach_lora)
 
     def __init__(
         self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None

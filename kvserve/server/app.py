@@ -28,6 +28,7 @@ from kvserve.server.completions import create_completion
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
 from kvserve.server.http_guard import DEFAULT_BODY_READ_TIMEOUT, CorsOptions
+from kvserve.server.lora import LoRAEngine, LoRARegistry, add_lora_routes
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openapi import error_responses, generation_responses, install_openapi
 from kvserve.server.openapi_limits import PublishedLimits
@@ -84,6 +85,7 @@ class ServerState:
     # requests in flight fail, and the server exits with code 1 for a supervisor to restart it
     fatal_error: str | None = None
     grpc_in_flight: int = 0  # gRPC calls being answered; the drain waits for them too
+    loras: LoRARegistry = field(default_factory=LoRARegistry)  # served LoRA adapters (lora.py)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_engine(self, engine: AsyncLLMEngine, path: str | None = None) -> None:
@@ -97,17 +99,22 @@ class ServerState:
             self.model_paths[name] = path or name
 
     def engine_for(self, model: str | None) -> AsyncLLMEngine:
-        """The engine serving ``model`` (None/"" -> the first model, like vLLM)."""
+        """The engine serving ``model`` (None/"" -> the first model, like vLLM); a LoRA
+        adapter's name gives its base model's engine running that adapter."""
         if not self.ready:
             raise APIError(503, self.load_error or "the server is still loading its models")
         engines = self.engines
         if not model:
             return next(iter(engines.values()))
         engine = engines.get(model)
+        if engine is None and (served := self.loras.adapters.get(model)) is not None:
+            view = LoRAEngine(engines[served.base], served, self.loras)
+            return view  # type: ignore[return-value]  # the engine's interface, adapter-bound
         if engine is None:
+            served_names = [*engines, *self.loras.adapters]
             raise APIError(
                 404,
-                f"The model `{model}` does not exist. Served models: {', '.join(engines)}",
+                f"The model `{model}` does not exist. Served models: {', '.join(served_names)}",
                 param="model",
                 code="model_not_found",
             )
@@ -123,7 +130,9 @@ class ServerState:
         """Observability of an admitted API request's engine requests: vLLM's
         request_params_* histograms and, with tracing on, each one's span when it finishes
         (a child of the ``traceparent`` in ``headers``, HTTP headers or gRPC metadata)."""
-        self.metrics.observe_params(engine.model_name, params, len(streams))
+        # an adapter's requests count under its base model (the metrics' model_name label)
+        base = getattr(engine, "base_model_name", engine.model_name)
+        self.metrics.observe_params(base, params, len(streams))
         if self.tracer is not None:
             self.tracer.watch(streams, engine.model_name, params, headers)
 
@@ -300,6 +309,7 @@ def build_app(state: ServerState) -> FastAPI:
     _add_openai_routes(app, state)
     add_responses_routes(app, state)  # /v1/responses (responses.py)
     add_anthropic_routes(app, state)  # /v1/messages (kvserve/server/anthropic/)
+    add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora.py)
     _add_ops_routes(app, state)
     return app
 
@@ -325,7 +335,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", responses=error_responses(500, 503))
     async def list_models() -> ModelList:
         state.engine_for(None)  # 503 while loading
-        return ModelList(data=[_card(state, name) for name in state.engines])
+        names = [*state.engines, *state.loras.adapters]
+        return ModelList(data=[_card(state, name) for name in names])
 
     @app.get("/v1/models/{model_id:path}", responses=error_responses(404, 500, 503))
     async def get_model(model_id: str) -> ModelCard:
@@ -333,6 +344,12 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
+    served = state.loras.adapters.get(name)
+    if served is not None:  # an adapter: its folder, and the model it runs on (vLLM's card)
+        engine = state.engines[served.base]
+        lora = served.request
+        return ModelCard(id=name, root=lora.lora_path, parent=served.base,
+                         max_model_len=engine.max_model_len)  # fmt: skip
     engine = state.engines[name]
     return ModelCard(id=name, root=state.model_paths.get(name), max_model_len=engine.max_model_len)
 
@@ -378,7 +395,9 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         """Forget the cached prefix blocks of every model (or of ``?model=``), as vLLM's
         endpoint does; running requests are not affected."""
         state.engine_for(None)  # 503 while loading
-        names = [state.engine_for(model).model_name] if model else list(state.engines)
+        served = state.loras.adapters.get(model or "")
+        base = served.base if served is not None else None  # an adapter's: its model's cache
+        names = [base or state.engine_for(model).model_name] if model else list(state.engines)
         dropped = {n: await state.engines[n].reset_prefix_cache() for n in names}
         return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 

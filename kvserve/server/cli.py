@@ -31,6 +31,12 @@ from kvserve.server.http_guard import (
     raise_fd_limit,
     uvicorn_options,
 )
+from kvserve.server.lora import (
+    LoRARegistry,
+    load_lora_modules,
+    parse_lora_module,
+    runtime_updating_allowed,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from kvserve.server.responses_store import ResponseStore, add_responses_args, store_limits_from_args
@@ -176,10 +182,28 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
              "output starts inside the thinking) or qwen3 (it starts with <think>); the "
              "model's tokenizer must have both markers",
     )  # fmt: skip
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags; with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, default=None,
+        help="adapters to serve, as name=path or JSON {\"name\": ..., \"path\": ..., "
+             "\"base_model_name\": ...}; a request's model field names one",
+    )  # fmt: skip
+    lora.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does)",
+    )  # fmt: skip
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     add_ray_args(p)
     add_vllm_flags(p)  # last: vLLM's other flags, accepted or refused by name (vllm_flags.py)
     return p
+
+
+def _lora_module(value: str) -> object:
+    try:
+        return parse_lora_module(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
@@ -216,6 +240,8 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str | None, str | None]
     if args.max_n < 1 or args.max_prompts_per_request < 1:
         raise ValueError("--max-n and --max-prompts-per-request must be >= 1")
     _check_cost_limits(args)
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     store_limits_from_args(args)  # the /v1/responses store's flags (ValueError if bad)
     if args.grpc_port is not None and not (
         0 <= args.grpc_port <= 65535 and args.grpc_port != args.port
@@ -267,6 +293,7 @@ def load_models(
         )
         state.add_engine(queue, config.model.path)
         logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+    load_lora_modules(state, getattr(args, "lora_modules", None) or [])
     state.ready = True
 
 
@@ -304,6 +331,9 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
         max_logprobs=engine_args.max_logprobs,
         priority_scheduling=engine_args.scheduling_policy == "priority",
         responses=ResponseStore(store_limits_from_args(args)),
+        loras=LoRARegistry(
+            runtime_updating_allowed(getattr(args, "allow_runtime_lora_updating", False))
+        ),
     )
 
 

@@ -31,7 +31,9 @@ _WHEN = {
     "longer than --body-read-timeout (answered by the HTTP layer, which closes the connection)",
     431: "The request's line and headers are larger than --max-header-bytes, or more than "
     "--max-header-count headers (answered by the HTTP layer, which closes the connection)",
-    404: "The model is not served",
+    403: "Loading and unloading LoRA adapters at run time is off "
+    "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or --allow-runtime-lora-updating turns it on)",
+    404: "The model (or LoRA adapter) is not served",
     413: "The body is larger than --max-request-body-bytes",
     429: "The model's queue is full (--max-queued-requests, --max-num-queued-tokens); "
     "retry after the Retry-After header's seconds",

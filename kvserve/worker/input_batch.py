@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.core.scheduler_output import NewRequestData, SchedulerOutput
+from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingSpec
 from kvserve.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class CachedRequestState:
     # prompt logprob entries the engine holds ([None] counts 1); None: not asked
     num_prompt_logprobs: int | None
     generator: torch.Generator | None = field(default=None, repr=False)  # seeded requests
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -60,6 +62,7 @@ class CachedRequestState:
             num_computed_tokens=new.num_computed_tokens,
             num_prompt_logprobs=new.num_prompt_logprobs,
             generator=generator,
+            lora_request=new.lora_request,
         )
 
     @property

@@ -38,6 +38,8 @@ from kvserve.attention.selector import select_for_model
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
+from kvserve.lora.manager import LoRAManager
+from kvserve.lora.request import LoRARequest
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
 from kvserve.ops.malloc_tuning import keep_freed_memory, trim_heap
@@ -97,6 +99,12 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(mc, hf_config)
         self.model: CausalLM = load_target(config, self.max_model_len, tp)
         draft = load_draft(config, hf_config, self.max_model_len)
+        # LoRA adapters: device slots in every adapted layer, host LRU (kvserve/lora)
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            if tp.world_size > 1:
+                raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
+            self.lora = LoRAManager(self.model, config.lora, mc.dtype, device)
         size = kv_cache_size(config, self.model, draft)
         self.num_blocks = size.num_blocks
         self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, cc.block_size,
@@ -172,6 +180,24 @@ class ModelRunner:
         self.model.compute_logits(hidden[row_len - 1 :: row_len])  # [rows, V]
         return rows * row_len
 
+    # -- LoRA adapters (the engine calls these through the executor) ---------------------------
+    def add_lora(self, req: LoRARequest) -> bool:
+        """Read and check an adapter into host memory (vLLM's ``add_lora``); False if it was
+        there already. Raises a ValueError with the reason for a bad adapter."""
+        return self._lora_manager().add(req)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests in flight on it finish first."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().list_ids()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True")
+        return self.lora
+
     def trim_heap(self) -> None:
         """Hand this process's freed C heap back to the OS: the engine calls it on every rank
         once it has been idle for ``IDLE_TRIM_SECONDS`` (``ops/malloc_tuning.py``)."""
@@ -218,7 +244,11 @@ class ModelRunner:
                                        frozenset(spec_rows))  # fmt: skip
         md = self.attn_backend.build_metadata(md)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        batch = ForwardBatch(input_ids, positions, self.kv_caches, md, self.attn_backend)
+        lora = None
+        if self.lora is not None:
+            counts = [n for _, _, n in meta_rows]  # each row's tokens, proposals included
+            lora = self.lora.prepare([r.lora_request for r in rows.scheduled], counts)
+        batch = ForwardBatch(input_ids, positions, self.kv_caches, md, self.attn_backend, lora=lora)
         return batch, logits_idx
 
     @torch.inference_mode()
@@ -230,6 +260,12 @@ class ModelRunner:
         is lost: the engine's fault)."""
         t0 = time.perf_counter()
         rows = self.input_batch.update(sched)
+        if self.lora is not None:
+            self.lora.set_live(
+                r.lora_request.lora_int_id
+                for r in self.input_batch.requests.values()
+                if r.lora_request is not None
+            )
         if self.proposer is not None:
             self.proposer.forget(sched.finished_req_ids, sched.preempted_req_ids)
         if len(self.pooler):

@@ -180,3 +180,30 @@ def test_caching_off_finds_nothing() -> None:
     kv = KVCacheManager(8, BS, enable_caching=False)
     r = req("x", [*SYSTEM, 1])
     assert kv.get_computed_blocks(r) == []
+
+
+def test_adapters_share_no_block() -> None:
+    """The same prompt under two adapters and the base model: three sets of blocks, and a
+    second request on an adapter hits only that adapter's blocks."""
+    from kvserve.lora.request import LoRARequest
+
+    s = make(num_blocks=30)
+    one, two = LoRARequest("one", 1, "/a/one"), LoRARequest("two", 2, "/a/two")
+    prompt = [*SYSTEM, 1, 2]  # two full blocks and a bit
+
+    def lreq(rid: str, lora: LoRARequest | None) -> Request:
+        r = req(rid, prompt)
+        r.lora_request = lora
+        return r
+
+    for rid, lora in (("base", None), ("one", one), ("two", two)):
+        s.add_request(lreq(rid, lora))
+    out, _ = fake_step(s)
+    tables = out.block_tables
+    assert tables == {"base": [0, 1, 2], "one": [3, 4, 5], "two": [6, 7, 8]}
+    hashes = {rid: s.kv.block_hashes(s.requests[rid], 8) for rid in tables}
+    assert len({h for hs in hashes.values() for h in hs}) == 6  # no hash shared
+    s.add_request(lreq("one-again", one))
+    out, _ = fake_step(s)
+    assert out.block_tables["one-again"][:2] == [3, 4]  # adapter one's blocks, no other's
+    assert s.requests["one-again"].num_cached_tokens == 8

@@ -297,3 +297,32 @@ def test_stop_early_in_a_run_caches_only_whole_token_blocks() -> None:
     assert finished[0].num_computed_tokens == 6  # not 9: only its 7 tokens minus the newest
     assert s.kv.pool.num_cached_blocks == 1  # block 0 ([2, 3, 4, 5]); block 1 holds 3 tokens
     s.kv.check_integrity()
+
+
+def test_distinct_adapters_per_step_capped_at_max_loras() -> None:
+    """max_loras=2, three adapters: the third adapter's request waits (those behind it with
+    a running adapter or none go ahead) until an adapter's requests finish."""
+    from kvserve.lora.request import LoRARequest
+
+    s = Scheduler(
+        SchedulerConfig(), CacheConfig(block_size=4, num_kv_blocks=40),
+        KVCacheManager(40, 4), max_loras=2,
+    )  # fmt: skip
+    loras = {i: LoRARequest(f"a{i}", i, f"/adapters/{i}") for i in (1, 2, 3)}
+
+    def lreq(rid: str, lora: int | None, max_tokens: int) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        lr = None if lora is None else loras[lora]
+        return Request(rid, [2, 3, 4], params, max_tokens, [EOS], lora_request=lr)
+
+    for r in (lreq("a", 1, 2), lreq("b", 2, 4), lreq("c", 3, 2), lreq("d", 1, 2),
+              lreq("base", None, 2)):  # fmt: skip
+        s.add_request(r)
+    out, _ = fake_step(s)
+    assert [r.request_id for r in out.scheduled] == ["a", "b", "d", "base"]
+    assert [r.request_id for r in s.waiting] == ["c"]  # kept its place
+    _, finished = fake_step(s)  # a, d (adapter 1) and base finish
+    assert sorted(r.request_id for r in finished) == ["a", "base", "d"]
+    out, _ = fake_step(s)  # adapter 1 has no request left: adapter 3 gets its slot
+    assert [r.request_id for r in out.scheduled] == ["b", "c"]
+    assert {r.lora_int_id for r in out.scheduled} == {2, 3}

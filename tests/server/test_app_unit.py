@@ -126,6 +126,7 @@ def test_openapi_documents_the_real_statuses() -> None:
     assert all({"408", "431"} <= set(op["responses"]) for op in ops.values())
     statuses = {key: sorted(set(op["responses"]) - {"408", "431"}) for key, op in ops.items()}
     generation = ["200", "400", "401", "404", "413", "429", "500", "503"]
+    lora = ["200", "400", "401", "403", "404", "413", "500", "503"]  # 403: runtime updating off
     assert statuses == {
         ("post", "/v1/completions"): generation,
         ("post", "/v1/chat/completions"): generation,
@@ -145,6 +146,8 @@ def test_openapi_documents_the_real_statuses() -> None:
         ("post", "/reset_prefix_cache"): ["200", "401", "404", "500", "503"],
         ("post", "/v1/messages"): generation,
         ("post", "/v1/messages/count_tokens"): ["200", "400", "401", "404", "413", "500", "503"],
+        ("post", "/v1/load_lora_adapter"): lora,
+        ("post", "/v1/unload_lora_adapter"): lora,
     }
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {

@@ -80,6 +80,9 @@ INEXPRESSIBLE = [
         r"invalid (json|regex|grammar|structural_tag) for structured outputs",
         # the grammar, allowed_token_ids, bad_words and min_tokens exclude every token
         r"no token is allowed at this position",
+        # the server's state: runtime LoRA updating is off on this server (403); with it on,
+        # lora_path must be an adapter folder on disk and an unloaded name must be loaded
+        r"loading and unloading LoRA adapters at run time is off",
     )
 ]
 
