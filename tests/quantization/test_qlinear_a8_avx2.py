@@ -113,3 +113,18 @@ def test_integer_inputs_give_exact_products(bits: int, zeros: bool) -> None:
     w = codes.double() + (0 if z is None else z.double().repeat_interleave(32, 1))
     out = QuantLinear(qw, None, CPU, torch.float32, INT8)(x)
     assert torch.equal(out.double(), x.double() @ w.t())
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("bits", "group", "zeros", "half"), [(8, 32, False, True), (4, 32, True, True)]
+)
+def test_a_row_does_not_depend_on_its_batch(bits: int, group: int, zeros: bool, half: bool) -> None:
+    """Rows run four at a time, each in the same order: row i of a batch of 7 is bit-equal to
+    row i alone (docs/ARCHITECTURE.md: batch-invariant quantized layers)."""
+    qw = _weights(80, 256, bits, group, zeros, half)
+    layer = QuantLinear(qw, None, CPU, torch.float32, INT8)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    batch = layer(x)
+    for i in range(7):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
