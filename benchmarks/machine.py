@@ -107,6 +107,8 @@ def cpu_paths() -> dict[str, Any]:
     paths["cpp_kernels"] = cpu_kernels.available()
     if paths["cpp_kernels"]:
         paths["quant_bf16_activations"] = "avx512_bf16" if bf16_native() else "widened_fp32"
-        paths["quant_int8_activations"] = _a8_kernel()
+        paths["quant_int8_activations"] = _a8_kernel()  # what auto picks (VNNI, bf16)
+        isa = getattr(torch.ops.kvserve, "quant_linear_a8_isa", None)  # int8 opt-in elsewhere
+        paths["quant_int8_activations_isa"] = str(isa()) if isa is not None else "none"
         paths["wide_linear"] = str(torch.ops.kvserve.wide_linear_isa())
     return paths

@@ -70,7 +70,9 @@ def worker(
     n: int, k: int, rows: list[int], repeats: int, stream_mb: int, forced: bool
 ) -> dict[str, Any]:
     """One process's medians (us per call) for every variant and row count; ``forced``: also
-    each of the kernel's two float32 paths, forced (direct, tiles)."""
+    each of the kernel's two float32 paths, forced (direct, tiles), and the AVX2 int8-activation
+    path (``a8``: ``--quantization-activations int8``) where the build has it."""
+    from kvserve.config import QuantizedActivations
     from kvserve.ops import cpu_kernels
     from kvserve.quantization.qlinear import QuantLinear
     from kvserve.quantization.qweight import quantize_rtn
@@ -109,7 +111,21 @@ def worker(
                 fns = [_forced(q, x, limit) for q in layers]
                 times[f"{name} {path}|{m}"] = per_call_us(fns, repeats)
         layers.clear()
+        if forced and _has_a8_avx2():  # --quantization-activations int8: pack_a8's records
+            acts = QuantizedActivations.INT8
+            a8 = [QuantLinear(qw, None, cpu, torch.float32, acts) for _ in range(copies)]
+            assert a8[0].path == "a8"
+            for m in rows:
+                x = torch.randn(m, k)
+                times[f"{name} a8|{m}"] = per_call_us([lambda x=x, q=q: q(x) for q in a8], repeats)
+            a8.clear()
     return result
+
+
+def _has_a8_avx2() -> bool:
+    """Whether this tree's kernels have the AVX2 int8-activation path (quant_linear_a8_avx2.h)."""
+    isa = getattr(torch.ops.kvserve, "quant_linear_a8_isa", None)
+    return isa is not None and str(isa()) == "avx2"
 
 
 def lscpu_record() -> dict[str, str]:
@@ -170,13 +186,15 @@ def table(summary: dict[str, Any], rows: list[int]) -> str:
     after = summary["after"]
     gbps = after["read_gbps"]
     head = " | ".join(f"{t} us" for t in summary)
-    lines = [f"| weights | rows | {head} | direct us | tiles us | floor us |",
-             "|---|---|" + "---|" * (len(summary) + 3)]  # fmt: skip
+    lines = [f"| weights | rows | {head} | direct us | tiles us | a8 us | floor us |",
+             "|---|---|" + "---|" * (len(summary) + 4)]  # fmt: skip
     for name in ["fp32 F.linear"] + [v[0] for v in VARIANTS]:
         floor = after["bytes"][name] / gbps / 1e3
         for m in rows:
             cells = [f"{s['times_us'][f'{name}|{m}']:.0f}" for s in summary.values()]
             t = after["times_us"]
-            extra = [f"{t.get(f'{name} {p}|{m}', float('nan')):.0f}" for p in ("direct", "tiles")]
+            extra = [
+                f"{t.get(f'{name} {p}|{m}', float('nan')):.0f}" for p in ("direct", "tiles", "a8")
+            ]
             lines.append(f"| {name} | {m} | " + " | ".join(cells + extra) + f" | {floor:.0f} |")
     return "\n".join(lines)

@@ -176,7 +176,8 @@ class QuantizedActivations(enum.Enum):
     # int8 where the kernel has it (a bf16 model on a CPU with AVX512-VNNI), else the dtype
     AUTO = "auto"
     # x quantized per row in blocks of 32 (int8, a float scale each: llama.cpp's Q8_0), then
-    # integer dot products; without the kernel, the (slow) pure-PyTorch reference
+    # integer dot products (VNNI for bf16; AVX2 vpmaddubsw for float32 and bf16); without a
+    # kernel, the (slow) pure-PyTorch reference
     INT8 = "int8"
     NONE = "none"  # the model dtype: exact products with the dequantized weights
 

@@ -39,16 +39,28 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVSERVE_A8_AVX2 1  // quant_linear_a8_avx2.h: vpmaddubsw, float32 or bf16 activations
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVSERVE_A8_VNNI 1
 #endif
 
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(KVSERVE_A8_AVX2)
+#include "quant_linear_a8_avx2.h"
+#endif
+
+#if defined(KVSERVE_A8_VNNI)
 constexpr int64_t kRowChunk = 64;  // rows whose int8 activations stay in L2 for a tile
 constexpr int64_t kPrefetchBytes = 2048;
 
@@ -299,8 +311,9 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
                      int64_t group, int64_t offset, bool half_scales, bool has_zeros) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
               "quant_linear_a8: x and out must be contiguous 2-D tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "quant_linear_a8: x and out must be bfloat16");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && out.scalar_type() == x.scalar_type(),
+              "quant_linear_a8: x and out must be both bfloat16 or both float32");
   TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_a8: bits must be 8 or 4");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
@@ -313,35 +326,60 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.numel() == (n / 16) * (k / 32 / bpr) * record,
               "quant_linear_a8: packed does not hold N x K weights in pack_a8's records");
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (m == 0) return;
   const int64_t zg = group == 16 ? 16 : group;
-  A8Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, group, n, k,
-           static_cast<float>(offset), zg, scale_bytes, header, record, bpr};
-  std::vector<int8_t> q(m * k);
-  std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, r0, r1, k, zg, q.data(), d.data(), xs.data());
-  });
-  A8Rows rows{q.data(), d.data(), xs.data()};
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const bool halves = group == 16;
-  if (bits == 4) {
-    halves ? a8_run<true, true>(a, rows, m, op) : a8_run<true, false>(a, rows, m, op);
+#if defined(KVSERVE_A8_VNNI)
+  if (bf16) {
+    if (m == 0) return;
+    A8Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, group, n, k,
+             static_cast<float>(offset), zg, scale_bytes, header, record, bpr};
+    std::vector<int8_t> q(m * k);
+    std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
+    const auto* xp = x.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      quantize_rows(xp, r0, r1, k, zg, q.data(), d.data(), xs.data());
+    });
+    A8Rows rows{q.data(), d.data(), xs.data()};
+    auto* op = out.data_ptr<c10::BFloat16>();
+    const bool halves = group == 16;
+    if (bits == 4) {
+      halves ? a8_run<true, true>(a, rows, m, op) : a8_run<true, false>(a, rows, m, op);
+    } else {
+      halves ? a8_run<false, true>(a, rows, m, op) : a8_run<false, false>(a, rows, m, op);
+    }
+    return;
+  }
+#endif
+#if defined(KVSERVE_A8_AVX2)
+  if (m == 0) return;
+  A8Avx2Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, n, k,
+               static_cast<float>(offset), zg, scale_bytes, record, bpr};
+  if (bf16) {
+    quant_linear_a8_avx2(a, bits, group == 16, x.data_ptr<c10::BFloat16>(), m,
+                         out.data_ptr<c10::BFloat16>());
   } else {
-    halves ? a8_run<false, true>(a, rows, m, op) : a8_run<false, false>(a, rows, m, op);
+    quant_linear_a8_avx2(a, bits, group == 16, x.data_ptr<float>(), m, out.data_ptr<float>());
   }
 #else
-  TORCH_CHECK(false, "quant_linear_a8 needs AVX512-VNNI and AVX512-BF16");
+  TORCH_CHECK(false, "quant_linear_a8 needs AVX2 (float32, bf16) or AVX512-VNNI (bf16)");
 #endif
 }
 
+// Whether bf16 activations run on AVX512-VNNI (vpdpbusd) here: the path `auto` picks.
 bool quant_linear_a8_supported() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(KVSERVE_A8_VNNI)
   return true;
 #else
   return false;
+#endif
+}
+
+// The instruction set quant_linear_a8 runs float32 activations on (bf16 too without VNNI):
+// "avx2" (quant_linear_a8_avx2.h, vpmaddubsw) or "none".
+std::string quant_linear_a8_isa() {
+#if defined(KVSERVE_A8_AVX2)
+  return "avx2";
+#else
+  return "none";
 #endif
 }
 
@@ -352,6 +390,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "quant_linear_a8(Tensor(a!) out, Tensor x, Tensor packed, int bits, int group, int offset, "
       "bool half_scales, bool has_zeros) -> ()");
   m.def("quant_linear_a8_supported() -> bool", &quant_linear_a8_supported);
+  m.def("quant_linear_a8_isa() -> str", &quant_linear_a8_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("quant_linear_a8", &quant_linear_a8); }

@@ -299,8 +299,9 @@ class EngineArgs:
     quantization_activations: str = _opt(
         "auto", "with --quantization: int8 quantizes each linear's input per row in blocks of "
         "32 (a scale each, as llama.cpp does) and multiplies with integer dot products "
-        "(AVX512-VNNI); none keeps --dtype (exact products with the dequantized weights, "
-        "slower); auto is int8 where the kernel runs (bf16 on a CPU with VNNI), else none",
+        "(AVX512-VNNI for bf16; AVX2 vpmaddubsw for float32, and for bf16 without VNNI); none "
+        "keeps --dtype (exact products with the dequantized weights); auto is int8 where the "
+        "VNNI kernel runs (bf16 on a CPU with VNNI), else none",
         choices=("auto", "int8", "none"),
     )  # fmt: skip
     quantization_lm_head: bool = _opt(

@@ -3,9 +3,10 @@
 The weight is int8 or int4 codes with group scales (``QuantizedWeight``). Two ways to take
 the activations (``QuantizedActivations``):
 
-* int8 (the default for bf16 on CPUs with AVX512-VNNI): each row of x is quantized in blocks
-  of 32, then integer dot products (``csrc/quant_linear_a8.cpp``, weights packed by
-  ``pack_a8``); the reference is ``reference_linear_a8``.
+* int8 (the default for bf16 on CPUs with AVX512-VNNI; opt-in elsewhere): each row of x is
+  quantized in blocks of 32, then integer dot products (``csrc/quant_linear_a8.cpp``: vpdpbusd
+  for bf16 on AVX512-VNNI, vpmaddubsw on AVX2 for float32 and bf16, ``quant_linear_a8_avx2.h``;
+  weights packed by ``pack_a8``); the reference is ``reference_linear_a8``.
 * the model dtype (bf16 or float32): ``csrc/quant_linear.cpp`` (codes packed by
   ``pack_codes``), exact products with the dequantized weight; the reference is
   ``reference_linear``.
@@ -180,13 +181,31 @@ def kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtyp
     return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
-def a8_kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the int8-activation kernel runs this weight: bf16 on a CPU with AVX512-VNNI,
-    N a multiple of 16, K of 32, groups of 16 or a multiple of 32."""
+def _a8_shape_ok(qw: QuantizedWeight) -> bool:
+    """N a multiple of 16, K of 32, groups of 16 or a multiple of 32 (``pack_a8``'s records)."""
     n, k = qw.shape
     g = qw.group_size
-    shape_ok = n % 16 == 0 and k % 32 == 0 and (g == 16 or g % 32 == 0)
-    return device.type == "cpu" and dtype == torch.bfloat16 and shape_ok and _a8_kernel()
+    return n % 16 == 0 and k % 32 == 0 and (g == 16 or g % 32 == 0)
+
+
+def a8_kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the int8-activation kernel runs this weight: bf16 on a CPU with AVX512-VNNI,
+    float32 or bf16 on AVX2 (vpmaddubsw), for ``_a8_shape_ok`` shapes."""
+    if device.type != "cpu" or not _a8_shape_ok(qw):
+        return False
+    vnni = dtype == torch.bfloat16 and _a8_kernel()
+    return vnni or (dtype in (torch.float32, torch.bfloat16) and _a8_avx2())
+
+
+def a8_auto_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
+    """Where ``auto`` takes int8 activations: the VNNI kernel only (bf16). On AVX2 the int8
+    path is opt-in: it is not exact (x rounded to 8 bits per block of 32: ~0.6% relative
+    error against ``reference_linear``), and no clear one-row win over the float32 direct
+    path. Measured (AMD EPYC Zen 3, 1 thread, CPU time, N=5632 K=2048, loaded machine, us):
+    one row int8 g32 1382 vs 1070 (slower), int4 g32 760 vs 952; four rows int8 g32 2307 vs
+    3176, int4 g32 1616 vs 3487 (docs/performance.md, "AVX2 quantized kernels")."""
+    ok = device.type == "cpu" and _a8_shape_ok(qw)
+    return ok and dtype == torch.bfloat16 and _a8_kernel()
 
 
 @functools.cache
@@ -202,13 +221,20 @@ def _a8_kernel() -> bool:
     return cpu_kernels.available() and bool(torch.ops.kvserve.quant_linear_a8_supported())
 
 
+@functools.cache
+def _a8_avx2() -> bool:
+    """Whether the build has the AVX2 int8-activation path (vpmaddubsw; float32 and bf16)."""
+    return cpu_kernels.available() and torch.ops.kvserve.quant_linear_a8_isa() == "avx2"
+
+
 def wants_int8_activations(
     activations: QuantizedActivations, qw: QuantizedWeight, device: torch.device,
     dtype: torch.dtype,
 ) -> bool:  # fmt: skip
-    """``activations`` resolved for one layer: auto is int8 exactly where the kernel runs."""
+    """``activations`` resolved for one layer: auto is int8 exactly where the VNNI kernel
+    runs (``a8_auto_supports``)."""
     if activations is QuantizedActivations.AUTO:
-        return a8_kernel_supports(qw, device, dtype)
+        return a8_auto_supports(qw, device, dtype)
     if activations is QuantizedActivations.INT8 and qw.shape[1] % 32:
         raise ValueError(
             f"int8 activations are quantized in blocks of 32, and the input size {qw.shape[1]} "

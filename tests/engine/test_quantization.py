@@ -155,6 +155,43 @@ def test_int8_activation_kernel_gives_its_reference_tokens(tiny_llama: Path) -> 
     assert none.runner.model.quant_report.int8_activations is False
 
 
+def _a8_avx2() -> bool:
+    from kvserve.quantization.qlinear import _a8_avx2
+
+    return _a8_avx2()
+
+
+@pytest.mark.skipif(not _a8_avx2(), reason="needs the AVX2 build of the kernels")
+def test_float32_int8_activations_give_their_reference_tokens(tiny_llama: Path) -> None:
+    """float32 int4 with --quantization-activations int8 (opt-in; the AVX2 vpmaddubsw path)
+    through the whole engine, C++ decode loop included where it runs: the tokens of the same
+    engine whose quantized layers run reference_linear_a8; auto keeps float32 activations (other
+    tokens)."""
+
+    def f32(**kw: object) -> LLMEngine:
+        cfg = build_engine_config(str(tiny_llama), dtype="float32", block_size=4,
+                                  quantization="int4", num_kv_blocks=200, **kw)  # fmt: skip
+        return LLMEngine(cfg)
+
+    fast = f32(quantization_activations="int8")
+    assert fast.runner.model.quant_report.int8_activations is True
+    want = run_engine_checked(fast, PROMPTS, PARAMS)
+    ref = f32(quantization_activations="int8")
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    for name, module in ref.runner.model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert module.path == "a8"
+            prefix, attr = name.rsplit(".", 1)
+            w = torch.cat([state[f"model.{prefix}.{p}.weight"] for p in FUSED.get(attr, (attr,))])
+            qw = quantize_rtn(w.float(), 4, 32)
+            module.forward = functools.partial(reference_linear_a8, qw=qw)  # type: ignore[method-assign]
+    assert run_engine_checked(ref, PROMPTS, PARAMS) == want
+    auto = f32()
+    assert auto.runner.model.quant_report.int8_activations is False
+    # the 8-bit activations' rounding shows in the tokens: the test sees which path ran
+    assert run_engine_checked(auto, PROMPTS, PARAMS) != want
+
+
 def test_quantized_lm_head_engine_equals_its_dequantized_weights(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

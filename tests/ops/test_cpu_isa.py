@@ -21,18 +21,21 @@ from kvserve.ops.cpu_kernels import ISA_ENV, CpuIsa
 FLAGS = cpu_kernels.cpu_flags()
 BUILD_TIMEOUT = 900  # s: a cold build of every kernel took 272 s on a busy 2-core machine
 
-# Run by the forced builds: the kernels load, are the variant asked for, and the quantized
-# kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference.
+# Run by the forced builds: the kernels load, are the variant asked for, the quantized
+# kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference, and
+# float32 int8 activations (the AVX2 vpmaddubsw path in both builds) equal theirs.
 CHECK = """
 import sys
 import torch
 from kvserve.ops import cpu_kernels
-from kvserve.quantization.qlinear import QuantLinear, reference_linear
+from kvserve.config import QuantizedActivations
+from kvserve.quantization.qlinear import QuantLinear, reference_linear, reference_linear_a8
 from kvserve.quantization.qweight import quantize_rtn
 
 assert cpu_kernels.available(), "kernels did not build"
 print(cpu_kernels.kernel_build_spec().name, torch.ops.kvserve.quant_linear_f32_isa(),
-      torch.ops.kvserve.quant_linear_bf16_native(), torch.ops.kvserve.quant_linear_a8_supported())
+      torch.ops.kvserve.quant_linear_bf16_native(), torch.ops.kvserve.quant_linear_a8_supported(),
+      torch.ops.kvserve.quant_linear_a8_isa())
 cpu = torch.device("cpu")
 g = torch.Generator().manual_seed(0)
 for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128, None)):
@@ -43,6 +46,12 @@ for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128,
         x = torch.randn(rows, 384, generator=g)
         ref = reference_linear(x.double(), qw).float()
         torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    a8 = QuantLinear(qw, None, cpu, torch.float32, QuantizedActivations.INT8)
+    assert a8.path == "a8"
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, 384, generator=g)
+        ref = reference_linear_a8(x.double(), qw).float()
+        torch.testing.assert_close(a8(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 print("equal")
 """
 
@@ -97,7 +106,10 @@ def test_the_avx2_build_equals_the_reference() -> None:
     out = run_forced("avx2", CHECK)
     assert out.returncode == 0, out.stderr[-3000:]
     # no AVX-512 path in it, whatever this CPU has: bf16 activations widened, no int8 ones
-    assert out.stdout.splitlines() == ["kvserve_cpu_kernels_isa_avx2 avx2 False False", "equal"]
+    assert out.stdout.splitlines() == [
+        "kvserve_cpu_kernels_isa_avx2 avx2 False False avx2",
+        "equal",
+    ]
 
 
 @pytest.mark.slow
@@ -110,7 +122,10 @@ def test_the_avx2_build_equals_the_reference() -> None:
 def test_the_avx512_build_equals_the_reference() -> None:
     out = run_forced("avx512", CHECK)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["kvserve_cpu_kernels_isa_avx512 avx2 True True", "equal"]
+    assert out.stdout.splitlines() == [
+        "kvserve_cpu_kernels_isa_avx512 avx2 True True avx2",
+        "equal",
+    ]
 
 
 @pytest.mark.skipif(

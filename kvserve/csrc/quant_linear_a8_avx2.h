@@ -1,0 +1,240 @@
+// AVX2 int8-activation path of quant_linear_a8.cpp, for CPUs without AVX512-VNNI (AMD Zen
+// 1-3, Intel Haswell to Alder Lake) and for float32 activations everywhere. Included by
+// quant_linear_a8.cpp inside its anonymous namespace; same records (pack_a8), same
+// activation quantization (blocks of 32, d = max|x| / 127, q = round(x / d) half to even),
+// same reference (kvserve.quantization.qlinear.reference_linear_a8).
+//
+// llama.cpp's AVX2 Q4_0 x Q8_0 / Q8_0 x Q8_0 dot products, on pack_a8's quads (4 consecutive
+// k of 8 channels in one 32-byte half of a 64-byte quad vector: byte 4j + i = channel j, k =
+// 4t + i), with x's quad t broadcast to every channel:
+// * int4: the stored nibbles u = c + o in [0, 15] are the unsigned operand of vpmaddubsw, q
+//   the signed one: each int16 is u_k q_k + u_k+1 q_k+1, |.| <= 2 * 15 * 127 = 3810, so the 8
+//   products of a block of 32 (4 quads, low and high nibbles) add up in int16 without
+//   saturating (|.| <= 30480 < 32767); one vpmaddwd by ones then sums each channel's pairs to
+//   int32.
+// * int8: u = c + 128 times q could reach 2 * 255 * 127 and saturate vpmaddubsw's int16, so
+//   the sign trick: |c| (unsigned; |-128| reads as 128) times q * sign(c) (vpsignb; |q| <=
+//   127, so no overflow): each int16 is at most 2 * 128 * 127 = 32512; vpmaddwd by ones to
+//   int32 per quad, then int32 adds.
+// Arithmetic, per group with W = c * s + z and x_k ~= d_b q_k (b the block of 32 of k):
+//   sum_k W_k x_k = s * sum_b d_b S_b + z' * sum_k d_b q_k,
+// with S_b = sum_{k in b} u_k q_k (exact in int32) and z' = z - o * s for int4's stored
+// nibbles (u = c + o); int8 sums the codes c themselves (S_b = sum c_k q_k), so z' = z. The
+// second sum is quantize's xs (per group; per 16 for g = 16). The floats are rounded once per
+// block (d_b S_b, then its FMA with s), so against the exact float64 reference the error is
+// a few float32 ulps of the largest partial sum.
+#pragma once
+
+struct A8Avx2Args {
+  const uint8_t* packed;  // pack_a8's records
+  bool half_scales;       // scales / zeros are float16 (else float32)
+  bool zeros;             // the records hold zeros (else zero 0)
+  int64_t n, k;
+  float offset;           // o: stored u = c + o (int8's is unused: codes are read as c)
+  int64_t zgroup;         // granularity of xs: 16 if g == 16, else g
+  int64_t scale_bytes;    // one record's scales (16 or 32 values)
+  int64_t record;         // header + the record's codes
+  int64_t blocks_per_record;  // g / 32 (1 for g = 16)
+};
+
+// 8 scales (or zeros) at p, as float32.
+inline __m256 load8_a8(bool half, const uint8_t* p) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+inline __m256i bcast4_avx2(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows r0..r1 of x [M, K] (float32 or bf16) into int8 blocks of 32: q [M, K], d [M, K / 32],
+// xs [M, K / zg] (sum of d * q per zgroup). The reference computes the same float32 values:
+// inv = 127 / max|x| (a division), x * inv (one float32 product), rounded half to even.
+template <typename T>
+void quantize_rows_avx2(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t zg, int8_t* q,
+                        float* d, float* xs) {
+  const int64_t nb = k / 32, nz = k / zg;
+  float v[32];
+  for (int64_t r = r0; r < r1; ++r) {
+    std::fill(xs + r * nz, xs + (r + 1) * nz, 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = static_cast<float>(x[r * k + b * 32 + i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float dd = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sum[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
+        q[r * k + b * 32 + i] = static_cast<int8_t>(qi);
+        sum[i / 16] += qi;
+      }
+      d[r * nb + b] = dd;
+      if (zg == 16) {
+        xs[r * nz + 2 * b] = dd * static_cast<float>(sum[0]);
+        xs[r * nz + 2 * b + 1] = dd * static_cast<float>(sum[1]);
+      } else {
+        xs[r * nz + b * 32 / zg] += dd * static_cast<float>(sum[0] + sum[1]);
+      }
+    }
+  }
+}
+
+// One block of 32 for MR rows and one 8-channel half h of a vector: the int32 sums of the
+// block's first and second 16 k (lo, hi), or their total in lo when !SPLIT.
+template <int MR, bool INT4, bool SPLIT>
+inline void a8_block_avx2(const uint8_t* codes, int h, const int8_t* const* q, __m256i lo[MR],
+                          __m256i hi[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (INT4) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i a16[MR], b16[MR];
+    for (int r = 0; r < MR; ++r) a16[r] = b16[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      const __m256i packed =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64 + h * 32));
+      const __m256i wl = _mm256_and_si256(packed, low4);  // quad t
+      const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // quad t + 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256i pl = _mm256_maddubs_epi16(wl, bcast4_avx2(q[r] + 4 * t));
+        const __m256i ph = _mm256_maddubs_epi16(wh, bcast4_avx2(q[r] + 16 + 4 * t));
+        // two chains (first and second 16 k); summed once when !SPLIT: 8 * 3810 in int16
+        a16[r] = _mm256_add_epi16(a16[r], pl);
+        b16[r] = _mm256_add_epi16(b16[r], ph);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      if constexpr (SPLIT) {
+        lo[r] = _mm256_madd_epi16(a16[r], ones);
+        hi[r] = _mm256_madd_epi16(b16[r], ones);
+      } else {
+        lo[r] = _mm256_madd_epi16(_mm256_add_epi16(a16[r], b16[r]), ones);
+      }
+    }
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      const __m256i u =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64 + h * 32));
+      const __m256i c = _mm256_xor_si256(u, flip);  // u - 128 = the code, as int8
+      const __m256i ac = _mm256_abs_epi8(c);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i sq = _mm256_sign_epi8(bcast4_avx2(q[r] + 4 * t), c);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, sq), ones);
+        // two chains (first and second 16 k): half the dependent latency of one
+        if (t < 4) {
+          lo[r] = _mm256_add_epi32(lo[r], p);
+        } else {
+          hi[r] = _mm256_add_epi32(hi[r], p);
+        }
+      }
+    }
+    if constexpr (!SPLIT) {
+      for (int r = 0; r < MR; ++r) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
+    }
+  }
+}
+
+// out[MR rows][16 channels of vector vec]: rows r0.. of (q, d, xs).
+template <int MR, bool INT4, bool HALVES>
+void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
+                 int64_t r0, int64_t vec, float* acc /* [MR][16] */) {
+  constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
+  const int64_t nb = a.k / 32, nz = a.k / a.zgroup, bpr = a.blocks_per_record;
+  const int64_t records = nb / bpr, elt = a.half_scales ? 2 : 4;
+  const int64_t header = a.scale_bytes * (a.zeros ? 2 : 1);
+  const uint8_t* w = a.packed + vec * records * a.record;
+  const float off = INT4 ? a.offset : 0.0f;
+  const int8_t* qr[MR];
+  for (int r = 0; r < MR; ++r) qr[r] = q + (r0 + r) * a.k;
+  __m256 total[MR][2];
+  for (int r = 0; r < MR; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t rec = 0; rec < records; ++rec) {
+    const uint8_t* hdr = w + rec * a.record;
+    __m256 s[2][2];  // [group half (g = 16)][channel half]
+    for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* sp = hdr + (gh * 16 + h * 8) * elt;
+        s[gh][h] = load8_a8(a.half_scales, sp);
+        if (!a.zeros && (!INT4 || a.offset == 0.0f)) continue;  // no zero term
+        __m256 z = a.zeros ? load8_a8(a.half_scales, sp + a.scale_bytes) : _mm256_setzero_ps();
+        z = _mm256_fnmadd_ps(_mm256_set1_ps(off), s[gh][h], z);  // z' = z - o * s
+        for (int r = 0; r < MR; ++r) {
+          const float sum = xs[(r0 + r) * nz + (HALVES ? 2 * rec : rec) + gh];
+          total[r][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sum), total[r][h]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < bpr; ++i) {
+      const int64_t kb = rec * bpr + i;
+      const uint8_t* codes = hdr + header + i * kBytes;
+      const int8_t* qb[MR];
+      for (int r = 0; r < MR; ++r) qb[r] = qr[r] + kb * 32;
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[MR], hi[MR];
+        a8_block_avx2<MR, INT4, HALVES>(codes, h, qb, lo, hi);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 db = _mm256_set1_ps(d[(r0 + r) * nb + kb]);
+          const __m256 flo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), db);
+          total[r][h] = _mm256_fmadd_ps(flo, s[0][h], total[r][h]);
+          if constexpr (HALVES) {
+            const __m256 fhi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), db);
+            total[r][h] = _mm256_fmadd_ps(fhi, s[1][h], total[r][h]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(acc + r * 16, total[r][0]);
+    _mm256_storeu_ps(acc + r * 16 + 8, total[r][1]);
+  }
+}
+
+// x [m, K] (float32 or bf16) -> out [m, N] of the same dtype: each 16-channel vector for all
+// rows, four at a time (the vector's records stay in L1/L2 for the next four), vectors split
+// over threads.
+template <typename T, bool INT4, bool HALVES>
+void a8_run_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
+                 int64_t m, T* out) {
+  const int64_t vecs = a.n / 16;
+  // Vectors per task: enough that a small layer runs on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 16 * a.k));
+  at::parallel_for(0, vecs, grain, [&](int64_t begin, int64_t end) {
+    float acc[4 * 16];
+    for (int64_t v = begin; v < end; ++v) {
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, m - r0);
+        switch (mr) {
+          case 4: a8_vec_avx2<4, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+          case 3: a8_vec_avx2<3, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+          case 2: a8_vec_avx2<2, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+          default: a8_vec_avx2<1, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+        }
+        for (int64_t r = 0; r < mr; ++r)
+          for (int c = 0; c < 16; ++c) out[(r0 + r) * a.n + v * 16 + c] = static_cast<T>(acc[r * 16 + c]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void quant_linear_a8_avx2(const A8Avx2Args& a, int64_t bits, bool halves, const T* x, int64_t m,
+                          T* out) {
+  std::vector<int8_t> q(m * a.k);
+  std::vector<float> d(m * (a.k / 32)), xs(m * (a.k / a.zgroup));
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows_avx2<T>(x, r0, r1, a.k, a.zgroup, q.data(), d.data(), xs.data());
+  });
+  if (bits == 4) {
+    halves ? a8_run_avx2<T, true, true>(a, q.data(), d.data(), xs.data(), m, out)
+           : a8_run_avx2<T, true, false>(a, q.data(), d.data(), xs.data(), m, out);
+  } else {
+    halves ? a8_run_avx2<T, false, true>(a, q.data(), d.data(), xs.data(), m, out)
+           : a8_run_avx2<T, false, false>(a, q.data(), d.data(), xs.data(), m, out);
+  }
+}

@@ -1,0 +1,130 @@
+"""The AVX2 int8-activation path (``csrc/quant_linear_a8_avx2.h``: vpmaddubsw, float32 and bf16
+activations) against its reference of the same math (``reference_linear_a8``), and against
+the exact-activation ``reference_linear`` within the bound that quantizing x allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import QuantizedActivations
+from kvserve.quantization.qlinear import (
+    QuantLinear,
+    _a8_avx2,
+    _a8_kernel,
+    exact_activations,
+    quantize_activations,
+    reference_linear,
+)
+from kvserve.quantization.qweight import QuantizedWeight
+from tests.quantization.test_qlinear import _weights
+
+CPU = torch.device("cpu")
+INT8 = QuantizedActivations.INT8
+needs_avx2 = pytest.mark.skipif(not _a8_avx2(), reason="needs the AVX2 build of the kernels")
+
+CASES = [  # bits, group, zeros, float16 scales
+    (8, 32, False, True),  # Q8_0
+    (8, 128, True, False),
+    (8, 16, False, False),  # Q6_K: two scales per block of 32
+    (4, 32, False, True),  # int4 symmetric / Q4_0 (stored code + 8)
+    (4, 32, True, True),  # int4 / Q4_1
+    (4, 128, True, False),
+    (4, 128, False, True),
+    (4, 16, True, False),
+]
+
+
+def _exact(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x quantized as the kernel does, times the dequantized weight, in float64."""
+    q, d = quantize_activations(x)
+    return exact_activations(q, d) @ qw.exact().t()  # [M, N]
+
+
+@needs_avx2
+@pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_float32_equals_the_same_math(
+    bits: int, group: int, zeros: bool, half: bool, rows: int
+) -> None:
+    # N = 80, 112, 208: not multiples of 64 (the kernel runs 16 channels at a time)
+    for n in (80, 112, 208):
+        qw = _weights(n, 512, bits, group, zeros, half)
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows + n))
+        layer = QuantLinear(qw, None, CPU, torch.float32, INT8)
+        assert layer.path == "a8"
+        exact = _exact(x, qw)
+        # float32 sums of exact int32 block products: a few ulps of the largest partial sum
+        torch.testing.assert_close(
+            layer(x).double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max())
+        )
+
+
+@needs_avx2
+@pytest.mark.skipif(_a8_kernel(), reason="bf16 runs on the VNNI kernel here")
+@pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
+def test_bf16_on_avx2_equals_the_same_math(bits: int, group: int, zeros: bool, half: bool) -> None:
+    qw = _weights(80, 256, bits, group, zeros, half)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(bits + group)).bfloat16()
+    layer = QuantLinear(qw, None, CPU, torch.bfloat16, INT8)
+    assert layer.path == "a8"
+    exact = _exact(x, qw)
+    bound = exact.abs() * 2.0**-8 + 1e-5 * float(exact.abs().max())  # bf16 output rounding
+    assert bool(((layer(x).double() - exact).abs() <= bound).all())
+
+
+@needs_avx2
+@pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
+def test_within_the_quantization_bound_of_reference_linear(
+    bits: int, group: int, zeros: bool, half: bool
+) -> None:
+    """Against exact activations: each x_k moves by at most d_b / 2 = max|x_b| / 254 (its
+    block's scale), so |y_n - y_n'| <= sum_k |W_nk| max|x_b(k)| / 254, plus float32 sums.
+    Measured on these weights and N(0, 1) activations: the largest error 0.46% to 0.71% of
+    max |y| (0.10 to 0.12 of its own bound; the median error 0.02 of it)."""
+    qw = _weights(208, 512, bits, group, zeros, half)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(7))
+    got = QuantLinear(qw, None, CPU, torch.float32, INT8)(x).double()
+    want = reference_linear(x.double(), qw)  # [4, N] exact activations
+    step = x.double().abs().reshape(4, 16, 32).amax(-1).repeat_interleave(32, 1) / 254  # [4, K]
+    bound = step @ qw.exact().abs().t() + 1e-5 * float(want.abs().max())
+    assert bool(((got - want).abs() <= bound).all())
+    assert float((got - want).abs().max()) < 0.01 * float(want.abs().max())
+
+
+@needs_avx2
+@pytest.mark.parametrize(("bits", "zeros"), [(8, False), (4, False), (4, True)])
+def test_integer_inputs_give_exact_products(bits: int, zeros: bool) -> None:
+    """Unit scales and blocks whose largest |x| is 127: q = x and d = 1, every sum an exact
+    integer, so the float32 output is exactly the integer product; int8 codes include -128
+    (|-128| is 128 unsigned in the sign trick) and every block has negative activations."""
+    n, k, rows = 32, 128, 4
+    g = torch.Generator().manual_seed(bits)
+    lo, hi = (-128, 128) if bits == 8 else ((0, 16) if zeros else (-8, 8))
+    codes = torch.randint(lo, hi, (n, k), generator=g).to(torch.int8)
+    if bits == 8:
+        codes[:, :8] = -128
+    scales = torch.ones(n, k // 32)
+    z = torch.randint(-3, 4, (n, k // 32), generator=g).float() if zeros else None
+    qw = QuantizedWeight(codes, scales, z, bits, 32)
+    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x[:, ::32] = 127.0  # every block's max: scale 1
+    x[:, 1::32] = -127.0
+    w = codes.double() + (0 if z is None else z.double().repeat_interleave(32, 1))
+    out = QuantLinear(qw, None, CPU, torch.float32, INT8)(x)
+    assert torch.equal(out.double(), x.double() @ w.t())
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("bits", "group", "zeros", "half"), [(8, 32, False, True), (4, 32, True, True)]
+)
+def test_a_row_does_not_depend_on_its_batch(bits: int, group: int, zeros: bool, half: bool) -> None:
+    """Rows run four at a time, each in the same order: row i of a batch of 7 is bit-equal to
+    row i alone (docs/ARCHITECTURE.md: batch-invariant quantized layers)."""
+    qw = _weights(80, 256, bits, group, zeros, half)
+    layer = QuantLinear(qw, None, CPU, torch.float32, INT8)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    batch = layer(x)
+    for i in range(7):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
