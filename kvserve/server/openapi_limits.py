@@ -57,6 +57,7 @@ _NUMBER_BOUNDS: dict[str, dict[str, int]] = {
 # Array fields: bounds of the array and of its items (SamplingParams again).
 _ARRAY_BOUNDS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "stop": ({}, {"minLength": 1}),  # an empty stop string would match everywhere
+    "stop_sequences": ({}, {"minLength": 1}),  # /v1/messages: chat's stop
     "stop_token_ids": ({}, {"minimum": 0}),
     "allowed_token_ids": ({"minItems": 1}, {"minimum": 0}),
     "bad_words": ({}, {"minLength": 1}),
