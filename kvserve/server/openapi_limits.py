@@ -111,6 +111,8 @@ def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
         _server_limits(props, limits)
         for example in body.get("examples", []):  # examples are valid requests too
             _clamp_example(example, props)
+    if not limits.auto_tool_choice:
+        _no_auto_messages_tool_choice(schema)
 
 
 def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
@@ -154,6 +156,18 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
             "default": None,
             "description": "needs the server's --trust-request-chat-template",
         }
+
+
+def _no_auto_messages_tool_choice(schema: dict[str, Any]) -> None:
+    """``/v1/messages``' ``tool_choice`` (``ToolChoice``, anthropic/protocol.py) without
+    ``auto``, as chat's: it needs --enable-auto-tool-choice and a --tool-call-parser."""
+    choice = schema.get("components", {}).get("schemas", {}).get("ToolChoice")
+    if choice is None:
+        return
+    for part in (choice, *choice.get("oneOf", [])):
+        kind = part.get("properties", {}).get("type", {})
+        if "auto" in kind.get("enum", ()):
+            kind["enum"] = [c for c in kind["enum"] if c != "auto"]
 
 
 def _tighten(arm: dict[str, Any], bounds: dict[str, int]) -> None:
