@@ -57,6 +57,7 @@ _NUMBER_BOUNDS: dict[str, dict[str, int]] = {
 # Array fields: bounds of the array and of its items (SamplingParams again).
 _ARRAY_BOUNDS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "stop": ({}, {"minLength": 1}),  # an empty stop string would match everywhere
+    "stop_sequences": ({}, {"minLength": 1}),  # /v1/messages: chat's stop
     "stop_token_ids": ({}, {"minimum": 0}),
     "allowed_token_ids": ({"minItems": 1}, {"minimum": 0}),
     "bad_words": ({}, {"minLength": 1}),
@@ -110,6 +111,8 @@ def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
         _server_limits(props, limits)
         for example in body.get("examples", []):  # examples are valid requests too
             _clamp_example(example, props)
+    if not limits.auto_tool_choice:
+        _no_auto_messages_tool_choice(schema)
 
 
 def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
@@ -153,6 +156,18 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
             "default": None,
             "description": "needs the server's --trust-request-chat-template",
         }
+
+
+def _no_auto_messages_tool_choice(schema: dict[str, Any]) -> None:
+    """``/v1/messages``' ``tool_choice`` (``ToolChoice``, anthropic/protocol.py) without
+    ``auto``, as chat's: it needs --enable-auto-tool-choice and a --tool-call-parser."""
+    choice = schema.get("components", {}).get("schemas", {}).get("ToolChoice")
+    if choice is None:
+        return
+    for part in (choice, *choice.get("oneOf", [])):
+        kind = part.get("properties", {}).get("type", {})
+        if "auto" in kind.get("enum", ()):
+            kind["enum"] = [c for c in kind["enum"] if c != "auto"]
 
 
 def _tighten(arm: dict[str, Any], bounds: dict[str, int]) -> None:

@@ -89,12 +89,8 @@ INEXPRESSIBLE = [
 
 def accepted_or_inexpressible(ctx: object, response: object, case: schemathesis.Case) -> None:
     """``positive_data_acceptance``, except the documented rules the schema cannot state.
-
-    Not yet on ``/v1/messages*``: its document does not yet state which content blocks each
-    role takes or each block's required fields (the server refuses them with a 400 naming
-    the block); docs/server.md says so. Every other check runs there."""
-    if case.operation.path.startswith("/v1/messages"):
-        return
+    ``/v1/messages*`` too: its document states each role's content blocks and their required
+    fields (``kvserve/server/anthropic/published.py``)."""
     try:
         positive_data_acceptance(ctx, response, case)
     except AssertionError:

@@ -7,10 +7,12 @@ servers...) are declared loosely and refused with a 400 naming them (``messages.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.server.anthropic import published
 from kvserve.server.protocol import INT64_END, Int
 
 
@@ -38,6 +40,8 @@ class Block(_Request):
 
 
 class MessageParam(_Request):
+    model_config = ConfigDict(json_schema_extra=published.message_by_role)
+
     role: Literal["user", "assistant", "system"]  # system: text only (Claude Code sends one)
     content: str | list[Block]
 
@@ -46,7 +50,10 @@ class Tool(_Request):
     """A client tool (``type`` absent or ``custom``); any other type is a server tool that
     kvserve cannot run (web search, code execution, bash, computer use...)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="allow", strict=True, allow_inf_nan=False,
+        json_schema_extra=published.custom_tools_only,
+    )  # fmt: skip
 
     type: str | None = None
     name: str = Field(min_length=1)
@@ -56,7 +63,11 @@ class Tool(_Request):
 
 def _tool_needs_a_name(schema: dict[str, Any]) -> None:
     """Published as two variants: ``tool`` names its tool (translate.py refuses it without)."""
-    named = {**schema["properties"], "type": {"const": "tool"}, "name": {"type": "string"}}
+    named = {
+        **schema["properties"],
+        "type": {"const": "tool"},
+        "name": {"type": "string", "minLength": 1},
+    }
     others = {**schema["properties"], "type": {"enum": ["auto", "any", "none"]}}
     schema["oneOf"] = [
         {"properties": named, "required": ["type", "name"]},
@@ -92,7 +103,8 @@ class OutputFormat(_Request):
 
 
 class OutputConfig(_Request):
-    effort: str | None = None  # only "high", Anthropic's default (translate.py)
+    # only "high", Anthropic's default (translate.py)
+    effort: str | None = Field(None, json_schema_extra=published.EFFORT)
     format: OutputFormat | None = None
 
 
@@ -100,23 +112,37 @@ class Metadata(_Request):
     user_id: str | None = None  # accepted; changes nothing
 
 
+def _publish_fields(schema: dict[str, Any]) -> None:
+    """``system`` of text blocks, and the fields read from the raw body
+    (``translate.check_unsupported_fields``) with the values the server accepts."""
+    props = schema["properties"]
+    props["context_management"] = deepcopy(published.CONTEXT_MANAGEMENT)
+    props["system"] = deepcopy(published.SYSTEM)  # text blocks only
+    for name, what in published.UNSUPPORTED_FIELDS.items():
+        props[name] = published.unsupported(what)
+
+
 class CountTokensRequest(_Request):
+    model_config = ConfigDict(json_schema_extra=_publish_fields)
+
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[Block] | None = None
+    system: str | list[Block] | None = None  # published: text blocks only
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
 
+def _with_example(schema: dict[str, Any]) -> None:
+    _publish_fields(schema)
+    schema["examples"] = [{
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 16,
+        "messages": [{"role": "user", "content": "Say hi"}],
+    }]  # fmt: skip
+
+
 class MessagesRequest(CountTokensRequest):
-    model_config = ConfigDict(
-        extra="ignore", strict=True, allow_inf_nan=False,
-        json_schema_extra={"examples": [{
-            "model": "SmolLM2-135M-Instruct", "max_tokens": 16,
-            "messages": [{"role": "user", "content": "Say hi"}],
-        }]},
-    )  # fmt: skip
+    model_config = ConfigDict(json_schema_extra=_with_example)
 
     max_tokens: Int = Field(ge=1)
     stop_sequences: list[str] | None = None

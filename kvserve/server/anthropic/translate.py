@@ -40,16 +40,10 @@ from kvserve.server.anthropic.protocol import (
     MessagesRequest,
     Tool,
 )
+from kvserve.server.anthropic.published import UNSUPPORTED_FIELDS
 from kvserve.server.errors import bad_request, validation_message
 from kvserve.server.protocol import ChatCompletionRequest
 
-# Request fields of Anthropic's API that kvserve refuses when given (not null).
-UNSUPPORTED_FIELDS = {
-    "mcp_servers": "MCP servers (the client must run its tools itself)",
-    "container": "code-execution containers",
-    "inference_geo": "inference_geo",
-    "speed": "speed modes",
-}
 _USER_BLOCKS = ("text", "tool_result")
 # output_config.effort: Anthropic's default level is accepted (it asks for nothing different);
 # other levels would change how much the model thinks, which kvserve cannot do

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -198,3 +199,37 @@ def test_codex_turns(agent_server: Server) -> None:
     r = client.responses.create(input=turn, **kw)  # type: ignore[arg-type]
     assert r.status in ("completed", "incomplete") and r.usage is not None
     assert r.usage.input_tokens > unary.usage.input_tokens  # type: ignore[union-attr]
+
+
+def test_claude_code_bodies_are_valid_by_the_document(agent_server: Server) -> None:
+    """``/openapi.json`` states each role's content blocks strictly (the fuzz test sends only
+    what it allows), yet still allows what Claude Code sends; an image block it refuses."""
+    document = httpx.get(f"{agent_server.url}/openapi.json", timeout=10).json()
+    request = jsonschema.Draft202012Validator(
+        {**document, "$ref": "#/components/schemas/MessagesRequest"}
+    )
+    fields = {k: v for k, v in CLAUDE_CODE.items() if k not in ("extra_body", "extra_headers")}
+    call = {"type": "tool_use", "id": "toolu_01A09q90qw90lq917835lq9", "name": "Bash",
+            "input": {"command": "ls"}}  # fmt: skip
+    history = [
+        *FIRST_TURN,
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": ""},
+                                          {"type": "text", "text": "Listing."}, call]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call["id"],
+             "content": [{"type": "text", "text": "README.md"}], "is_error": False},
+            {"type": "text", "text": "Thanks.", "cache_control": CACHED},
+        ]},
+    ]  # fmt: skip
+    body = {"model": BUILTIN, "max_tokens": 8, "messages": history, "stream": True,
+            **fields, **CLAUDE_CODE["extra_body"]}  # type: ignore[dict-item]  # fmt: skip
+    request.validate(body)
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    refused = [
+        {**body, "messages": [{"role": "user", "content": [image]}]},
+        {**body, "messages": [{"role": "user", "content": [call]}]},  # tool_use: assistant's
+        {**body, "output_config": {"effort": "low"}},
+        {**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    ]
+    for bad in refused:
+        assert not request.is_valid(bad), bad
