@@ -61,6 +61,9 @@ def make_model(arch: str) -> PreTrainedModel:
         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
         "bos_token_id": 1,
         "eos_token_id": 2,
+        # 10x transformers' 0.02: at 0.02 these tiny models mostly repeat one token (Qwen3,
+        # tied, echoes the prompt's last one), which would let a wrong layer pass unnoticed
+        "initializer_range": 0.2,
     }
     torch.manual_seed(0)
     if arch == "qwen2":
@@ -253,6 +256,39 @@ def test_q8_0_projections_equal_gguf_dequantizer(
         )
         down = source.take(f"layers.{i}.mlp.down_proj").dequantize(torch.float32)
         assert torch.equal(down, want(f"blk.{i}.ffn_down.weight"))
+
+
+@pytest.mark.slow
+def test_q8_0_kept_quantized_gives_the_dequantized_tokens(
+    family: tuple[str, PreTrainedModel, Path],
+    tokenizer_source: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q8_0 qwen file served with ``--quantization gguf`` (its blocks on the quantized
+    kernels' packing, Qwen2's biases beside them) gives the greedy tokens of the same file
+    dequantized to float32."""
+    from kvserve import LLM, SamplingParams
+
+    arch, original, _ = family
+    path = write_family_gguf(
+        original, arch, tmp_path / f"{arch}-q8_0.gguf", tokenizer_source, T.Q8_0
+    )
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(model=str(path), quantization=quantization, **FAST)
+        if quantization == "gguf":  # q/k/v, o, gate/up, down of each layer, from the file
+            assert llm.engine.runner.model.quant_report.layers == 4 * LAYERS
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.close()
+        tokens[quantization] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens["gguf"] == tokens[None]
+    assert len({t[0] for t in tokens[None]}) == len(PROMPTS)  # not one repeated token
 
 
 def test_unsupported_architecture_refused_by_name(tmp_path: Path) -> None:
