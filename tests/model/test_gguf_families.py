@@ -1,6 +1,7 @@
-"""GGUF files of the Qwen2 and Qwen3 families (``general.architecture`` ``qwen2`` / ``qwen3``),
-written with the ``gguf`` package as llama.cpp's ``convert_hf_to_gguf.py`` writes them (its
-metadata keys and tensor names, q/k rows NOT permuted: llama.cpp permutes ``llama`` files only)
+"""GGUF files of the Qwen2 and Qwen3 families (``general.architecture`` ``qwen2`` / ``qwen3``)
+and Mistral-shaped ``llama`` files (head_dim != hidden / heads, as Mistral-Nemo), written with
+the ``gguf`` package as llama.cpp's ``convert_hf_to_gguf.py`` writes them (its metadata keys
+and tensor names; q/k rows permuted for ``llama`` only, as llama.cpp does)
 from tiny random transformers models: kvserve's greedy tokens equal transformers' on the
 original model, and a Q8_0 file's projections equal ``gguf``'s own dequantizer."""
 
@@ -18,6 +19,8 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -26,13 +29,20 @@ from transformers import (
 )
 
 from kvserve.model.builtin import find_builtin_gguf
-from kvserve.model.gguf_convert import convert_gguf
+from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
 from kvserve.quantization.gguf_weights import GGUFLinears
-from tests.model.test_gguf import PROMPT_IDS, _copy_tokenizer_metadata, _write_gguf
+from tests.model.test_gguf import (
+    PROMPT_IDS,
+    _copy_tokenizer_metadata,
+    _write_gguf,
+    llama_cpp_permute,
+)
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 49152, 32, 64, 2, 4, 2
-# Qwen3's head_dim differs from hidden / heads (8), as in the real Qwen3 models.
-HEAD_DIM = {"qwen2": HIDDEN // HEADS, "qwen3": 16}
+# Qwen3's head_dim differs from hidden / heads (8), as in the real Qwen3 models, and so does
+# "mistral"'s: a Mistral-Nemo-shaped llama file (llama.cpp writes Mistral as `llama`, with
+# llama.attention.key_length 128 != 5120 / 32).
+HEAD_DIM = {"qwen2": HIDDEN // HEADS, "qwen3": 16, "mistral": 16}
 PROMPTS = [PROMPT_IDS, [1, 2, 3], [9999, 42, 7, 3000, 12, 5, 49151, 100, 17]]
 MAX_TOKENS = 16
 # kvserve's options for a tiny float32 model that builds no C++ kernel (as tests/model/test_hub.py)
@@ -68,6 +78,9 @@ def make_model(arch: str) -> PreTrainedModel:
     torch.manual_seed(0)
     if arch == "qwen2":
         model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    elif arch == "mistral":
+        config = MistralConfig(**common, head_dim=HEAD_DIM[arch], tie_word_embeddings=False)
+        model = MistralForCausalLM(config)
     else:
         config = Qwen3Config(**common, head_dim=HEAD_DIM["qwen3"], tie_word_embeddings=True)
         model = Qwen3ForCausalLM(config)
@@ -122,7 +135,13 @@ def write_family_gguf(
     (norms, biases and the embedding stay F32, as llama-quantize leaves 1-D tensors).
     ``tokenizer_source``: the GGUF whose tokenizer metadata it carries (None: none, for files
     only the quantized-layer reader opens; parsing 49152 tokens and merges takes seconds)."""
+    gguf_arch = "llama" if arch == "mistral" else arch
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if gguf_arch == "llama":  # LlamaModel.modify_tensors: q/k rows in GGML's rotary order
+        for name in state:
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = HEADS if "q_proj" in name else KV_HEADS
+                state[name] = llama_cpp_permute(state[name], heads)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")  # llama.cpp writes no output.weight for a tied head
 
@@ -135,7 +154,7 @@ def write_family_gguf(
         w.add_head_count(HEADS)
         w.add_head_count_kv(KV_HEADS)
         w.add_layer_norm_rms_eps(2.0**-10)
-        if arch == "qwen3":  # TextModel.set_gguf_parameters: written when config has head_dim
+        if arch != "qwen2":  # TextModel.set_gguf_parameters: written when config has head_dim
             w.add_key_length(HEAD_DIM[arch])
             w.add_value_length(HEAD_DIM[arch])
         if tokenizer_source is not None:
@@ -147,7 +166,7 @@ def write_family_gguf(
             else:
                 w.add_tensor(name, data)
 
-    return _write_gguf(path, arch, fill)
+    return _write_gguf(path, gguf_arch, fill)
 
 
 def test_gguf_names_match_gguf_package() -> None:
@@ -165,7 +184,7 @@ def tokenizer_source() -> Path:
     return find_builtin_gguf()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
 def family(
     request: pytest.FixtureRequest,
     tokenizer_source: Path,
@@ -185,13 +204,14 @@ def test_converted_folder_equals_original(
     arch, original, path = family
     out = convert_gguf(path, tmp_path / "out")
     raw = json.loads((out / "config.json").read_text())
-    assert raw["model_type"] == arch
-    assert raw["architectures"] == [type(original).__name__]
+    # a mistral GGUF is a llama one: served by the same native class, whose layers match
+    want = ("llama", "LlamaForCausalLM") if arch == "mistral" else (arch, type(original).__name__)
+    assert (raw["model_type"], raw["architectures"]) == (want[0], [want[1]])
     config = AutoConfig.from_pretrained(str(out))
     for key in ("num_key_value_heads", "tie_word_embeddings", "rms_norm_eps"):
         assert getattr(config, key) == getattr(original.config, key), key
-    if arch == "qwen3":  # Qwen2Config has no head_dim (always hidden / heads)
-        assert config.head_dim == HEAD_DIM["qwen3"] != HIDDEN // HEADS
+    if arch != "qwen2":  # Qwen2Config has no head_dim (always hidden / heads)
+        assert config.head_dim == HEAD_DIM[arch] != HIDDEN // HEADS
         assert config.attention_bias is False
     assert config.rope_parameters["rope_theta"] == 50000.0
     ours = load_file(str(out / "model.safetensors"))
@@ -230,8 +250,8 @@ def test_greedy_tokens_equal_transformers(
 def test_q8_0_projections_equal_gguf_dequantizer(
     family: tuple[str, PreTrainedModel, Path], tmp_path: Path
 ) -> None:
-    """``--quantization gguf``'s layers of a Q8_0 qwen file: gguf's dequantized values, fused,
-    rows in the file's order (not unpermuted)."""
+    """``--quantization gguf``'s layers of a Q8_0 file: gguf's dequantized values, fused, rows
+    in the file's order for qwen (not unpermuted), q/k rows unpermuted for llama."""
     arch, original, _ = family
     path = write_family_gguf(original, arch, tmp_path / f"{arch}-q8_0.gguf", None, T.Q8_0)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -248,7 +268,10 @@ def test_q8_0_projections_equal_gguf_dequantizer(
     )  # fmt: skip
     for i in range(LAYERS):
         qkv = source.take(f"layers.{i}.self_attn.qkv_proj").dequantize(torch.float32)
-        expect = torch.cat([want(f"blk.{i}.attn_{p}.weight") for p in "qkv"])
+        q, k, v = (want(f"blk.{i}.attn_{p}.weight") for p in "qkv")
+        if arch == "mistral":  # a llama file: its q/k rows are unpermuted, codes and scales
+            q, k = unpermute_rotary(q, HEADS), unpermute_rotary(k, KV_HEADS)
+        expect = torch.cat([q, k, v])
         assert torch.equal(qkv, expect)
         gate_up = source.take(f"layers.{i}.mlp.gate_up_proj").dequantize(torch.float32)
         assert torch.equal(
@@ -265,7 +288,7 @@ def test_q8_0_kept_quantized_gives_the_dequantized_tokens(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Q8_0 qwen file served with ``--quantization gguf`` (its blocks on the quantized
+    """A Q8_0 file served with ``--quantization gguf`` (its blocks on the quantized
     kernels' packing, Qwen2's biases beside them) gives the greedy tokens of the same file
     dequantized to float32."""
     from kvserve import LLM, SamplingParams
