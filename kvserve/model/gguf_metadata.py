@@ -1,4 +1,4 @@
-"""A llama GGUF's metadata as Hugging Face files: the model sizes (``read_hparams``), the
+"""A llama-family GGUF's metadata as Hugging Face files: the model sizes (``read_hparams``), the
 ``config.json`` contents and the tokenizer (with its chat template). Used by ``gguf_convert``.
 """
 
@@ -11,8 +11,15 @@ from typing import Any
 
 from gguf import GGUFReader
 
-# GGUF `general.architecture` values whose tensors follow the llama layout (gguf_convert).
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+# GGUF `general.architecture` -> the transformers architecture its folder is written as. All
+# three use llama.cpp's llama tensor names (gguf.constants.MODEL_TENSORS); qwen2 adds q/k/v
+# biases, qwen3 per-head q/k norms (gguf_convert).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class LlamaHParams:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    architecture: str = "llama"  # the GGUF's general.architecture (a key of ARCHITECTURES)
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -75,6 +83,9 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
     n_head = int(_require(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
+    if arch == "qwen2" and head_dim != hidden // n_head:
+        # Qwen2Config has no head_dim: it is always hidden / heads.
+        raise ValueError(f"qwen2 GGUF with head dim {head_dim} != {hidden} / {n_head}")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         # HF Llama rotates the whole head; partial rotary would silently give wrong outputs.
@@ -116,24 +127,40 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         bos_token_id=optional_int("tokenizer.ggml.bos_token_id"),
         eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
         pad_token_id=optional_int("tokenizer.ggml.padding_token_id"),
+        architecture=arch,
     )
 
 
-def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
-    """The ``config.json`` contents for ``hp``, validated by transformers' ``LlamaConfig``."""
-    from transformers import LlamaConfig
+def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
+    """The transformers config class for ``hp``'s family and the keyword arguments only it
+    takes."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    if hp.architecture == "qwen2":
+        # q/k/v biases are built in; head_dim is always hidden / heads (read_hparams checks);
+        # no sliding window (llama.cpp's qwen2 graph has none either).
+        return Qwen2Config, {"use_sliding_window": False}
+    if hp.architecture == "qwen3":
+        # llama.cpp's qwen3 graph has no attention biases (no attn_q.bias tensors exist).
+        extra = {"head_dim": hp.head_dim, "attention_bias": False, "use_sliding_window": False}
+        return Qwen3Config, extra
+    return LlamaConfig, {"head_dim": hp.head_dim}
+
+
+def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
+    """The ``config.json`` contents for ``hp``, validated by its family's transformers config
+    (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``)."""
+    config_class, extra = _config_class(hp)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": hp.rope_theta}
     if hp.rope_scaling is not None:
         rope_parameters = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=hp.vocab_size,
         hidden_size=hp.hidden_size,
         intermediate_size=hp.intermediate_size,
         num_hidden_layers=hp.num_hidden_layers,
         num_attention_heads=hp.num_attention_heads,
         num_key_value_heads=hp.num_key_value_heads,
-        head_dim=hp.head_dim,
         max_position_embeddings=hp.max_position_embeddings,
         rms_norm_eps=hp.rms_norm_eps,
         rope_parameters=rope_parameters,
@@ -141,8 +168,9 @@ def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
         bos_token_id=hp.bos_token_id,
         eos_token_id=hp.eos_token_id,
         pad_token_id=hp.pad_token_id,
-        architectures=["LlamaForCausalLM"],
+        architectures=[ARCHITECTURES[hp.architecture]],
         dtype="float32",
+        **extra,
     )
     data = config.to_dict()
     # Classification-head label maps are meaningless for a causal LM; keep config.json readable.

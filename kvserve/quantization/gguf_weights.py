@@ -11,8 +11,9 @@ way ``gguf.quants.dequantize`` computes it (tests check the values are identical
 | Q4_K | 32 (of a 256 super-block) | q in [0, 15] | (d * sc) * q - dmin * mn | float32 |
 | Q6_K | 16 (of a 256 super-block) | q - 32 in [-32, 31] (int8) | (d * sc) * (q - 32) | float32 |
 
-llama.cpp stores ``attn_q``/``attn_k`` rows in its rotary order; rows are unpermuted as the
-float converter does (``gguf_convert.unpermute_rotary``), codes and scales alike.
+llama.cpp stores ``attn_q``/``attn_k`` rows of ``llama`` files in its rotary order; rows are
+unpermuted as the float converter does (``gguf_convert.unpermute_rotary``), codes and scales
+alike. ``qwen2`` / ``qwen3`` files keep HF's row order (llama.cpp does not permute them).
 
 ``GGUFLinears`` decodes one fused module at a time (``take``), reading its tensors with plain
 reads: the loader builds each quantized layer as its turn comes, so neither the whole set of
@@ -37,6 +38,7 @@ from kvserve.model.gguf_convert import (
     read_bytes,
     unpermute_rotary,
 )
+from kvserve.model.gguf_metadata import read_architecture
 from kvserve.quantization.fusion import fused_modules
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
 
@@ -146,7 +148,7 @@ class _Tensor:
 
 
 class GGUFLinears:
-    """The decoder layers' quantized projections of a llama GGUF, fused as kvserve's model
+    """The decoder layers' quantized projections of a llama-family GGUF, fused as kvserve's model
     fuses them. ``modules``: kvserve module path (``layers.3.self_attn.qkv_proj``) -> its
     parts; ``checkpoint_names``: the converted folder's tensors they stand for
     (``model.layers.3.self_attn.q_proj.weight``), which the loader need not read.
@@ -159,6 +161,8 @@ class GGUFLinears:
         floats: set[str] = set()
         heads = {"q_proj": int(config.num_attention_heads),
                  "k_proj": int(config.num_key_value_heads)}  # fmt: skip
+        if read_architecture(reader) != "llama":
+            heads = {}  # only llama files have permuted q/k rows
         for tensor in reader.tensors:
             match = _BLOCK_NAME_RE.match(tensor.name)
             if match is None or match.group(2) not in _BLOCK_TENSOR_MAP:

@@ -1,0 +1,325 @@
+"""GGUF files of the Qwen2 and Qwen3 families (``general.architecture`` ``qwen2`` / ``qwen3``)
+and Mistral-shaped ``llama`` files (head_dim != hidden / heads, as Mistral-Nemo), written with
+the ``gguf`` package as llama.cpp's ``convert_hf_to_gguf.py`` writes them (its metadata keys
+and tensor names; q/k rows permuted for ``llama`` only, as llama.cpp does)
+from tiny random transformers models: kvserve's greedy tokens equal transformers' on the
+original model, and a Q8_0 file's projections equal ``gguf``'s own dequantizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+from transformers import (
+    AutoConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from kvserve.model.builtin import find_builtin_gguf
+from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
+from kvserve.quantization.gguf_weights import GGUFLinears
+from tests.model.test_gguf import (
+    PROMPT_IDS,
+    _copy_tokenizer_metadata,
+    _write_gguf,
+    llama_cpp_permute,
+)
+
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 49152, 32, 64, 2, 4, 2
+# Qwen3's head_dim differs from hidden / heads (8), as in the real Qwen3 models, and so does
+# "mistral"'s: a Mistral-Nemo-shaped llama file (llama.cpp writes Mistral as `llama`, with
+# llama.attention.key_length 128 != 5120 / 32).
+HEAD_DIM = {"qwen2": HIDDEN // HEADS, "qwen3": 16, "mistral": 16}
+PROMPTS = [PROMPT_IDS, [1, 2, 3], [9999, 42, 7, 3000, 12, 5, 49151, 100, 17]]
+MAX_TOKENS = 16
+# kvserve's options for a tiny float32 model that builds no C++ kernel (as tests/model/test_hub.py)
+FAST = {
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "attention_backend": "TORCH_SDPA",
+    "fused_ops": False,
+    "prepack_weights": False,
+    "warmup": False,
+}
+
+
+def make_model(arch: str) -> PreTrainedModel:
+    """A random float32 Qwen2 (untied, q/k/v biases) or Qwen3 (tied, q/k norms, head_dim 16)."""
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": 256,
+        # exact in float32 (GGUF stores them as f32), so the configs compare equal
+        "rms_norm_eps": 2.0**-10,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        # 10x transformers' 0.02: at 0.02 these tiny models mostly repeat one token (Qwen3,
+        # tied, echoes the prompt's last one), which would let a wrong layer pass unnoticed
+        "initializer_range": 0.2,
+    }
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    elif arch == "mistral":
+        config = MistralConfig(**common, head_dim=HEAD_DIM[arch], tie_word_embeddings=False)
+        model = MistralForCausalLM(config)
+    else:
+        config = Qwen3Config(**common, head_dim=HEAD_DIM["qwen3"], tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(config)
+    rng = np.random.default_rng(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # norms start at ones and biases at zeros: randomise so a dropped or misplaced
+            # one cannot hide
+            if name.endswith("norm.weight"):
+                p.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
+            elif name.endswith("bias"):
+                p.copy_(torch.from_numpy(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    return model.eval()
+
+
+# HF name (after `model.layers.{i}.`) -> llama.cpp's (after `blk.{i}.`): gguf.tensor_mapping
+_BLOCK_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def gguf_name(hf: str) -> str:
+    """llama.cpp's name for HF tensor ``hf``, checked against gguf's own tensor-name map."""
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf in globals_:
+        return globals_[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_BLOCK_NAMES[rest]}"
+
+
+def write_family_gguf(
+    model: PreTrainedModel, arch: str, path: Path, tokenizer_source: Path | None, qtype: T = T.F32
+) -> Path:
+    """``model`` as llama.cpp's converter writes an ``arch`` GGUF; 2-D projections in ``qtype``
+    (norms, biases and the embedding stay F32, as llama-quantize leaves 1-D tensors).
+    ``tokenizer_source``: the GGUF whose tokenizer metadata it carries (None: none, for files
+    only the quantized-layer reader opens; parsing 49152 tokens and merges takes seconds)."""
+    gguf_arch = "llama" if arch == "mistral" else arch
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if gguf_arch == "llama":  # LlamaModel.modify_tensors: q/k rows in GGML's rotary order
+        for name in state:
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = HEADS if "q_proj" in name else KV_HEADS
+                state[name] = llama_cpp_permute(state[name], heads)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # llama.cpp writes no output.weight for a tied head
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_context_length(256)
+        w.add_embedding_length(HIDDEN)
+        w.add_block_count(LAYERS)
+        w.add_feed_forward_length(FFN)
+        w.add_rope_freq_base(50000.0)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_layer_norm_rms_eps(2.0**-10)
+        if arch != "qwen2":  # TextModel.set_gguf_parameters: written when config has head_dim
+            w.add_key_length(HEAD_DIM[arch])
+            w.add_value_length(HEAD_DIM[arch])
+        if tokenizer_source is not None:
+            _copy_tokenizer_metadata(w, tokenizer_source)
+        for hf, data in state.items():
+            name = gguf_name(hf)
+            if qtype != T.F32 and data.ndim == 2 and name != "token_embd.weight":
+                w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(name, data)
+
+    return _write_gguf(path, gguf_arch, fill)
+
+
+def test_gguf_names_match_gguf_package() -> None:
+    """The test's name map is gguf's own: every block tensor of each arch maps back to HF."""
+    for arch, model_arch in (("qwen2", gguf.MODEL_ARCH.QWEN2), ("qwen3", gguf.MODEL_ARCH.QWEN3)):
+        tmap = gguf.get_tensor_name_map(model_arch, LAYERS)
+        for hf in make_model(arch).state_dict():
+            base, suffix = hf.rsplit(".", 1)
+            assert gguf_name(hf) == f"{tmap.get_name(base)}.{suffix}", hf
+
+
+@pytest.fixture(scope="module")
+def tokenizer_source() -> Path:
+    """The built-in SmolLM2 GGUF, whose tokenizer metadata the tiny files carry."""
+    return find_builtin_gguf()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+def family(
+    request: pytest.FixtureRequest,
+    tokenizer_source: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, PreTrainedModel, Path]:
+    """(arch, the original transformers model, its F32 GGUF)."""
+    arch = request.param
+    model = make_model(arch)
+    out = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+    path = write_family_gguf(model, arch, out, tokenizer_source)
+    return arch, model, path
+
+
+def test_converted_folder_equals_original(
+    family: tuple[str, PreTrainedModel, Path], tmp_path: Path
+) -> None:
+    arch, original, path = family
+    out = convert_gguf(path, tmp_path / "out")
+    raw = json.loads((out / "config.json").read_text())
+    # a mistral GGUF is a llama one: served by the same native class, whose layers match
+    want = ("llama", "LlamaForCausalLM") if arch == "mistral" else (arch, type(original).__name__)
+    assert (raw["model_type"], raw["architectures"]) == (want[0], [want[1]])
+    config = AutoConfig.from_pretrained(str(out))
+    for key in ("num_key_value_heads", "tie_word_embeddings", "rms_norm_eps"):
+        assert getattr(config, key) == getattr(original.config, key), key
+    if arch != "qwen2":  # Qwen2Config has no head_dim (always hidden / heads)
+        assert config.head_dim == HEAD_DIM[arch] != HIDDEN // HEADS
+        assert config.attention_bias is False
+    assert config.rope_parameters["rope_theta"] == 50000.0
+    ours = load_file(str(out / "model.safetensors"))
+    ref = original.state_dict()
+    tied = original.config.tie_word_embeddings
+    assert set(ours) == set(ref) - ({"lm_head.weight"} if tied else set())
+    for name, tensor in ours.items():
+        # exact, and q/k rows in HF order: qwen files are not permuted, so none are unpermuted
+        assert torch.equal(tensor, ref[name]), name
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_transformers(
+    family: tuple[str, PreTrainedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvserve import LLM, SamplingParams
+
+    arch, original, path = family
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(model=str(path), **FAST)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            want = original.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                do_sample=False, pad_token_id=0,
+            )[0, len(prompt) :]  # fmt: skip
+        assert tokens == want.tolist(), (arch, prompt)
+
+
+def test_q8_0_projections_equal_gguf_dequantizer(
+    family: tuple[str, PreTrainedModel, Path], tmp_path: Path
+) -> None:
+    """``--quantization gguf``'s layers of a Q8_0 file: gguf's dequantized values, fused, rows
+    in the file's order for qwen (not unpermuted), q/k rows unpermuted for llama."""
+    arch, original, _ = family
+    path = write_family_gguf(original, arch, tmp_path / f"{arch}-q8_0.gguf", None, T.Q8_0)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def want(name: str) -> torch.Tensor:
+        t = tensors[name]
+        assert t.tensor_type == T.Q8_0
+        return torch.from_numpy(dequantize(t.data, T.Q8_0).astype(np.float32))
+
+    source = GGUFLinears(path, original.config)
+    assert sorted(source.modules) == sorted(
+        f"layers.{i}.{m}" for i in range(LAYERS)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    )  # fmt: skip
+    for i in range(LAYERS):
+        qkv = source.take(f"layers.{i}.self_attn.qkv_proj").dequantize(torch.float32)
+        q, k, v = (want(f"blk.{i}.attn_{p}.weight") for p in "qkv")
+        if arch == "mistral":  # a llama file: its q/k rows are unpermuted, codes and scales
+            q, k = unpermute_rotary(q, HEADS), unpermute_rotary(k, KV_HEADS)
+        expect = torch.cat([q, k, v])
+        assert torch.equal(qkv, expect)
+        gate_up = source.take(f"layers.{i}.mlp.gate_up_proj").dequantize(torch.float32)
+        assert torch.equal(
+            gate_up, torch.cat([want(f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up")])
+        )
+        down = source.take(f"layers.{i}.mlp.down_proj").dequantize(torch.float32)
+        assert torch.equal(down, want(f"blk.{i}.ffn_down.weight"))
+
+
+@pytest.mark.slow
+def test_q8_0_kept_quantized_gives_the_dequantized_tokens(
+    family: tuple[str, PreTrainedModel, Path],
+    tokenizer_source: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q8_0 file served with ``--quantization gguf`` (its blocks on the quantized
+    kernels' packing, Qwen2's biases beside them) gives the greedy tokens of the same file
+    dequantized to float32."""
+    from kvserve import LLM, SamplingParams
+
+    arch, original, _ = family
+    path = write_family_gguf(
+        original, arch, tmp_path / f"{arch}-q8_0.gguf", tokenizer_source, T.Q8_0
+    )
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(model=str(path), quantization=quantization, **FAST)
+        if quantization == "gguf":  # q/k/v, o, gate/up, down of each layer, from the file
+            assert llm.engine.runner.model.quant_report.layers == 4 * LAYERS
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.close()
+        tokens[quantization] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens["gguf"] == tokens[None]
+    assert len({t[0] for t in tokens[None]}) == len(PROMPTS)  # not one repeated token
+
+
+def test_unsupported_architecture_refused_by_name(tmp_path: Path) -> None:
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(1)
+
+    path = _write_gguf(tmp_path / "gemma2.gguf", "gemma2", fill)
+    want = r"architecture 'gemma2': kvserve can only convert \['llama', 'qwen2', 'qwen3'\]"
+    with pytest.raises(ValueError, match=want):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
