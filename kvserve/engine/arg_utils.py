@@ -249,7 +249,7 @@ class EngineArgs:
         "dtype where kvserve computes in float32 (AVX2-only CPUs), else off; float32: off",
         choices=("auto", "bfloat16", "float16", "float32"),
     )  # fmt: skip
-    warmup: bool = _opt(True, "with prepacked weights: one dummy max-size prefill before serving")
+    warmup: bool = _opt(True, "CPU bf16 with prepacked weights: a dummy max-size prefill at start")
     num_threads: int | None = _opt(
         None,
         "torch CPU threads, set by the engine (each worker process with --distributed-"
