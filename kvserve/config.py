@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -227,6 +228,9 @@ class ModelConfig:
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
     # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)
     generation_config: GenerationConfigSource = GenerationConfigSource.AUTO
+    # defaults the model's source gives besides generation_config.json (Ollama's params
+    # layer, model/ollama.py), as (SamplingParams field, value) pairs; they win over the file's
+    source_sampling_defaults: tuple[tuple[str, Any], ...] = ()
     # most logprobs a request may ask per token, sampled (logprobs) or prompt
     # (prompt_logprobs); vLLM's max_logprobs, -1: no cap (the vocabulary)
     max_logprobs: int = 20

@@ -503,6 +503,10 @@ class EngineArgs:
             hub = parse_hub_model(self.model)
             if hub is not None and hub.gguf is not None:
                 return  # org/name:file.gguf or org/name:Q4_K_M
+            from kvserve.model import ollama
+
+            if ollama.is_ollama_ref(self.model) or ollama.is_manifest_path(self.model):
+                return  # Ollama's model layers are GGUF files (model/ollama.py)
             if path.is_dir() or (path.suffix.lower() != ".gguf" and hub is None):
                 raise ValueError(
                     f"quantization 'gguf' (--quantization gguf) needs a .gguf model file, got "
@@ -638,7 +642,7 @@ class EngineArgs:
         gives the free bytes ``gpu_memory_utilization`` is a fraction of."""
         parse_device(self.device)  # before anything is loaded: a clear error for a bad device
         tokenizer = self._resolve_tokenizer()  # before the model: a bad one fails first
-        path, name, gguf_file = self._resolve_model()
+        path, name, gguf_file, source_defaults = self._resolve_model()
         if tokenizer is not None and Path(tokenizer) == path.resolve():
             tokenizer = None  # the model folder itself
         self._log_vllm_noops(path)
@@ -676,6 +680,7 @@ class EngineArgs:
                 gguf_file=gguf_file,
                 model_impl=self.model_impl,  # type: ignore[arg-type]
                 generation_config=self.generation_config,  # type: ignore[arg-type]
+                source_sampling_defaults=tuple(source_defaults.items()),
                 max_logprobs=self.max_logprobs,
                 tokenizer=tokenizer,
             ),
@@ -721,16 +726,24 @@ class EngineArgs:
 
         return resolve_cpu_cores(self.cpu_cores, self.tensor_parallel_size, self.num_threads)
 
-    def _resolve_model(self) -> tuple[Path, str, str | None]:
-        """(model folder, default served name, the GGUF file behind it if any): a local
-        folder, a .gguf file (converted into kvserve's cache), the built-in model, or a
-        Hugging Face Hub id (``model/hub.py``; served under the id, as vLLM does)."""
-        from kvserve.model.builtin import find_builtin_gguf, resolve_model
+    def _resolve_model(self) -> tuple[Path, str, str | None, dict[str, Any]]:
+        """(model folder, default served name, the GGUF file behind it if any, the source's
+        sampling defaults): a local folder, a .gguf file (converted into kvserve's cache),
+        the built-in model, a model of Ollama's store (``ollama:name:tag`` or a manifest's
+        path, ``model/ollama.py``; served under Ollama's name) or a Hugging Face Hub id
+        (``model/hub.py``; served under the id, as vLLM does)."""
+        from kvserve.model import ollama
+        from kvserve.model.builtin import converted_gguf_path, find_builtin_gguf, resolve_model
 
         model = self.model
         if model is None:
             path, name = resolve_model(None)
-            return path, name, str(find_builtin_gguf())
+            return path, name, str(find_builtin_gguf()), {}
+        if ollama.is_ollama_ref(model) or ollama.is_manifest_path(model):
+            found = ollama.resolve_ollama(model)
+            ollama.log_unapplied(found)
+            folder = converted_gguf_path(found.gguf, content_id=found.content_id)
+            return folder, found.name, str(found.gguf), found.sampling_defaults()
         hub = parse_hub_model(model)
         if hub is None:
             if self.revision is not None:
@@ -745,11 +758,11 @@ class EngineArgs:
                     "Hugging Face Hub id (org/name, org/name:file.gguf)"
                 )
             gguf = str(local.resolve()) if local.suffix.lower() == ".gguf" else None
-            return (*resolve_model(model), gguf)
+            return (*resolve_model(model), gguf, {})
         fetched = resolve_hub_model(hub, self.revision, self.download_dir)
         if fetched.suffix.lower() == ".gguf":
-            return resolve_model(str(fetched))[0], model, str(fetched.resolve())
-        return fetched, model, None
+            return resolve_model(str(fetched))[0], model, str(fetched.resolve()), {}
+        return fetched, model, None, {}
 
     def _kv_cache_bytes(self, free_memory: Callable[[str], int] | None) -> int | None:
         if self.gpu_memory_utilization is None:

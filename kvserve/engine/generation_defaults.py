@@ -34,17 +34,21 @@ SAMPLING_KEYS = {
 }
 
 
-def sampling_defaults(model_path: Path, source: GenerationConfigSource) -> dict[str, Any]:
+def sampling_defaults(
+    model_path: Path, source: GenerationConfigSource, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """SamplingParams field -> the model's default value (empty under ``vllm``, or when the
-    file is missing or sets none). Values ``SamplingParams`` would refuse raise a
+    file is missing or sets none). ``extra``: the model source's own defaults (Ollama's
+    params layer), over the file's. Values ``SamplingParams`` would refuse raise a
     ``ValueError`` naming the file, at load, rather than failing every request later."""
     gen = model_path / "generation_config.json"
-    if source is GenerationConfigSource.VLLM or not gen.is_file():
+    if source is GenerationConfigSource.VLLM or (not gen.is_file() and not extra):
         return {}
-    values = json.loads(gen.read_text(encoding="utf-8"))
+    values = json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {}
     if not isinstance(values, dict):
         raise ValueError(f"{gen} is not a JSON object")
     defaults = {f: values[k] for k, f in SAMPLING_KEYS.items() if values.get(k) is not None}
+    defaults.update(extra or {})
     try:
         SamplingParams(**defaults)
     except ValueError as e:

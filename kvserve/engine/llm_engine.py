@@ -89,7 +89,9 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
         self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
         # The model's sampling defaults (--generation-config auto), vLLM's dict of the same name.
-        self.default_sampling_params = sampling_defaults(path, mc.generation_config)
+        self.default_sampling_params = sampling_defaults(
+            path, mc.generation_config, dict(mc.source_sampling_defaults)
+        )
         # The runner(s): in this process or one worker process per rank; each loads the
         # model, sizes and allocates the KV cache and warms up (ModelRunner(config, rank)).
         self.executor: Executor = create_executor(config)

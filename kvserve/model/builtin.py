@@ -116,6 +116,12 @@ def converted_gguf_path(
     target = cache / f"{gguf_path.stem}-v{CONVERTER_VERSION}-{key}"
     if target.is_dir():
         return target
+    if content_id is not None:
+        # Keyed by content alone: the same bytes under another name (an Ollama blob holding
+        # a GGUF converted before) reuse that folder instead of a second one-time conversion.
+        for same in sorted(cache.glob(f"*-v{CONVERTER_VERSION}-{key}")):
+            if same.is_dir():
+                return same
 
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
