@@ -43,7 +43,10 @@ READ_POINTS = """() => {
       if (m.name !== "points") continue;
       const d = m.data_source.data;
       const col = (k) => Array.from(d instanceof Map ? d.get(k) : d[k]);
-      out.push({tags: m.tags, x: col("x"), y: col("y"), source: col("source"), key: col("key")});
+      const spread = (d instanceof Map ? d.has("lower") : "lower" in d)
+        ? {lower: col("lower"), upper: col("upper")} : {};
+      out.push({tags: m.tags, x: col("x"), y: col("y"), source: col("source"), key: col("key"),
+                ...spread});
     }
   }
   return out;
@@ -66,7 +69,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     served = [p for p in exp3["points"] if p["mode"] == "server"][:3]
     (root / "sweep").mkdir()
     (root / "serve").mkdir()
-    for p in served:
+    for i, p in enumerate(served):
+        p["output_throughput_std"] = 1.25 * (i + 1)  # as if repeated: drawn as whiskers
         (root / "sweep" / p["result_file"]).write_text(json.dumps(p))
         run = {**p["runs"][0], "label": "kvserve"}
         (root / "serve" / f"kvserve-{run['request_rate']}qps.json").write_text(json.dumps(run))
@@ -134,6 +138,7 @@ def test_report_renders_the_runs_points_exactly(
     assert all(v["height"] > 200 and v["width"] > 600 for v in views), views
 
     cache: dict[str, Any] = {}
+    spreads = 0
     plotted: dict[tuple[str, str], list[str]] = {}
     for r in pg.evaluate(READ_POINTS):
         fig = r["tags"][0]
@@ -144,6 +149,15 @@ def test_report_renders_the_runs_points_exactly(
             x_key = "kv_cache_memory" if "study" in path else "request_rate"
             assert x == fmt_value(_expected(path, int(index), x_key, cache))
             plotted.setdefault((fig, key), []).append(source)
+        if "lower" in r:  # the sweep's repeat spread around its output throughput
+            std = [
+                _expected(s.rpartition("#")[0], -1, "output_throughput_std", cache)
+                for s in r["source"]
+            ]
+            assert r["lower"] == [y - d for y, d in zip(r["y"], std, strict=True)]
+            assert r["upper"] == [y + d for y, d in zip(r["y"], std, strict=True)]
+            spreads += 1
+    assert spreads == 1  # one series had a spread: the sweep's
     # every input point in every figure once: 6 study + 3 sweep + 3 serve points; the
     # preemptions figure only where some point preempted (the study's section)
     runs = load_runs([str(p) for p in inputs.values()])
