@@ -325,6 +325,7 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 
 table { border-collapse: collapse; font-size: 0.8em; margin: 0.8em 0; }
 th, td { border: 1px solid #ddd; padding: 2px 6px; text-align: right; }
 thead th { background: #f3f3f3; } tbody th { text-align: left; font-weight: normal; }
+table.rec td { text-align: left; } \
 .scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; }
 """
 
