@@ -1,7 +1,8 @@
 """``kvserve bench report`` opened in a real headless Chromium (Debian's ``chromium``, driven
 by Playwright): the page renders with no script error and no network request, every plot's
 points are the input files' numbers exactly (read back from Bokeh's data sources in the page),
-the tables and machine record are there, and a screenshot is written.
+the tables and machine record are there, a screenshot is written, and a real mouse click on a
+legend entry hides its series.
 
 Inputs are real results of the lab's three formats: a study ``results.json`` (experiment 4's
 machine and first points), a ``bench sweep`` directory (experiment 3's server points, as the
@@ -50,6 +51,15 @@ READ_POINTS = """() => {
     }
   }
   return out;
+}"""
+
+# The first section's throughput figure: its legend's box on the page and each entry's lines.
+LEGEND = """() => {
+  const v = Object.values(Bokeh.index).find((v) => v.model.name === "fig:output_throughput");
+  const legend = [...v.renderer_views.values()].find((r) => r.model.type === "Legend");
+  const canvas = v.canvas_view.el.getBoundingClientRect();
+  return {x: canvas.x + legend.bbox.x, y: canvas.y + legend.bbox.y,
+          visible: legend.model.items.map((i) => i.renderers.map((r) => r.visible))};
 }"""
 
 READ_VIEWS = """() => Object.values(Bokeh.index)
@@ -178,3 +188,11 @@ def test_report_renders_the_runs_points_exactly(
     with Image.open(shot) as img:
         assert img.size == (1280, 1800)
         assert len(img.convert("RGB").getcolors(1 << 20) or []) > 50  # plots, not a blank page
+
+    # interactive: a real click on the first legend entry hides its line and its points
+    legend = pg.evaluate(LEGEND)
+    assert legend["visible"] == [[True, True]] * 3  # the study's 3 policies
+    pg.mouse.click(legend["x"] + 12, legend["y"] + 10)  # the entry's glyph (padding 4)
+    pg.wait_for_function(f"() => !({LEGEND})().visible[0][0]", timeout=10_000)
+    assert pg.evaluate(LEGEND)["visible"] == [[False, False]] + [[True, True]] * 2
+    assert errors == []
