@@ -19,23 +19,26 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.bench import serve, sweep, throughput
+from kvserve.bench import report_html, serve, sweep, throughput
 
 _DESCRIPTIONS = {
     "serve": "Benchmark a running OpenAI-compatible server (like `vllm bench serve`).",
     "throughput": "Offline engine throughput through kvserve.LLM (like `vllm bench throughput`).",
     "sweep": "Start servers over a grid of engine settings and request rates; CSV and plots.",
+    "report": "One self-contained HTML page of result files: interactive plots, percentile "
+    "tables, the machine record; several runs or servers overlaid.",
 }
 
 
 def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     """Add serve/throughput/sweep under an existing ``bench`` parser."""
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput,sweep}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput,sweep,report}")
     sub.required = True
     for name, add_args in (
         ("serve", serve.add_serve_args),
         ("throughput", throughput.add_throughput_args),
         ("sweep", sweep.add_sweep_args),
+        ("report", report_html.add_report_args),
     ):
         parser = sub.add_parser(
             name,
@@ -49,7 +52,9 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the top-level CLI's ``subparsers`` (from ``add_subparsers()``)."""
     bench = subparsers.add_parser(
-        "bench", help="Benchmarks: serve, throughput, sweep.", description=__doc__.splitlines()[0]
+        "bench",
+        help="Benchmarks: serve, throughput, sweep, report.",
+        description=__doc__.splitlines()[0],
     )
     add_bench_subcommands(bench)
     return bench
@@ -70,6 +75,9 @@ def run_bench(args: argparse.Namespace) -> int:
             return 0
         if args.bench_command == "sweep":
             sweep.run_sweep(args)
+            return 0
+        if args.bench_command == "report":
+            report_html.run_report(args)
             return 0
     except (ValueError, RuntimeError, OSError) as e:
         print(f"kvserve bench {args.bench_command}: error: {e}", file=sys.stderr)
