@@ -121,6 +121,9 @@ def load_model(
     cls = resolve_model_class(config, model_impl)
     scheme = checkpoint_scheme(config)  # a pre-quantized checkpoint (compressed-tensors, ...)
     quant = _checked_quant(path, scheme, quant)
+    refusal = getattr(cls, "quantization_refusal", None)
+    if refusal and (scheme is not None or (quant is not None and quant.method is not None)):
+        raise ValueError(f"{path}: {config.architectures[0]} cannot be quantized: {refusal}")
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
     report: QuantReport | None = None  # what quantization did, once it has

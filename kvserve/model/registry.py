@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from kvserve.config import ModelImpl
 from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.moe import MoEForCausalLM
 from kvserve.model.transformers_backend import (
     TransformersForCausalLM,
     architecture_name,
@@ -22,7 +23,9 @@ from kvserve.model.transformers_backend import (
 )
 
 NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    arch: cls for cls in (LlamaForCausalLM, GemmaForCausalLM) for arch in cls.architectures
+    arch: cls
+    for cls in (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM)
+    for arch in cls.architectures
 }
 
 
