@@ -19,9 +19,10 @@ from transformers import AutoConfig, PretrainedConfig
 from kvserve.config import ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.base import CausalLM
-from kvserve.model.registry import resolve_model_class
+from kvserve.model.registry import num_routed_experts, resolve_model_class
 from kvserve.model.transformers_backend import (
     TransformersForCausalLM,
+    architecture_name,
     load_transformers_model,
     remote_code_error,
 )
@@ -122,8 +123,12 @@ def load_model(
     scheme = checkpoint_scheme(config)  # a pre-quantized checkpoint (compressed-tensors, ...)
     quant = _checked_quant(path, scheme, quant)
     refusal = getattr(cls, "quantization_refusal", None)
+    if cls is TransformersForCausalLM and num_routed_experts(config):
+        # transformers keeps experts as 3D parameters, not nn.Linear: they would stay dense
+        refusal = ("its experts are not nn.Linear layers in transformers and would stay in the "
+                   "model dtype")  # fmt: skip
     if refusal and (scheme is not None or (quant is not None and quant.method is not None)):
-        raise ValueError(f"{path}: {config.architectures[0]} cannot be quantized: {refusal}")
+        raise ValueError(f"{path}: {architecture_name(config)} cannot be quantized: {refusal}")
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
     report: QuantReport | None = None  # what quantization did, once it has
