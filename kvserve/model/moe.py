@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PretrainedConfig
 
+from kvserve.config import Quantization
 from kvserve.lora.punica import LoRAMapping
 from kvserve.model.base import ForwardBatch
 from kvserve.model.llama import (
@@ -43,6 +44,9 @@ from kvserve.model.llama import (
 )
 from kvserve.moe.experts import ActAndMul, FusedExperts
 from kvserve.moe.router import RouterConfig, route
+from kvserve.ops.malloc_tuning import trim_heap
+from kvserve.quantization.apply import RTN_METHODS, quantized_layer, rtn_weight
+from kvserve.quantization.streaming import StreamingQuantizer
 
 QWEN2_MOE, QWEN3_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
 MIXTRAL, OLMOE = "MixtralForCausalLM", "OlmoeForCausalLM"
@@ -50,6 +54,7 @@ SUPPORTED_ARCHITECTURES = (QWEN2_MOE, QWEN3_MOE, MIXTRAL, OLMOE)
 
 # experts.<e>.<matrix>.weight: Qwen/OLMoE's names, then Mixtral's
 _EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_STACKED_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
           "w1": "gate", "w3": "up", "w2": "down"}  # fmt: skip
 
@@ -179,13 +184,24 @@ class MoEForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: Llama's machinery with sparse MoE layers."""
 
     architectures = SUPPORTED_ARCHITECTURES
+    _streaming: StreamingQuantizer | None = None  # quantize_experts_with
     supports_tensor_parallel = False  # experts are not sharded yet
     supports_lora = False  # adapters on routed experts are not implemented
-    # the loader refuses --quantization for this class with this reason
-    quantization_refusal = (
-        "int8/int4 expert weights are not implemented yet; the experts would stay in the "
-        "model dtype"
-    )
+
+    @staticmethod
+    def quantization_refusal(method: Quantization | None) -> str | None:
+        """Why the loader must refuse ``method`` for this class (None: it runs)."""
+        if method is None or method in RTN_METHODS:
+            return None
+        return (
+            "only int8/int4 round-to-nearest at load is implemented for MoE experts, "
+            "not GGUF or pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints"
+        )
+
+    def quantize_experts_with(self, streaming: StreamingQuantizer) -> None:
+        """Quantize each layer's experts (int8/int4 RTN) as soon as all of them have loaded,
+        counted in ``streaming``'s report: one layer's dense experts exist at a time."""
+        self._streaming = streaming
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
         act = getattr(config, "hidden_act", "silu")
@@ -215,7 +231,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Llama's loading, with Mixtral's names mapped and each per-expert matrix copied
         into its slice of the layer's stacked weights."""
-        self._experts_loaded: set[tuple[str, int, str]] = set()
+        self._experts_loaded: dict[str, set[tuple[int, str]]] = {}
         super().load_weights(self._expert_stream(weights))
 
     def _expert_stream(
@@ -223,17 +239,43 @@ class MoEForCausalLM(LlamaForCausalLM):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-            m = _EXPERT_WEIGHT.match(name)
-            if m is None:
+            m, stacked = _EXPERT_WEIGHT.match(name), _STACKED_WEIGHT.match(name)
+            if m is None and stacked is None:
                 yield name, tensor
                 continue
-            module, expert, matrix = m[1], int(m[2]), m[3]
-            if matrix not in _PARTS:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            module = m[1] if m is not None else stacked[1]  # type: ignore[index]
             experts = self.get_submodule(module)
             assert isinstance(experts, FusedExperts)
-            experts.load_expert(expert, _PARTS[matrix], tensor)
-            self._experts_loaded.add((module, expert, _PARTS[matrix]))
+            done = self._experts_loaded.setdefault(module, set())
+            if m is not None:
+                if m[3] not in _PARTS:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                experts.load_expert(int(m[2]), _PARTS[m[3]], tensor)
+                done.add((int(m[2]), _PARTS[m[3]]))
+            else:  # transformers 5's stacked [E, 2I, H] / [E, H, I]
+                assert stacked is not None
+                param = getattr(experts, stacked[2])
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(param.shape)}")  # fmt: skip
+                param.copy_(tensor)
+                parts = ("gate", "up") if stacked[2] == "gate_up_proj" else ("down",)
+                done |= {(e, p) for e in range(experts.num_experts) for p in parts}
+            if len(done) == 3 * experts.num_experts and self._streaming is not None:
+                self._quantize_experts(module, experts)
+
+    def _quantize_experts(self, module: str, experts: FusedExperts) -> None:
+        s = self._streaming
+        assert s is not None and s.quant.method is not None
+        layers: dict[str, list[nn.Module]] = {"gate_up_proj": [], "down_proj": []}
+        for pname, out in layers.items():
+            for e in range(experts.num_experts):
+                name, w = f"{module}.{e}.{pname}", getattr(experts, pname)[e]
+                qw, err = rtn_weight(w, s.quant.method, s.quant.group_size, name)
+                out.append(quantized_layer(s.report, name, w, None, qw, err, s.device, s.dtype,
+                                           s.quant.activations))  # fmt: skip
+        experts.set_quantized(layers["gate_up_proj"], layers["down_proj"])
+        trim_heap()
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         """Stacked expert weights count as loaded whole (transformers 5's names) or when every
@@ -242,10 +284,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         for name, module in self.named_modules():
             if not isinstance(module, FusedExperts):
                 continue
+            done = self._experts_loaded.get(name, set())
             for pname, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
-                full = f"{name}.{pname}"
-                del rest[full]
-                apart = {(name, e, p) for e in range(module.num_experts) for p in parts}
-                if full not in loaded and not apart <= self._experts_loaded:
-                    raise ValueError(f"checkpoint is missing weights: {full} (some experts)")
+                del rest[f"{name}.{pname}"]
+                if not {(e, p) for e in range(module.num_experts) for p in parts} <= done:
+                    raise ValueError(f"checkpoint is missing weights: {name}.{pname} "
+                                     "(some experts)")  # fmt: skip
         super()._check_all_loaded(rest, loaded)

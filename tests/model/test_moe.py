@@ -1,10 +1,9 @@
 """Native Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: logits equal transformers' (float32,
 prefill then decode, both attention backends), checkpoints with per-expert or stacked expert
-weights load, incomplete ones and quantization are refused."""
+weights load, incomplete ones and GGUF experts are refused."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -88,8 +87,9 @@ def test_missing_expert_refused(
         load_model(tmp_path, torch.float32, "cpu", max_positions=64)
 
 
-def test_quantization_refused(moe: dict[str, tuple[Path, PreTrainedModel]]) -> None:
+def test_prequantized_experts_refused(moe: dict[str, tuple[Path, PreTrainedModel]]) -> None:
+    """GGUF (and pre-quantized checkpoints) would leave the experts dense: refused by name."""
     path, _ = moe["olmoe"]
-    assert json.loads((path / "config.json").read_text())["architectures"] == ["OlmoeForCausalLM"]
-    with pytest.raises(ValueError, match="OlmoeForCausalLM cannot be quantized: int8/int4"):
-        load_model(path, torch.float32, "cpu", 64, quant=QuantOptions(Quantization.INT4))
+    quant = QuantOptions(Quantization.GGUF, gguf_file=str(path / "model.gguf"))
+    with pytest.raises(ValueError, match=r"OlmoeForCausalLM cannot be quantized \(gguf\): only"):
+        load_model(path, torch.float32, "cpu", 64, quant=quant)

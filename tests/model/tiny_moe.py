@@ -18,9 +18,9 @@ WINDOW = 8  # Mixtral slides on every layer; shorter than most prompts plus outp
 BASE = {**TINY, "attn_implementation": "eager", "num_experts_per_tok": 2}
 CONFIGS: dict[str, tuple[str, str, dict[str, object]]] = {
     # layer 0 dense (mlp_only_layers), layer 1 sparse: 4 experts of 32 plus a gated shared
-    # expert of 48; q/k/v bias; no renormalisation (the family's default).
+    # expert of 64; q/k/v bias; no renormalisation (the family's default).
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
-        "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
         "mlp_only_layers": [0],
     }),
     # per-head q/k norms, head_dim 32 (q 128 wide), 8 experts, renormalised top-2
