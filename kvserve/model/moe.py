@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig
 
 from kvserve.config import Quantization
+from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.lora.punica import LoRAMapping
 from kvserve.model.base import ForwardBatch
 from kvserve.model.llama import (
@@ -92,7 +93,9 @@ class SparseMoeBlock(nn.Module):
         router: RouterConfig,
         act: str = "silu",
         shared_intermediate: int = 0,
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """``tp``: each rank holds a slice of every expert and of the shared expert."""
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(
@@ -100,13 +103,13 @@ class SparseMoeBlock(nn.Module):
             )
         self.router = router
         self.gate = RouterLinear(hidden, router.num_experts)
-        self.experts = FusedExperts(router.num_experts, hidden, intermediate)
+        self.experts = FusedExperts(router.num_experts, hidden, intermediate, tp)
         self.experts.act_and_mul = _act_and_mul(ACTIVATIONS[act][0])
         self.fused_act_and_mul = ACTIVATIONS[act][1]  # the C++ op enable_fused_ops switches to
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: RouterLinear | None = None
         if shared_intermediate > 0:
-            self.shared_expert = MLP(hidden, shared_intermediate, act)
+            self.shared_expert = MLP(hidden, shared_intermediate, act, tp)
             self.shared_expert_gate = RouterLinear(hidden, 1)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
@@ -167,17 +170,23 @@ def is_sparse_layer(config: PretrainedConfig, arch: str, layer: int) -> bool:
     )
 
 
-def _attention(config: PretrainedConfig, arch: str, layer: int) -> Attention:
+def _attention(config: PretrainedConfig, arch: str, layer: int, tp: TPGroup) -> Attention:
     if arch == OLMOE:
+        if tp.world_size > 1:  # its q/k norms would need every rank's heads
+            raise ValueError(
+                "OlmoeForCausalLM does not support tensor parallelism (tensor_parallel_size "
+                f"{tp.world_size}): its q/k norms span all heads of the projection"
+            )
         return OlmoeAttention(config)
     window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE stores 0 for none
     if arch == QWEN2_MOE:
         return Attention(config, bool(getattr(config, "qkv_bias", True)),
-                         sliding_window=layer_window(config, layer))  # fmt: skip
+                         sliding_window=layer_window(config, layer), tp=tp)  # fmt: skip
     if arch == QWEN3_MOE:
         bias = bool(getattr(config, "attention_bias", False))
-        return Attention(config, bias, o_bias=bias, qk_norm=RMSNorm, sliding_window=window)
-    return Attention(config, False, sliding_window=window)  # Mixtral
+        return Attention(config, bias, o_bias=bias, qk_norm=RMSNorm, sliding_window=window,
+                         tp=tp)  # fmt: skip
+    return Attention(config, False, sliding_window=window, tp=tp)  # Mixtral
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -185,7 +194,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     architectures = SUPPORTED_ARCHITECTURES
     _streaming: StreamingQuantizer | None = None  # quantize_experts_with
-    supports_tensor_parallel = False  # experts are not sharded yet
+    supports_tensor_parallel = True  # each rank a slice of every expert (not OLMoE)
     supports_lora = False  # adapters on routed experts are not implemented
 
     @staticmethod
@@ -215,8 +224,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                 router_config(config, arch),
                 act,
                 shared_intermediate=int(shared) if arch == QWEN2_MOE else 0,
+                tp=self.tp,
             )
-        return DecoderLayer(config, _attention(config, arch, layer), self.tp, mlp=mlp)
+        return DecoderLayer(config, _attention(config, arch, layer, self.tp), self.tp, mlp=mlp)
 
     def enable_fused_ops(self) -> bool:
         """As Llama's, and the experts' act(gate) * up on the C++ kernel too."""
@@ -254,11 +264,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                 done.add((int(m[2]), _PARTS[m[3]]))
             else:  # transformers 5's stacked [E, 2I, H] / [E, H, I]
                 assert stacked is not None
-                param = getattr(experts, stacked[2])
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(param.shape)}")  # fmt: skip
-                param.copy_(tensor)
+                experts.load_stacked(stacked[2], tensor)
                 parts = ("gate", "up") if stacked[2] == "gate_up_proj" else ("down",)
                 done |= {(e, p) for e in range(experts.num_experts) for p in parts}
             if len(done) == 3 * experts.num_experts and self._streaming is not None:

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvserve.distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
+
 # act(gate) * up for gate_up = [N, 2 * I] -> [N, I] (llama.ACTIVATIONS' PyTorch or C++ op)
 ActAndMul = Callable[[torch.Tensor], torch.Tensor]
 # (expert, rows [n, K]) -> [n, N]: one expert's projection, e.g. its quantized layer
@@ -98,16 +100,25 @@ def reference_experts(
 
 
 class FusedExperts(nn.Module):
-    """One layer's ``E`` experts as two stacked weights (transformers 5's own layout, so its
-    fused checkpoints load by name): ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
-    Per-expert checkpoints (``experts.<e>.gate_proj``/``w1`` ...) load through
-    ``load_expert``."""
+    """One layer's ``E`` experts as two stacked weights (transformers 5's own layout):
+    ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; checkpoints load through
+    ``load_expert`` (one expert's matrix) or ``load_stacked`` (all experts' at once).
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    Under tensor parallelism (``tp``) every rank holds a slice of every expert, as the dense
+    MLP is split: rows ``[r * I/N, (r + 1) * I/N)`` of its gate and of its up projection and
+    the same columns of its down projection; the router runs on every rank (replicated), each
+    rank's experts give partial sums, and ``forward`` all-reduces them once per layer."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.tp = tp
+        self.num_experts = num_experts
+        self.intermediate = divide(intermediate, tp, "the experts' intermediate size")
+        local = self.intermediate  # this rank's features of each expert
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
         self.act_and_mul: ActAndMul = silu_and_mul
         self.use_reference = False  # one token at a time (tests)
         # per-expert quantized layers (set_quantized); None: the stacked dense weights
@@ -125,22 +136,40 @@ class FusedExperts(nn.Module):
 
     @torch.no_grad()
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """Copy one expert's ``gate`` ``[I, H]``, ``up`` ``[I, H]`` or ``down`` ``[H, I]``."""
+        """Copy this rank's slice of one expert's full ``gate`` ``[I, H]``, ``up`` ``[I, H]``
+        or ``down`` ``[H, I]``."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range: the layer has {self.num_experts}")
-        i = self.intermediate
-        if part == "gate":
-            dst = self.gate_up_proj[expert, :i]
-        elif part == "up":
-            dst = self.gate_up_proj[expert, i:]
-        else:
-            dst = self.down_proj[expert]
-        if tuple(dst.shape) != tuple(tensor.shape):
+        i, r = self.intermediate, self.tp.rank
+        full_i = i * self.tp.world_size
+        if part == "down":  # [H, I]: this rank's columns
+            dst, want, dim = self.down_proj[expert], (self.down_proj.shape[1], full_i), 1
+        else:  # [I, H]: this rank's rows, into the gate or the up half
+            lo = 0 if part == "gate" else i
+            dst, dim = self.gate_up_proj[expert, lo : lo + i], 0
+            want = (full_i, self.gate_up_proj.shape[2])
+        if tuple(tensor.shape) != want:
             raise ValueError(
-                f"expert {expert} {part} weight has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dst.shape)}"
+                f"expert {expert} {part} weight has shape {tuple(tensor.shape)}, expected {want}"
             )
-        dst.copy_(tensor)
+        dst.copy_(tensor.narrow(dim, r * i, i))
+
+    @torch.no_grad()
+    def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy all experts' ``gate_up_proj [E, 2I, H]`` or ``down_proj [E, H, I]`` (full)."""
+        if tensor.dim() != 3 or tensor.shape[0] != self.num_experts:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected "
+                             f"[{self.num_experts}, ...]")  # fmt: skip
+        full_i = self.intermediate * self.tp.world_size
+        for e in range(self.num_experts):
+            if name == "down_proj":
+                self.load_expert(e, "down", tensor[e])
+            else:
+                if tensor.shape[1] != 2 * full_i:
+                    raise ValueError(f"{name} has {tensor.shape[1]} rows per expert, expected "
+                                     f"{2 * full_i}")  # fmt: skip
+                self.load_expert(e, "gate", tensor[e, :full_i])
+                self.load_expert(e, "up", tensor[e, full_i:])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         run = reference_experts if self.use_reference else grouped_experts
@@ -150,4 +179,4 @@ class FusedExperts(nn.Module):
             q_gate_up, q_down = self.q_gate_up, self.q_down
             gate_up = lambda e, rows: q_gate_up[e](rows)  # noqa: E731
             down = lambda e, rows: q_down[e](rows)  # noqa: E731
-        return run(x, gate_up, down, weights, ids, self.act_and_mul)
+        return all_reduce(run(x, gate_up, down, weights, ids, self.act_and_mul), self.tp)
