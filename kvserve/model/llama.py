@@ -204,6 +204,9 @@ class Attention(nn.Module):
         if soft_cap is not None:
             self.attn_kwargs["soft_cap"] = soft_cap
         self.fused = False  # (q/k norm +) RoPE + KV write as one C++ kernel
+        # q_norm/k_norm act per head before RoPE (Qwen3, Gemma 3); OLMoE's are over the
+        # whole projections, applied in ``project`` instead
+        self.per_head_qk_norm = True
         # LoRA slot weights (kvserve/lora/layers.py attach_lora), owned by the LoRAManager
         self.lora_qkv: LoRASlotWeights | None = None
         self.lora_o: LoRASlotWeights | None = None
@@ -216,13 +219,12 @@ class Attention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         t, md, backend = x.shape[0], batch.attn_metadata, batch.attn_backend
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        if batch.lora is not None and self.lora_qkv is not None:
-            qkv = self.lora_qkv.add_delta(qkv, x, batch.lora)
+        qkv = self.project(x, batch)  # [T, (H + 2 Hkv) * D]
+        per_head = self.per_head_qk_norm and self.q_norm is not None and self.k_norm is not None
         if self.fused:
             cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
             norms = None
-            if self.q_norm is not None and self.k_norm is not None:
+            if per_head and self.q_norm is not None and self.k_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight)
             q = cpu_kernels.rope_write_kv(
                 qkv, cos, sin, *kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads,
@@ -234,7 +236,7 @@ class Attention(nn.Module):
             q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
+            if per_head and self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(rope, q, k)
             backend.write_kv(k, v, kv_cache[0], kv_cache[1], md)
@@ -244,6 +246,14 @@ class Attention(nn.Module):
         if batch.lora is not None and self.lora_o is not None:
             out = self.lora_o.add_delta(out, o, batch.lora)
         return out
+
+    def project(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``x [T, hidden]`` -> the fused ``qkv [T, (H + 2 Hkv) * D]`` before RoPE (and
+        before per-head q/k norms); OLMoE normalises the whole projections here."""
+        qkv = self.qkv_proj(x)
+        if batch.lora is not None and self.lora_qkv is not None:
+            qkv = self.lora_qkv.add_delta(qkv, x, batch.lora)
+        return qkv
 
 
 # The gated MLP's activations: transformers' ``hidden_act`` name -> (PyTorch op, C++ kernel
@@ -293,13 +303,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, attn: Attention, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        attn: Attention,
+        tp: TPGroup = SINGLE,
+        mlp: nn.Module | None = None,
+    ) -> None:
+        """``mlp``: the feed-forward block (default: the gated MLP of ``intermediate_size``;
+        a mixture-of-experts block in ``moe.py``), called as ``mlp(h, lora)``."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        act = getattr(config, "hidden_act", "silu")
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, act, tp)
+        if mlp is None:
+            act = getattr(config, "hidden_act", "silu")
+            mlp = MLP(config.hidden_size, config.intermediate_size, act, tp)
+        self.mlp = mlp
 
     def forward(
         self,

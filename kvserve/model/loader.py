@@ -19,9 +19,10 @@ from transformers import AutoConfig, PretrainedConfig
 from kvserve.config import ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.base import CausalLM
-from kvserve.model.registry import resolve_model_class
+from kvserve.model.registry import num_routed_experts, resolve_model_class
 from kvserve.model.transformers_backend import (
     TransformersForCausalLM,
+    architecture_name,
     load_transformers_model,
     remote_code_error,
 )
@@ -121,6 +122,7 @@ def load_model(
     cls = resolve_model_class(config, model_impl)
     scheme = checkpoint_scheme(config)  # a pre-quantized checkpoint (compressed-tensors, ...)
     quant = _checked_quant(path, scheme, quant)
+    _check_moe_quant(path, config, cls, scheme, quant)
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
     report: QuantReport | None = None  # what quantization did, once it has
@@ -198,6 +200,29 @@ def _checked_quant(
     return quant
 
 
+def _check_moe_quant(
+    path: Path,
+    config: PretrainedConfig,
+    cls: type[Any],
+    scheme: WeightScheme | None,
+    quant: QuantOptions | None,
+) -> None:
+    """Refuse a quantization an MoE class cannot apply to its experts (they would stay in
+    the model dtype): the native class says which (``quantization_refusal``); transformers
+    keeps experts as 3D parameters, not the ``nn.Linear``s the backend's quantization swaps."""
+    method = scheme.method if scheme is not None else quant.method if quant is not None else None
+    if method is None:
+        return
+    check = getattr(cls, "quantization_refusal", None)
+    refusal = check(method) if check is not None else None
+    if cls is TransformersForCausalLM and num_routed_experts(config):
+        refusal = ("its experts are not nn.Linear layers in transformers and would stay in the "
+                   "model dtype")  # fmt: skip
+    if refusal:
+        raise ValueError(f"{path}: {architecture_name(config)} cannot be quantized "
+                         f"({method.value}): {refusal}")  # fmt: skip
+
+
 def check_shardable(
     path: Path,
     cls: type[Any],
@@ -256,6 +281,8 @@ def _load_native(
     streaming = None
     if quant is not None and quant.method is not None:
         streaming = StreamingQuantizer(model, quant, torch.device(device), dtype, source)
+        if hasattr(model, "quantize_experts_with"):  # MoE experts: stacked, not nn.Linear
+            model.quantize_experts_with(streaming)
     for module in model.modules():
         if not isinstance(module, PendingLinear):  # its storage comes as its weights do
             module.to_empty(device=device, recurse=False)

@@ -82,11 +82,10 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                     quant, size)  # fmt: skip
     heads = int(hf.num_attention_heads)
     check_heads(heads, int(getattr(hf, "num_key_value_heads", None) or heads), size)
-    inter = int(getattr(hf, "intermediate_size", 0) or 0)
-    if inter % size:
-        raise ValueError(
-            f"intermediate_size ({inter}) is not divisible by tensor_parallel_size ({size})"
-        )
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        inter = int(getattr(hf, field, 0) or 0)  # the MLP's, and an MoE model's experts'
+        if inter % size:
+            raise ValueError(f"{field} ({inter}) is not divisible by tensor_parallel_size ({size})")
 
 
 def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) -> CausalLM:

@@ -40,8 +40,9 @@ def test_resolve_model_class() -> None:
     assert str(e.value) == (
         "model_impl='kvserve': Phi3ForCausalLM has no native kvserve implementation (native: "
         "Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM); use model_impl='auto' or "
-        "'transformers' to run it through the transformers backend"
+        "MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, "
+        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM); use model_impl='auto' "
+        "or 'transformers' to run it through the transformers backend"
     )
 
 
