@@ -38,6 +38,10 @@ from kvserve.server.errors import APIError, bad_request
 logger = logging.getLogger("kvserve.server")
 
 READY_POLL_SECONDS = 0.1
+RAY_BATCH_OFF = (
+    "the Batch API is off on this server (--ray): its engine replicas share no disk, so a "
+    "file or a job could not be found again by a later request; use kvserve run-batch"
+)
 
 
 class BatchService:
@@ -45,8 +49,14 @@ class BatchService:
     use, which does not outlive the server: give ``--batch-dir`` for jobs that survive a
     restart). The folder is locked: two servers cannot share it."""
 
-    def __init__(self, root: Path | None = None, limits: BatchLimits | None = None) -> None:
+    def __init__(
+        self,
+        root: Path | None = None,
+        limits: BatchLimits | None = None,
+        disabled_reason: str | None = None,
+    ) -> None:
         self.limits = limits or BatchLimits()
+        self.disabled_reason = disabled_reason  # set (Ray replicas): every route is a 400
         self._root = root
         self._lock_file: IO[bytes] | None = None
         self._files: FileStore | None = None
@@ -63,6 +73,8 @@ class BatchService:
         otherwise the first use does, in a new temporary folder)."""
         if self._store is not None:
             return
+        if self.disabled_reason is not None:
+            raise APIError(400, self.disabled_reason)
         root = self._root or Path(tempfile.mkdtemp(prefix="kvserve-batch-"))
         root.mkdir(parents=True, exist_ok=True)
         lock = (root / ".lock").open("ab")
@@ -173,6 +185,8 @@ class BatchService:
 
     def start(self, app: ASGIApp, state: Any) -> None:
         """Start advancing jobs (on the running loop) once ``state`` is ready."""
+        if self.disabled_reason is not None:
+            return
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.limits.max_concurrency)
         self._loop_task = asyncio.create_task(self._loop(app, state), name="kvserve-batch")

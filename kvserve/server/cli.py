@@ -352,6 +352,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
 
+    if args.ray and getattr(args, "batch_dir", None):
+        raise ValueError("--batch-dir does not apply with --ray: the Batch API is off there "
+                         "(its replicas share no disk); use kvserve run-batch")  # fmt: skip
     if args.ray:  # Ray Serve replicas behind one OpenAI ingress (kvserve/ray/)
         check_ray_installed()
         from kvserve.ray.app import run_ray_serve
