@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any
@@ -59,6 +60,7 @@ class BatchService:
         self.disabled_reason = disabled_reason  # set (Ray replicas): every route is a 400
         self._root = root
         self._lock_file: IO[bytes] | None = None
+        self._owns_root = False
         self._files: FileStore | None = None
         self._store: JobStore | None = None
         self.jobs: dict[str, Job] = {}
@@ -83,6 +85,7 @@ class BatchService:
         except BlockingIOError as e:
             lock.close()
             raise ValueError(f"--batch-dir {root} is in use by another kvserve server") from e
+        self._owns_root = self._root is None  # a temporary folder: removed at stop()
         self._lock_file, self._root = lock, root
         self._files, self._store = FileStore(root), JobStore(root)
         self.jobs = {job.id: job for job in self._store.load_all()}
@@ -197,6 +200,8 @@ class BatchService:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._owns_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)  # its jobs could not resume anyway
 
     async def _loop(self, app: ASGIApp, state: Any) -> None:
         assert self._wake is not None
@@ -256,6 +261,9 @@ class BatchService:
         except APIError as e:
             return [], [{"code": "file_not_found", "message": e.message, "param": None,
                          "line": None}]  # fmt: skip
+        except UnicodeDecodeError as e:
+            return [], [{"code": "invalid_file", "message": f"the file is not UTF-8 text "
+                         f"(byte {e.start})", "param": None, "line": None}]  # fmt: skip
         return parse_lines(text, job.obj["endpoint"])
 
     async def _run(self, job: Job, lines: list[BatchLine], app: ASGIApp, state: Any) -> None:
