@@ -26,11 +26,13 @@ _WHEN = {
     404: "No such file or batch",
     413: "The file is larger than --max-batch-file-bytes",
     429: "The server has --max-batch-jobs unfinished batch jobs",
+    500: "An internal error (e.g. the disk under --batch-dir)",
+    503: "The server is shutting down",
 }
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
+    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in (*statuses, 500, 503)}
 
 
 class BatchCreateRequest(BaseModel):
