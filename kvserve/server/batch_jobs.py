@@ -149,14 +149,17 @@ class JobStore:
     def results(self, job: Job) -> list[dict[str, Any]]:
         """The result lines written so far (a torn last line is cut off the file)."""
         path = job.folder / "results.jsonl"
-        if not path.is_file():
-            return []
-        data = path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):  # killed inside a write: that request has not finished
-            with path.open("r+b") as f:
-                f.truncate(end)
-                os.fsync(f.fileno())
+        # the lock: an append still running in a worker thread (its line was cancelled, say)
+        # finishes its line first, so only a crash can leave a torn one
+        with self._append_lock:
+            if not path.is_file():
+                return []
+            data = path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end != len(data):  # killed inside a write: that request has not finished
+                with path.open("r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
         seen: set[str] = set()
         out = []
         for raw in data[:end].splitlines():
