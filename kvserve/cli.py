@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``generate``, ``serve`` and ``bench``."""
+"""The ``kvserve`` command: ``generate``, ``serve``, ``run-batch`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    from kvserve.server.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)
     from kvserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -93,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.server.cli import run_serve
 
             return run_serve(args)
+        if args.command == "run-batch":
+            from kvserve.server.cli import _leave
+            from kvserve.server.run_batch import run_batch
+
+            # Leave without interpreter finalization, as `serve` does after a forced stop:
+            # the engine's C++ state met finalization with "terminate called without an
+            # active exception" (exit -6) after an orderly shutdown here.
+            _leave(run_batch(args))
         from kvserve.bench.cli import run_bench
 
         return run_bench(args)

@@ -31,6 +31,7 @@ from starlette.types import Message
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.ray.options import replica_threads
 from kvserve.server.app import build_app
+from kvserve.server.batch_service import RAY_BATCH_OFF, BatchService
 from kvserve.server.cli import build_state, load_models
 from kvserve.server.responses_store import RAY_STORE_OFF, ResponseStore, StoreLimits
 
@@ -90,6 +91,8 @@ class KVServeReplica:
         self.state = build_state(args, engine_args)
         # A later request may reach another replica: no /v1/responses store (RAY_STORE_OFF)
         self.state.responses = ResponseStore(StoreLimits(disabled_reason=RAY_STORE_OFF))
+        # and no Batch API: a job's files and state live on one replica's disk (RAY_BATCH_OFF)
+        self.state.batches = BatchService(disabled_reason=RAY_BATCH_OFF)
         load_models(self.state, [(model, name)], args, engine_args)
         self.app = build_app(self.state)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -22,6 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.anthropic.routes import add_anthropic_routes
+from kvserve.server.batch_routes import add_batch_routes
+from kvserve.server.batch_service import BatchService
 from kvserve.server.body_check import invalid_unicode_error
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
@@ -57,6 +59,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
 # health, metrics and the OpenAPI document stay open
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 SHUTTING_DOWN = "the server is shutting down"
+# room for a /v1/files upload's multipart boundaries and form fields beside the file itself
+_MULTIPART_OVERHEAD = 64 * 1024
 
 
 @dataclass
@@ -86,6 +90,7 @@ class ServerState:
     fatal_error: str | None = None
     grpc_in_flight: int = 0  # gRPC calls being answered; the drain waits for them too
     loras: LoRARegistry = field(default_factory=LoRARegistry)  # served LoRA adapters (lora.py)
+    batches: BatchService = field(default_factory=BatchService)  # /v1/files, /v1/batches
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_engine(self, engine: AsyncLLMEngine, path: str | None = None) -> None:
@@ -192,10 +197,10 @@ class GuardMiddleware:
             await resp(scope, receive, send)
             return
         if body is None:
-            limit = self.state.max_request_body_bytes
+            limit, flag = self._body_limit(path)
             resp = error_response(
                 413, f"the request body is larger than this server's limit of {limit} bytes "
-                "(--max-request-body-bytes)",
+                f"({flag})",
                 code="request_too_large", headers={"Connection": "close"}, path=path,
             )  # fmt: skip
             await resp(scope, receive, send)
@@ -215,9 +220,17 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
+    def _body_limit(self, path: str) -> tuple[int, str]:
+        """The most bytes a body to ``path`` may have, and the flag that sets it: a batch
+        input file's upload has its own (its multipart envelope on top)."""
+        if path == "/v1/files":
+            limit = self.state.batches.limits.max_file_bytes + _MULTIPART_OVERHEAD
+            return max(limit, self.state.max_request_body_bytes), "--max-batch-file-bytes"
+        return self.state.max_request_body_bytes, "--max-request-body-bytes"
+
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None once it exceeds the limit (Content-Length or actual)."""
-        limit = self.state.max_request_body_bytes
+        limit, _ = self._body_limit(scope["path"])
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return None
@@ -310,6 +323,7 @@ def build_app(state: ServerState) -> FastAPI:
     add_responses_routes(app, state)  # /v1/responses (responses.py)
     add_anthropic_routes(app, state)  # /v1/messages (kvserve/server/anthropic/)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora.py)
+    add_batch_routes(app, state)  # /v1/files, /v1/batches and the batch loop (batch_*.py)
     _add_ops_routes(app, state)
     return app
 

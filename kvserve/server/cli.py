@@ -24,6 +24,7 @@ from kvserve.engine.vllm_flags import add_vllm_flags
 from kvserve.model.hub import parse_hub_model
 from kvserve.ray.options import add_ray_args
 from kvserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, build_app
+from kvserve.server.batch_args import add_batch_args, batch_service_from_args
 from kvserve.server.http_guard import (
     add_http_args,
     cors_from_args,
@@ -61,6 +62,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    return add_serve_args(p)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``serve`` flags on ``p`` (``run-batch`` takes them too)."""
     p.add_argument(
         "models", nargs="*", default=[],
         help="model folders, .gguf files or Hugging Face Hub ids (org/name, "
@@ -193,6 +199,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does)",
     )  # fmt: skip
+    add_batch_args(p)
     EngineArgs.add_cli_args(p.add_argument_group("engine (applied to every model)"))
     add_ray_args(p)
     add_vllm_flags(p)  # last: vLLM's other flags, accepted or refused by name (vllm_flags.py)
@@ -334,6 +341,7 @@ def build_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerStat
         loras=LoRARegistry(
             runtime_updating_allowed(getattr(args, "allow_runtime_lora_updating", False))
         ),
+        batches=batch_service_from_args(args),
     )
 
 
@@ -344,6 +352,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.server.drain import UVICORN_GRACE_SECONDS, DrainingServer
 
+    if args.ray and getattr(args, "batch_dir", None):
+        raise ValueError("--batch-dir does not apply with --ray: the Batch API is off there "
+                         "(its replicas share no disk); use kvserve run-batch")  # fmt: skip
     if args.ray:  # Ray Serve replicas behind one OpenAI ingress (kvserve/ray/)
         check_ray_installed()
         from kvserve.ray.app import run_ray_serve

@@ -148,6 +148,15 @@ def test_openapi_documents_the_real_statuses() -> None:
         ("post", "/v1/messages/count_tokens"): ["200", "400", "401", "404", "413", "500", "503"],
         ("post", "/v1/load_lora_adapter"): lora,
         ("post", "/v1/unload_lora_adapter"): lora,
+        ("post", "/v1/files"): ["200", "400", "401", "413", "500", "503"],
+        ("get", "/v1/files"): ["200", "400", "401", "500", "503"],
+        ("get", "/v1/files/{file_id}"): ["200", "401", "404", "500", "503"],
+        ("get", "/v1/files/{file_id}/content"): ["200", "401", "404", "500", "503"],
+        ("delete", "/v1/files/{file_id}"): ["200", "400", "401", "404", "500", "503"],
+        ("post", "/v1/batches"): ["200", "400", "401", "429", "500", "503"],
+        ("get", "/v1/batches"): ["200", "400", "401", "404", "500", "503"],
+        ("get", "/v1/batches/{batch_id}"): ["200", "401", "404", "500", "503"],
+        ("post", "/v1/batches/{batch_id}/cancel"): ["200", "400", "401", "404", "500", "503"],
     }
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {

@@ -83,6 +83,10 @@ INEXPRESSIBLE = [
         # the server's state: runtime LoRA updating is off on this server (403); with it on,
         # lora_path must be an adapter folder on disk and an unloaded name must be loaded
         r"loading and unloading LoRA adapters at run time is off",
+        # the server's state: a batch's input_file_id must name an uploaded file; a batch
+        # that has finished cannot be cancelled
+        r"No such file: '.*'",
+        r"batch .* is (completed|failed|cancelled|finalizing); it cannot be cancelled",
     )
 ]
 
