@@ -68,6 +68,7 @@ class BeamGroup:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         num_outputs: int | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_outputs = num_outputs or params.beam_width  # hypotheses returned
@@ -84,6 +85,7 @@ class BeamGroup:
             detokenize=False,
         )  # fmt: skip
         self._num_children = 0
+        self.priority = priority  # every beam's (the priority scheduling policy)
         first = self._new_request(prompt_token_ids, [], arrival_time, lora_request)
         self.beams: list[_Beam] = [_Beam(first)]
         self.completed: list[BeamSearchSequence] = []
@@ -101,7 +103,7 @@ class BeamGroup:
         rid = f"{self.request_id}#beam{self._num_children}"
         self._num_children += 1
         req = Request(rid, prompt_ids, self.sampling, self.max_tokens, [], arrival_time,
-                      lora_request=lora_request)  # fmt: skip
+                      self.priority, lora_request=lora_request)  # fmt: skip
         req.output_token_ids = list(output_ids)
         req.all_token_ids = [*prompt_ids, *output_ids]
         return req

@@ -169,6 +169,7 @@ class InputProcessor:
         params: BeamSearchParams,
         text: str | None = None,
         num_outputs: int | None = None,
+        priority: int = 0,
     ) -> ValidatedRequest:
         """Check a beam search can ever run: the prompt as ``validate`` does, the width
         against ``--max-beam-width``, and ``beam_width`` beams at their longest in the KV cache
@@ -186,7 +187,7 @@ class InputProcessor:
                 "n", f"n ({num_outputs}) must be between 1 and the beam width ({params.beam_width})"
             )
         plain = SamplingParams(max_tokens=params.max_tokens, detokenize=False)
-        req = self.validate(prompt_ids, plain, 0, text)
+        req = self.validate(prompt_ids, plain, priority, text)
         n, bs, w = len(prompt_ids), self.kv.block_size, params.beam_width
         shared = n // bs
         need = shared + w * (blocks_for(n + req.max_tokens, bs) - shared)
@@ -197,7 +198,7 @@ class InputProcessor:
                 f"{self.kv.pool.num_blocks}; lower beam_width or max_tokens, or raise "
                 f"kv_cache_memory / num_kv_blocks"
             )
-        return ValidatedRequest(text, list(prompt_ids), plain, req.max_tokens, 0, params,
+        return ValidatedRequest(text, list(prompt_ids), plain, req.max_tokens, priority, params,
                                 num_outputs)  # fmt: skip
 
     def _validate_pooling(self, n: int, params: PoolingParams, priority: int) -> None:

@@ -208,14 +208,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, params = request.prompt, request.prompt_token_ids, request.params
         if request.beam_search is not None:
-            if lora_request is not None:
-                self.add_lora(lora_request)
-            group = BeamGroup(
-                request_id, text, ids, request.beam_search, request.max_tokens,
-                self.eos_token_ids, arrival_time, lora_request, request.num_outputs,
-            )  # fmt: skip
-            self._beam_groups[request_id] = group
-            self.scheduler.add_request(group.beams[0].request)
+            self._add_beam_search(request_id, request, arrival_time, lora_request)
             return
         max_tokens, priority = request.max_tokens, request.priority
         if lora_request is not None:
@@ -250,6 +243,25 @@ class LLMEngine:
         self._parents[request_id] = parent
         for state in parent.children:
             self.scheduler.add_request(state.request)
+
+    def _add_beam_search(
+        self,
+        request_id: str,
+        request: ValidatedRequest,
+        arrival_time: float | None,
+        lora_request: LoRARequest | None,
+    ) -> None:
+        """A beam search: one first beam, which forks as the search goes (``BeamGroup``)."""
+        assert request.beam_search is not None
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        group = BeamGroup(
+            request_id, request.prompt, request.prompt_token_ids, request.beam_search,
+            request.max_tokens, self.eos_token_ids, arrival_time, lora_request,
+            request.num_outputs, request.priority,
+        )  # fmt: skip
+        self._beam_groups[request_id] = group
+        self.scheduler.add_request(group.beams[0].request)
 
     def _add_pooling_request(
         self,

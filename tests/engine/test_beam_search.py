@@ -63,9 +63,9 @@ def llama(tiny_models: TinyModels) -> tuple[Path, PreTrainedModel]:
 
 
 @pytest.fixture(scope="module")
-def eos_model(llama: tuple[Path, PreTrainedModel], tmp_path_factory: pytest.TempPathFactory) -> (
-    tuple[Path, int]
-):
+def eos_model(
+    llama: tuple[Path, PreTrainedModel], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, int]:
     """The tiny llama with a likely token as its EOS, so hypotheses do end early: the second
     greedy token of the first prompt (always among the top candidates)."""
     path, model = llama
@@ -160,7 +160,9 @@ def test_forks_share_blocks_and_copy_on_write(eos_model: tuple[Path, int]) -> No
             kv.check_integrity()
             # every block held is held by a live beam, each reference counted once
             held = [b for rid in group.beam_ids for b in kv.block_ids(rid)]
-            assert sorted(set(held)) == sorted(b for b in range(pool.num_blocks) if not pool.is_free(b))
+            assert sorted(set(held)) == sorted(
+                b for b in range(pool.num_blocks) if not pool.is_free(b)
+            )
             assert all(pool.ref_count(b) == held.count(b) for b in set(held))
             assert len(live) <= 2
     finally:
@@ -199,7 +201,7 @@ def test_preemption_same_hypotheses(llm: LLM, eos_model: tuple[Path, int], mode:
 def test_limits(llm: LLM) -> None:
     with pytest.raises(ParamError, match="max_beam_width, --max-beam-width"):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=17, max_tokens=4))
-    with pytest.raises(ValueError, match="beam_width 16 and 300 output tokens .* 200"):
+    with pytest.raises(ValueError, match=r"beam_width 16 and 300 output tokens .* 200"):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=16, max_tokens=300))
     with pytest.raises(ParamError, match="temperature must be 0"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)

@@ -1,0 +1,142 @@
+"""``use_beam_search`` on ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's fields).
+
+The beam width is ``best_of`` when given (completions), else ``n``; the ``n`` best hypotheses
+come back as the choices, best first, scored by ``cum_logprob / len ** length_penalty``
+(``kvserve/beam_search.py``). A beam search answers once, when it is done: ``stream`` is
+refused, as is every field that would change decoding but that beam search does not apply
+(a stop string, a penalty, a seed, logprobs...), with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvserve.beam_search import BeamSearchParams
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from kvserve.server.serving import (
+    Limits,
+    PromptInfo,
+    check_fan_out,
+    engine_error,
+    final_outputs,
+    new_id,
+    resolve_max_tokens,
+    run_watching_disconnect,
+    tokenize,
+    usage_info,
+)
+
+# Request fields beam search does not apply: sent with a value, they are a 400.
+UNSUPPORTED = (
+    "stream", "echo", "suffix", "stop", "stop_token_ids", "logprobs", "top_logprobs",
+    "prompt_logprobs", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "vllm_xargs", "tools", "prompt_logprobs",
+)  # fmt: skip
+
+
+def _prompt_items(prompt: Any) -> list[Any]:
+    """The completion prompt forms as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+def check_beam_fields(req: Any) -> None:
+    """400 for a field that beam search would not honour (a falsy value is not sent)."""
+    for name in UNSUPPORTED:
+        if name in req.model_fields_set and getattr(req, name, None):
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if req.temperature:
+        raise bad_request(
+            "use_beam_search scores beams by the model's raw log-probabilities: temperature "
+            f"must be 0 or unset, got {req.temperature}",
+            "temperature",
+        )
+
+
+def beam_params(req: Any, max_tokens: int, best_of: int | None = None) -> BeamSearchParams:
+    """The request's ``BeamSearchParams`` (width: ``best_of``, else ``n``)."""
+    width = req.n if best_of is None else best_of
+    if req.n > width:
+        raise bad_request(f"n ({req.n}) must not exceed best_of ({width}), the beam width", "n")
+    try:
+        return BeamSearchParams(
+            beam_width=width,
+            max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos,
+            length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), getattr(e, "param", None)) from e
+
+
+def start_beam_streams(
+    engine: AsyncLLMEngine,
+    prompts: list[PromptInfo],
+    params: BeamSearchParams,
+    num_outputs: int,
+    base_id: str,
+    priority: int = 0,
+) -> list[RequestStream]:
+    """One beam search per prompt; all or nothing (an error is a 400 naming its field)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
+            streams.append(engine.beam_search(prompt, params, rid, num_outputs, priority))
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, ValueError):
+            raise bad_request(str(e), getattr(e, "param", None)) from e
+        raise engine_error(e) from e
+    return streams
+
+
+async def create_beam_completion(
+    req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
+) -> Response:
+    check_beam_fields(req)
+    items = _prompt_items(req.prompt)
+    width = req.best_of if req.best_of is not None else req.n
+    check_fan_out(limits, width, len(items))
+    prompts = [
+        PromptInfo(p, await tokenize(engine, p)) if isinstance(p, str) else PromptInfo(None, p)
+        for p in items
+    ]
+    requested = req.max_tokens if req.max_tokens else 16
+    max_tokens = min(
+        resolve_max_tokens(engine, len(p.token_ids), requested, limits) or requested
+        for p in prompts
+    )
+    params = beam_params(req, max_tokens, req.best_of)
+    request_id = new_id("cmpl")
+    streams = start_beam_streams(engine, prompts, params, req.n, request_id, req.priority)
+    outputs = await run_watching_disconnect(raw, final_outputs(streams))
+    choices = [
+        CompletionChoice(
+            index=i * req.n + c.index,
+            text=c.text,
+            logprobs=None,
+            finish_reason=c.finish_reason,
+            token_ids=list(c.token_ids) if req.return_token_ids else None,
+            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+        )
+        for i, out in enumerate(outputs)
+        for c in out.outputs
+    ]
+    body = CompletionResponse(
+        id=request_id, model=engine.model_name, choices=choices, usage=usage_info(outputs)
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
