@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from kvserve.beam_search import BeamSearchParams
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from kvserve.server.serving import (
@@ -104,6 +105,25 @@ def start_beam_streams(
     return streams
 
 
+def submit_beam_search(
+    req: Any,
+    raw: Request,
+    engine: AsyncLLMEngine,
+    prompts: list[PromptInfo],
+    max_tokens: int,
+    request_id: str,
+    best_of: int | None = None,
+) -> list[RequestStream]:
+    """Build the request's ``BeamSearchParams`` and start one search per prompt (its fields
+    already checked by ``check_beam_fields``); the request metrics see it as ``n`` greedy
+    completions of ``max_tokens``."""
+    params = beam_params(req, max_tokens, best_of)
+    streams = start_beam_streams(engine, prompts, params, req.n, request_id, req.priority)
+    shadow = SamplingParams(n=req.n, temperature=0.0, max_tokens=max_tokens)
+    raw.app.state.kvserve.observe_streams(engine, shadow, streams, raw.headers)
+    return streams
+
+
 async def create_beam_completion(
     req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
 ) -> Response:
@@ -120,9 +140,8 @@ async def create_beam_completion(
         resolve_max_tokens(engine, len(p.token_ids), requested, limits) or requested
         for p in prompts
     )
-    params = beam_params(req, max_tokens, req.best_of)
     request_id = new_id("cmpl")
-    streams = start_beam_streams(engine, prompts, params, req.n, request_id, req.priority)
+    streams = submit_beam_search(req, raw, engine, prompts, max_tokens, request_id, req.best_of)
     outputs = await run_watching_disconnect(raw, final_outputs(streams))
     choices = [
         CompletionChoice(

@@ -71,3 +71,17 @@ def test_rejected(server: Server, extra: dict, param: str, message: str) -> None
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == param
     assert message in body["message"]
+
+
+def test_chat_equals_offline_beam_search(server: Server, offline: LLM) -> None:
+    res = server.client().chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=5, n=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True},
+    )  # fmt: skip
+    prompt_ids = res.model_extra["prompt_token_ids"]
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    expected = offline.beam_search({"prompt_token_ids": prompt_ids}, params)[0]
+    got = [c.model_extra["token_ids"] for c in res.choices]
+    assert got == [s.tokens[len(prompt_ids) :] for s in expected.sequences]
+    assert [c.index for c in res.choices] == [0, 1]
+    assert res.usage.completion_tokens == sum(len(g) for g in got)
