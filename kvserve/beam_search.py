@@ -39,6 +39,12 @@ class BeamSearchParams:
             raise ParamError("max_tokens", f"max_tokens must be an int, got {self.max_tokens!r}.")
         if self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not -10.0 <= self.length_penalty <= 10.0:
+            # len ** length_penalty must stay a finite, non-zero float
+            raise ParamError(
+                "length_penalty",
+                f"length_penalty must be in [-10, 10], got {self.length_penalty}.",
+            )
         if self.temperature != 0.0:
             raise ParamError(
                 "temperature",

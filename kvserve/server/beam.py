@@ -18,7 +18,12 @@ from kvserve.beam_search import BeamSearchParams
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from kvserve.server.protocol import (
+    NEUTRAL_SAMPLING,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
 from kvserve.server.serving import (
     Limits,
     PromptInfo,
@@ -32,14 +37,38 @@ from kvserve.server.serving import (
     usage_info,
 )
 
-# Request fields beam search does not apply: sent with a value, they are a 400.
+# Request fields beam search does not apply: sent with a value other than their default
+# (or, for the sampling knobs, their neutral value), they are a 400 naming them.
 UNSUPPORTED = (
     "stream", "echo", "suffix", "stop", "stop_token_ids", "logprobs", "top_logprobs",
-    "prompt_logprobs", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+    "prompt_logprobs", "seed", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "vllm_xargs", "tools", "prompt_logprobs",
+    "guided_grammar", "vllm_xargs", "tools", "thinking_token_budget", "skip_special_tokens",
+    *NEUTRAL_SAMPLING,
 )  # fmt: skip
+
+
+def check_beam_fields(req: Any) -> None:
+    """400 for a field that beam search would not honour; ``max_tokens: 0`` too (only echo,
+    which beam search refuses, makes it useful)."""
+    defaults = type(req).model_fields
+    for name in UNSUPPORTED:
+        if name not in defaults or name == "temperature":
+            continue
+        value = getattr(req, name)
+        if value is None or value == defaults[name].default:
+            continue
+        if name in NEUTRAL_SAMPLING and value == NEUTRAL_SAMPLING[name]:
+            continue  # top_p 1, a penalty of 0...: greedy either way
+        raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if req.temperature:
+        raise bad_request(
+            "use_beam_search scores beams by the model's raw log-probabilities: temperature "
+            f"must be 0 or unset, got {req.temperature}",
+            "temperature",
+        )
+    if getattr(req, "max_tokens", None) == 0:
+        raise bad_request("max_tokens must be at least 1, got 0.", "max_tokens")
 
 
 def _prompt_items(prompt: Any) -> list[Any]:
@@ -49,19 +78,6 @@ def _prompt_items(prompt: Any) -> list[Any]:
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     return list(prompt)
-
-
-def check_beam_fields(req: Any) -> None:
-    """400 for a field that beam search would not honour (a falsy value is not sent)."""
-    for name in UNSUPPORTED:
-        if name in req.model_fields_set and getattr(req, name, None):
-            raise bad_request(f"{name} is not supported with use_beam_search", name)
-    if req.temperature:
-        raise bad_request(
-            "use_beam_search scores beams by the model's raw log-probabilities: temperature "
-            f"must be 0 or unset, got {req.temperature}",
-            "temperature",
-        )
 
 
 def beam_params(req: Any, max_tokens: int, best_of: int | None = None) -> BeamSearchParams:
@@ -129,15 +145,21 @@ async def create_beam_completion(
 ) -> Response:
     check_beam_fields(req)
     items = _prompt_items(req.prompt)
-    width = req.best_of if req.best_of is not None else req.n
-    check_fan_out(limits, width, len(items))
+    if req.best_of is not None and req.best_of > limits.max_n:
+        raise bad_request(
+            f"best_of is {req.best_of}, above this server's limit of {limits.max_n} (--max-n)",
+            "best_of",
+        )
+    # every beam is a running sequence: the width counts as n (--max-num-seqs-per-request)
+    check_fan_out(limits, req.n if req.best_of is None else max(req.n, req.best_of), len(items))
     prompts = [
         PromptInfo(p, await tokenize(engine, p)) if isinstance(p, str) else PromptInfo(None, p)
         for p in items
     ]
-    requested = req.max_tokens if req.max_tokens else 16
+    # null: vLLM's "the room left in the context" (under --max-tokens-limit)
     max_tokens = min(
-        resolve_max_tokens(engine, len(p.token_ids), requested, limits) or requested
+        resolve_max_tokens(engine, len(p.token_ids), req.max_tokens, limits)
+        or engine.max_model_len - len(p.token_ids)
         for p in prompts
     )
     request_id = new_id("cmpl")

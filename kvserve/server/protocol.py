@@ -103,7 +103,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     # vLLM's beam search (server/beam.py): n (completions: best_of) beams, n best returned
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # the score's exponent; bounded so that len ** length_penalty stays a finite float
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
@@ -202,7 +203,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: Int | None = None  # the beam width with use_beam_search; else only equal to n
+    # the beam width with use_beam_search (capped by --max-n); else only equal to n
+    best_of: Int | None = Field(None, ge=1)
     suffix: str | None = None  # unsupported: rejected when set
 
     @property

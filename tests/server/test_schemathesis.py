@@ -83,6 +83,13 @@ INEXPRESSIBLE = [
         # the server's state: runtime LoRA updating is off on this server (403); with it on,
         # lora_path must be an adapter folder on disk and an unloaded name must be loaded
         r"loading and unloading LoRA adapters at run time is off",
+        # beam search (server/beam.py): fields it does not apply, and its relations
+        r"is not supported with use_beam_search",
+        r"use_beam_search scores beams by the model's raw log-probabilities",
+        r"n \(\d+\) must not exceed best_of",
+        r"best_of must be unset or equal to n",
+        r"above the engine's limit of \d+ \(max_beam_width, --max-beam-width\)",
+        r"beam search with beam_width \d+ and \d+ output tokens",
     )
 ]
 
