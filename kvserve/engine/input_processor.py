@@ -16,7 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.beam_search import BeamSearchParams
-from kvserve.config import EngineConfig, ExecutorBackend, SchedulingPolicy
+from kvserve.config import EngineConfig, ExecutorBackend, KVPolicy, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.engine.decoding_setup import validate_decoding_fields
 from kvserve.pooling_params import PoolingParams, truncate_prompt
@@ -174,6 +174,12 @@ class InputProcessor:
         """Check a beam search can ever run: the prompt as ``validate`` does, the width
         against ``--max-beam-width``, and ``beam_width`` beams at their longest in the KV cache
         (the prompt's full blocks shared, everything else per beam). Raises ValueError."""
+        if self.config.scheduler.kv_policy is KVPolicy.RESERVE:
+            # a fork's blocks are its parent's: nothing was reserved for what it writes
+            raise ValueError(
+                "beam search needs kv_policy 'preempt' (--kv-policy preempt): under 'reserve' "
+                "the beams that fork have no reserved blocks"
+            )
         cap = self.config.model.max_beam_width
         if params.beam_width > cap:
             raise ParamError(

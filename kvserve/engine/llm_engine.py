@@ -490,6 +490,9 @@ class LLMEngine:
         forks: list = []
         holds: list[Request] = []
         for group in self._beam_groups.values():
+            for rid in group.beam_ids:
+                # no proposals for beams: each step's token is the group's, not the runner's
+                out.spec_token_ids.pop(rid, None)
             if not group.finished:
                 f, h = group.step(out, out.sampled, self.scheduler)
                 forks += f

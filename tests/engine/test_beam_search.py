@@ -203,6 +203,10 @@ def test_limits(llm: LLM) -> None:
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=17, max_tokens=4))
     with pytest.raises(ValueError, match=r"beam_width 16 and 300 output tokens .* 200"):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=16, max_tokens=300))
+    reserve = LLM(str(llm.engine.config.model.path), dtype="float32", block_size=4,
+                  num_kv_blocks=32, kv_policy="reserve")  # fmt: skip
+    with pytest.raises(ValueError, match=r"beam search needs kv_policy 'preempt'"):
+        reserve.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=4))
     with pytest.raises(ParamError, match="temperature must be 0"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
     with pytest.raises(ParamError, match="beam_width must be at least 1"):
