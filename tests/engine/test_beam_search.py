@@ -43,17 +43,25 @@ def reference_beam_search(
 
     beams: list[Hypothesis] = [(list(prompt), 0.0)]
     completed: list[Hypothesis] = []
-    for _ in range(max_tokens):
-        new: list[Hypothesis] = []
-        for tokens, cum in beams:
-            logits = model(torch.tensor([tokens])).logits[0, -1].float()  # [V]
-            values, ids = torch.log_softmax(logits, dim=-1).topk(2 * width)
-            for t, lp in zip(ids.tolist(), values.tolist(), strict=True):
-                h = ([*tokens, t], cum + lp)
-                (completed if t == eos and not ignore_eos else new).append(h)
-        beams = sorted(new, key=score, reverse=True)[:width]
-        if not beams:
-            break
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two OpenMP threads stall whenever the shared box is busy
+    try:
+        for _ in range(max_tokens):
+            # the live beams all have the same length: one forward for all of them
+            logits = model(torch.tensor([t for t, _ in beams])).logits[:, -1].float()  # [B, V]
+            values, ids = torch.log_softmax(logits, dim=-1).topk(2 * width)  # [B, 2w] x 2
+            new: list[Hypothesis] = []
+            for (tokens, cum), row_ids, row_lps in zip(
+                beams, ids.tolist(), values.tolist(), strict=True
+            ):
+                for t, lp in zip(row_ids, row_lps, strict=True):
+                    h = ([*tokens, t], cum + lp)
+                    (completed if t == eos and not ignore_eos else new).append(h)
+            beams = sorted(new, key=score, reverse=True)[:width]
+            if not beams:
+                break
+    finally:
+        torch.set_num_threads(threads)
     return sorted(completed + beams, key=score, reverse=True)[:width]
 
 
