@@ -234,11 +234,16 @@ class ModelConfig:
     # most logprobs a request may ask per token, sampled (logprobs) or prompt
     # (prompt_logprobs); vLLM's max_logprobs, -1: no cap (the vocabulary)
     max_logprobs: int = 20
+    # most beams one beam search may keep (--max-beam-width): each is a batch row and KV
+    max_beam_width: int = 16
     # a folder with the tokenizer files when they are not the model folder's (--tokenizer);
     # None: the model folder's
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_beam_width < 1:
+            raise ValueError(f"max_beam_width (--max-beam-width) must be >= 1, got "
+                             f"{self.max_beam_width}")  # fmt: skip
         if self.max_logprobs < -1:
             raise ValueError(
                 f"max_logprobs (--max-logprobs) must be >= 0, or -1 for no cap, got "

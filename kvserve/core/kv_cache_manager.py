@@ -1,5 +1,10 @@
 """Maps requests to the KV blocks that hold their tokens, on the device and in CPU swap space.
 
+Beam search forks a request: the child shares every block of its parent (one more reference
+each, ``fork``); a step that writes into a block another request also holds first gives the
+writer a private copy (``copy_on_write``: a fresh block and a ``(src, dst)`` copy for the
+runner). Only a fork's last, partial block is ever written, so that is the only one copied.
+
 With prefix caching on, it also finds a request's longest cached prefix (whole blocks, looked
 up by their chained hashes) and registers each block once it is full and computed; the block
 pool keeps the hashes and the ref counts.
@@ -124,6 +129,45 @@ class KVCacheManager:
         if blocks and len(blocks) > keep:
             self.pool.free(reversed(blocks[keep:]))
             self._blocks[req_id] = blocks[:keep]  # a new list: a step's block tables keep theirs
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """Give ``child_id`` (holding nothing) its parent's device blocks, shared: one more
+        reference each, no copy. Returns the child's table."""
+        if child_id in self._blocks or child_id in self._swapped:
+            raise ValueError(f"request {child_id} already holds blocks; it cannot be forked into")
+        blocks = list(self._blocks[parent_id])
+        self.pool.incref(blocks)
+        self._blocks[child_id] = blocks
+        if parent_id in self._hashes:  # the same tokens so far: the same full-block hashes
+            self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._num_cached:
+            self._num_cached[child_id] = self._num_cached[parent_id]
+        return list(blocks)
+
+    def copy_on_write(self, req_id: str, first_token: int) -> list[tuple[int, int]] | None:
+        """Make the request's blocks from the one holding ``first_token`` on its own before a
+        step writes them: each block another request also holds is replaced by a fresh copy.
+        Returns the ``(src, dst)`` copies for the runner (usually none), or None, changing
+        nothing, when too few blocks are free."""
+        blocks = self._blocks.get(req_id, [])
+        shared = [
+            i
+            for i in range(first_token // self.block_size, len(blocks))
+            if self.pool.ref_count(blocks[i]) > 1
+        ]
+        if not shared:
+            return []
+        fresh = self.pool.allocate(len(shared))
+        if fresh is None:
+            return None
+        table = list(blocks)  # a new list: a step's block tables keep theirs
+        for i, dst in zip(shared, fresh, strict=True):
+            table[i] = dst
+        self.pool.free([blocks[i] for i in shared])  # still held by the others
+        self._blocks[req_id] = table
+        if req_id in self._num_cached:  # a copied block is not the registered one
+            self._num_cached[req_id] = min(self._num_cached[req_id], shared[0])
+        return [(blocks[i], table[i]) for i in shared]
 
     def can_allocate(self, num_blocks: int, computed: Sequence[int] = ()) -> bool:
         """Room for ``num_blocks`` new blocks after reviving the free ones among ``computed``."""

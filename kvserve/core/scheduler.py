@@ -20,6 +20,11 @@ The scheduling policy (``request_queue.py``) orders the waiting and swapped queu
 preemption victims: FCFS, or priority (lower value first). Under priority + preempt, a waiting
 request whose priority beats a running one's by the threshold may preempt it.
 
+Beam search (``fork_request``): a beam forks into a child that shares all its blocks and
+joins the running batch at once, computed as far as its parent; before a step writes a
+request's tokens, any block it shares is copied (``KVCacheManager.copy_on_write``, the pairs
+in ``blocks_to_copy``). Pruning a beam is finishing it (``finish_requests``).
+
 Multi-LoRA: the running requests never use more than ``max_loras`` distinct adapters (the
 runner's device slots); a waiting request whose adapter would be one too many stays in the
 queue while those behind it go ahead (vLLM v1's rule).
@@ -242,7 +247,7 @@ class Scheduler:
             n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if self.lookahead:  # best effort: the draft proposes only into slots it holds
                 self.kv.allocate_slots(req.request_id, self._slots(req, n))
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            while not self._grow(out, req, n):
                 if self.config.kv_policy is KVPolicy.RESERVE:
                     raise RuntimeError("reserve policy ran out of reserved blocks")  # a bug
                 victim = pick_victim(self.running, self.policy)
@@ -261,6 +266,34 @@ class Scheduler:
             budget -= n
             idx += 1
         return budget
+
+    def _grow(self, out: SchedulerOutput, req: Request, n: int) -> bool:
+        """Blocks for ``n`` more tokens of a running request, and its own copy of any block
+        it shares with a forked beam that those tokens write; False when blocks run out."""
+        rid = req.request_id
+        if self.kv.allocate_slots(rid, req.num_computed_tokens + n) is None:
+            return False
+        pairs = self.kv.copy_on_write(rid, req.num_computed_tokens)
+        if pairs is None:
+            return False
+        out.blocks_to_copy.extend(pairs)
+        return True
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Beam search: ``child`` (the parent's tokens, computed as far as the parent's)
+        joins the running batch right after its parent, sharing its blocks (no copy, no
+        recompute). The parent must be running."""
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {parent.request_id} is not running; it cannot fork")
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        if child.num_computed_tokens > parent.num_computed_tokens:
+            raise ValueError("a fork cannot be computed further than its parent")
+        self.kv.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        child.status = RequestStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+        self._refresh_stats()
 
     def _slots(self, req: Request, n: int) -> int:
         """Token slots the request must hold to compute ``n`` more tokens: with a draft model,

@@ -109,6 +109,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted during this step
+    # copy-on-write of blocks shared with a forked beam (src, dst), done after the swaps
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: int32 [G, ceil(V / 32)] allowed-token bits for the constrained
     # requests that sample this step, and request id -> its row (vLLM's grammar_bitmask)
     grammar_bitmask: torch.Tensor | None = None

@@ -347,6 +347,10 @@ class EngineArgs:
         20, "vLLM's flag: most logprobs one request may ask per token, counted for logprobs, "
         "top_logprobs and prompt_logprobs (echo with logprobs too); above: 400 (-1: no cap)",
     )  # fmt: skip
+    max_beam_width: int = _opt(
+        16, "most beams one beam search may keep (LLM.beam_search's beam_width, use_beam_search's "
+        "best_of / n); above: 400. Each beam holds KV blocks and a batch row",
+    )  # fmt: skip
     disable_log_requests: bool = _opt(
         False, "vLLM's flag: no effect, kvserve never logs request contents"
     )
@@ -682,6 +686,7 @@ class EngineArgs:
                 generation_config=self.generation_config,  # type: ignore[arg-type]
                 source_sampling_defaults=tuple(source_defaults.items()),
                 max_logprobs=self.max_logprobs,
+                max_beam_width=self.max_beam_width,
                 tokenizer=tokenizer,
             ),
             cache=CacheConfig(

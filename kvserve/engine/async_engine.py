@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.beam_search import BeamSearchParams
 from kvserve.config import EngineConfig
 from kvserve.engine.input_processor import InputProcessor, ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
@@ -89,6 +90,8 @@ class _AddCommand:
     @property
     def n(self) -> int:
         """Sequences the request adds to the queue (an embedding request is one)."""
+        if self.request.beam_search is not None:
+            return self.request.beam_search.beam_width  # one running request per beam
         params = self.request.params
         return params.n if isinstance(params, SamplingParams) else 1
 
@@ -268,6 +271,23 @@ class AsyncLLMEngine:
         aborts are ``generate``'s."""
         return self._submit(prompt, pooling_params or PoolingParams(), request_id, priority)
 
+    def beam_search(
+        self,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        num_outputs: int | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Submit a beam search (``LLM.beam_search``'s, for the server's ``use_beam_search``):
+        its stream yields one ``RequestOutput`` when it finishes, with the best
+        ``num_outputs`` (default: the width) hypotheses, best first. Checks as ``generate``."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
+        text, ids = self.processor.tokenize_prompt(prompt)
+        request = self.processor.validate_beam_search(ids, params, text, num_outputs, priority)
+        return self._enqueue(request, request_id)
+
     def _submit(
         self,
         prompt: PromptType,
@@ -280,6 +300,15 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
         # Tokenized and checked once, here: the engine thread neither tokenizes nor checks again.
         request = self.processor.process(prompt, params, priority)
+        return self._enqueue(request, request_id, lora_request)
+
+    def _enqueue(
+        self,
+        request: ValidatedRequest,
+        request_id: str | None,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
+        """Queue a checked request (within the queue caps) and return its stream."""
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         cmd = _AddCommand(request_id, request, time.monotonic(), lora_request=lora_request)

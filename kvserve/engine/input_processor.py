@@ -15,7 +15,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig, ExecutorBackend, SchedulingPolicy
+from kvserve.beam_search import BeamSearchParams
+from kvserve.config import EngineConfig, ExecutorBackend, KVPolicy, SchedulingPolicy
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.engine.decoding_setup import validate_decoding_fields
 from kvserve.pooling_params import PoolingParams, truncate_prompt
@@ -35,6 +36,9 @@ class ValidatedRequest:
     params: SamplingParams | PoolingParams
     max_tokens: int  # resolved against the context and the KV cache; 0: an embedding request
     priority: int = 0
+    # beam search (params: its placeholder); num_outputs: the best hypotheses returned
+    beam_search: BeamSearchParams | None = None
+    num_outputs: int = 1
 
 
 class InputProcessor:
@@ -158,6 +162,50 @@ class InputProcessor:
             params = copy.copy(params)
             params.bad_words_token_ids = bad_words
         return ValidatedRequest(text, list(prompt_ids), params, max_tokens, priority)
+
+    def validate_beam_search(
+        self,
+        prompt_ids: list[int],
+        params: BeamSearchParams,
+        text: str | None = None,
+        num_outputs: int | None = None,
+        priority: int = 0,
+    ) -> ValidatedRequest:
+        """Check a beam search can ever run: the prompt as ``validate`` does, the width
+        against ``--max-beam-width``, and ``beam_width`` beams at their longest in the KV cache
+        (the prompt's full blocks shared, everything else per beam). Raises ValueError."""
+        if self.config.scheduler.kv_policy is KVPolicy.RESERVE:
+            # a fork's blocks are its parent's: nothing was reserved for what it writes
+            raise ValueError(
+                "beam search needs kv_policy 'preempt' (--kv-policy preempt): under 'reserve' "
+                "the beams that fork have no reserved blocks"
+            )
+        cap = self.config.model.max_beam_width
+        if params.beam_width > cap:
+            raise ParamError(
+                "beam_width",
+                f"beam_width is {params.beam_width}, above the engine's limit of {cap} "
+                f"(max_beam_width, --max-beam-width)",
+            )
+        num_outputs = num_outputs or params.beam_width
+        if not 1 <= num_outputs <= params.beam_width:
+            raise ParamError(
+                "n", f"n ({num_outputs}) must be between 1 and the beam width ({params.beam_width})"
+            )
+        plain = SamplingParams(max_tokens=params.max_tokens, detokenize=False)
+        req = self.validate(prompt_ids, plain, priority, text)
+        n, bs, w = len(prompt_ids), self.kv.block_size, params.beam_width
+        shared = n // bs
+        need = shared + w * (blocks_for(n + req.max_tokens, bs) - shared)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"beam search with beam_width {w} and {req.max_tokens} output tokens on a "
+                f"{n}-token prompt may hold {need} KV blocks but the KV cache has only "
+                f"{self.kv.pool.num_blocks}; lower beam_width or max_tokens, or raise "
+                f"kv_cache_memory / num_kv_blocks"
+            )
+        return ValidatedRequest(text, list(prompt_ids), plain, req.max_tokens, priority, params,
+                                num_outputs)  # fmt: skip
 
     def _validate_pooling(self, n: int, params: PoolingParams, priority: int) -> None:
         """An embedding request's own limits: its prompt fills at most the whole context

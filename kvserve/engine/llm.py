@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import ValidatedRequest
@@ -166,6 +167,46 @@ class LLM:
             # An interrupt (or any error) must not leave requests holding KV blocks.
             self.engine.abort_request([r for r in ids if r not in done])
         return [done[r] for r in ids]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the ``beam_width`` best hypotheses, best
+        first by ``cum_logprob / len ** length_penalty`` (len counts the prompt, not a final
+        EOS); each sequence's ``tokens`` are the prompt's then the generated ones and its
+        ``text`` decodes them all (vLLM's shape). The beams of one prompt share its KV blocks
+        (``engine/beam_search.py``)."""
+        prompts = _prompt_list(prompts)
+        loras = _lora_list(lora_request, len(prompts))
+        proc = self.engine.processor
+        checked = []
+        for p in prompts:
+            text, ids = proc.tokenize_prompt(p)
+            checked.append(proc.validate_beam_search(ids, params, text))
+        for lr in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(lr)
+        results = self._run(checked, use_tqdm, loras)
+        tok = self.engine.tokenizer
+        outputs = []
+        for res in results:
+            assert isinstance(res, RequestOutput)
+            if res.error is not None:
+                raise RuntimeError(f"beam search failed: {res.error}")
+            seqs = []
+            for c in res.outputs:
+                tokens = [*res.prompt_token_ids, *c.token_ids]
+                seqs.append(BeamSearchSequence(
+                    tokens=tokens, logprobs=c.logprobs or [],
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    text=tok.decode(tokens) if tok is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))  # fmt: skip
+            outputs.append(BeamSearchOutput(seqs))
+        return outputs
 
     def chat(
         self,

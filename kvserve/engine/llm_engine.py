@@ -23,6 +23,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.beam_search import BeamGroup, apply_forks
 from kvserve.engine.fault_isolation import EngineFaultError, engine_works
 from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.input_processor import InputProcessor, PromptType, ValidatedRequest
@@ -144,6 +145,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         self._child_state: dict[str, CompletionState] = {}
+        self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by the caller's id
         self._token_texts: dict[int, str] = {}  # token id -> text, for Logprob.decoded_token
         # Structured outputs; cheap to build (the compile workers and xgrammar's tokenizer
         # info start with the first grammar, or warm_up), built here so no two threads race.
@@ -204,9 +206,12 @@ class LLMEngine:
         """Queue a request the input processor has already checked (the async engine checks
         at the door, ``LLM`` before it queues anything): admitted as is, not checked again.
         ``lora_request``: the adapter it runs with (added first if new; a bad one raises)."""
-        if request_id in self._parents:
+        if request_id in self._parents or request_id in self._beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, params = request.prompt, request.prompt_token_ids, request.params
+        if request.beam_search is not None:
+            self._add_beam_search(request_id, request, arrival_time, lora_request)
+            return
         max_tokens, priority = request.max_tokens, request.priority
         if lora_request is not None:
             if isinstance(params, PoolingParams):
@@ -240,6 +245,25 @@ class LLMEngine:
         self._parents[request_id] = parent
         for state in parent.children:
             self.scheduler.add_request(state.request)
+
+    def _add_beam_search(
+        self,
+        request_id: str,
+        request: ValidatedRequest,
+        arrival_time: float | None,
+        lora_request: LoRARequest | None,
+    ) -> None:
+        """A beam search: one first beam, which forks as the search goes (``BeamGroup``)."""
+        assert request.beam_search is not None
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        group = BeamGroup(
+            request_id, request.prompt, request.prompt_token_ids, request.beam_search,
+            request.max_tokens, self.eos_token_ids, arrival_time, lora_request,
+            request.num_outputs, request.priority,
+        )  # fmt: skip
+        self._beam_groups[request_id] = group
+        self.scheduler.add_request(group.beams[0].request)
 
     def _add_pooling_request(
         self,
@@ -315,6 +339,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._beam_groups.pop(rid, None)
+            if group is not None:
+                group.abort(self.scheduler)
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
@@ -374,10 +401,10 @@ class LLMEngine:
         return sum(r.num_tokens for r in self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents) or bool(self._beam_groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self._parents) + len(self._beam_groups)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -405,9 +432,14 @@ class LLMEngine:
         all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
         if all_failed and not engine_works(self.executor, self.kv):
             raise EngineFaultError(f"every request of the step failed: {out.failed}")
+        self._fail_beams(out.failed)
+        forks, holds = self._beam_step(out)
         updated, finished = self.scheduler.update_from_output(
             sched, out.sampled, out.spec_token_ids
         )
+        apply_forks(forks, holds, self.scheduler)
+        # beams are the beam groups' requests: the text side below is for the others
+        updated = [r for r in updated if r.request_id in self._child_state]
         for rid, (first, entries) in out.prompt_logprobs.items():
             if (st := self._child_state.get(rid)) is not None:
                 add_prompt_logprobs(st.request, first, entries, self._decoder(st.request.params))
@@ -449,7 +481,46 @@ class LLMEngine:
         parent_ids = dict.fromkeys(failed_parents)
         parent_ids.update((self._child_parent[r.request_id].request_id, None) for r in updated)
         outputs = self._collect(parent_ids)
+        outputs += self._collect_beams()
         timings.output += time.perf_counter() - t1
+        return outputs
+
+    def _beam_step(self, out: ModelRunnerOutput) -> tuple[list, list[Request]]:
+        """Every live beam search's decision for this step (see ``engine/beam_search.py``):
+        ``out.sampled`` rewritten for its beams; returns the forks and holds to apply after
+        the scheduler's update."""
+        forks: list = []
+        holds: list[Request] = []
+        for group in self._beam_groups.values():
+            for rid in group.beam_ids:
+                # no proposals for beams: each step's token is the group's, not the runner's
+                out.spec_token_ids.pop(rid, None)
+            if not group.finished:
+                f, h = group.step(out, out.sampled, self.scheduler)
+                forks += f
+                holds += h
+        return forks, holds
+
+    def _fail_beams(self, failed: dict[str, str]) -> list[str]:
+        """Beam searches one of whose beams failed end with finish reason ``error``."""
+        done = []
+        for group in self._beam_groups.values():
+            reason = next((failed[r] for r in group.beam_ids if r in failed), None)
+            if reason is not None and not group.finished:
+                logger.warning("beam search %s failed: %s", group.request_id, reason)
+                group.fail(reason, self.scheduler)  # the others' samples are never appended
+                done.append(group.request_id)
+        return done
+
+    def _collect_beams(self) -> list[EngineOutput]:
+        """Outputs of the beam searches that finished this step (a search streams nothing)."""
+        outputs: list[EngineOutput] = []
+        decode = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        for rid in [r for r, g in self._beam_groups.items() if g.finished]:
+            outputs.append(self._beam_groups.pop(rid).output(decode))
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -19,6 +19,7 @@ from fastapi import Request
 
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.beam import check_beam_fields, submit_beam_search
 from kvserve.server.errors import bad_request
 from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, ChatResponseMessage
@@ -170,12 +171,20 @@ async def start_chat(
 ) -> ChatRun:
     """Check, render, build the parameters, compile the grammar and submit ``req`` (as
     ``request_id``; None: a new ``chatcmpl-`` id)."""
+    if req.use_beam_search:
+        check_beam_fields(req)
     plan = await plan_chat(req, engine, limits, options)
     requested = req.max_completion_tokens or req.max_tokens
     defaults = engine.default_sampling_params  # the model's (--generation-config auto)
     max_tokens = resolve_max_tokens(
         engine, len(plan.prompt.token_ids), requested, limits, defaults.get("max_tokens")
     )
+    if req.use_beam_search:  # vLLM's default: the room left in the context
+        room = engine.max_model_len - len(plan.prompt.token_ids)
+        request_id = request_id or new_id("chatcmpl")
+        streams = submit_beam_search(req, raw, engine, [plan.prompt], max_tokens or room,
+                                     request_id)  # fmt: skip
+        return ChatRun(request_id, plan, SamplingParams(n=req.n, temperature=0.0), streams, None)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req.sampling_params, max_tokens, top_k, defaults)
     plan.tools.apply_grammar(params)  # tool_choice required / named

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.beam import create_beam_completion
 from kvserve.server.errors import bad_request, error_event
 from kvserve.server.protocol import (
     CompletionChoice,
@@ -48,7 +49,7 @@ from kvserve.server.serving import (
 def _check_unsupported(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise bad_request("best_of must be unset or equal to n", "best_of")
     if req.max_tokens == 0 and not req.echo:
         # Only echo makes a 0-token completion useful (scoring the prompt), as in vLLM.
@@ -165,6 +166,8 @@ async def prepare_completion(
 async def create_completion(
     req: CompletionRequest, raw: Request, engine: AsyncLLMEngine, limits: Limits
 ) -> Response:
+    if req.use_beam_search:
+        return await create_beam_completion(req, raw, engine, limits)
     prompts, params = await prepare_completion(req, engine, limits, raw)
     request_id = new_id("cmpl")
     streams = start_streams(engine, prompts, params, request_id, req.priority)

@@ -66,7 +66,6 @@ _ARRAY_BOUNDS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
 }
 # Fields the server accepts only as null (or one value), stated as such.
 _NULL_ONLY = {
-    "best_of": "accepted only when equal to n (vLLM v1 has no best_of); send null",
     "suffix": "not supported; send null",
     "guided_whitespace_pattern": "not supported by xgrammar; send null",
 }
@@ -123,8 +122,9 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
             default = props.get(name, {}).get("default")
             if isinstance(default, int) and default > limits.max_tokens:
                 props[name]["default"] = limits.max_tokens  # completions.py caps it so
-    for arm in _arms(props.get("n"), "integer"):
-        arm["maximum"] = limits.max_n
+    for name in ("n", "best_of"):  # best_of: the beam width with use_beam_search
+        for arm in _arms(props.get(name), "integer"):
+            arm["maximum"] = limits.max_n
     if limits.max_logprobs >= 0:
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             for arm in _arms(props.get(name), "integer"):  # chat's logprobs is a boolean

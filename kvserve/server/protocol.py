@@ -101,6 +101,10 @@ class _SamplingFields(_Request):
     min_tokens: Int = 0
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's beam search (server/beam.py): n (completions: best_of) beams, n best returned
+    use_beam_search: bool = False
+    # the score's exponent; bounded so that len ** length_penalty stays a finite float
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # put token_ids / prompt_token_ids in the response
     # lower runs first under --scheduling-policy priority; the default policy accepts only 0
@@ -199,7 +203,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: Int | None = None  # accepted only when equal to n
+    # the beam width with use_beam_search (capped by --max-n); else only equal to n
+    best_of: Int | None = Field(None, ge=1)
     suffix: str | None = None  # unsupported: rejected when set
 
     @property

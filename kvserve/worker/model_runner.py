@@ -209,7 +209,7 @@ class ModelRunner:
         trim_heap()
 
     def swap(self, sched: SchedulerOutput) -> None:
-        """The step's swap copies (swap-out first, then swap-in)."""
+        """The step's block copies: swap-out first, then swap-in, then copy-on-write."""
         # Swap-out runs first: its device blocks may be handed to other requests this step.
         if sched.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in sched.blocks_to_swap_out], device=self.device)
@@ -223,6 +223,14 @@ class ModelRunner:
             for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
                 k[dst] = sk[src].to(self.device)
                 v[dst] = sv[src].to(self.device)
+        # Copy-on-write of blocks shared by forked beams, after swap-in: a beam swapped in
+        # this step never shares, so the order only matters for blocks freed by swap-out.
+        if sched.blocks_to_copy:
+            src = torch.tensor([s for s, _ in sched.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in sched.blocks_to_copy], device=self.device)
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def _prepare(self, rows: StepRows) -> tuple[ForwardBatch, list[int]]:
         """The step's forward batch, and the flat rows whose logits are sampled (a

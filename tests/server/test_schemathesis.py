@@ -87,6 +87,13 @@ INEXPRESSIBLE = [
         # that has finished cannot be cancelled
         r"No such file: '.*'",
         r"batch .* is (completed|failed|cancelled|finalizing); it cannot be cancelled",
+        # beam search (server/beam.py): fields it does not apply, and its relations
+        r"is not supported with use_beam_search",
+        r"use_beam_search scores beams by the model's raw log-probabilities",
+        r"n \(\d+\) must not exceed best_of",
+        r"best_of must be unset or equal to n",
+        r"above the engine's limit of \d+ \(max_beam_width, --max-beam-width\)",
+        r"beam search with beam_width \d+ and \d+ output tokens",
     )
 ]
 
