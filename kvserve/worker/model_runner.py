@@ -28,6 +28,7 @@ executor stops the engine (``RankFailedError``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -203,6 +204,31 @@ class ModelRunner:
         once it has been idle for ``IDLE_TRIM_SECONDS`` (``ops/malloc_tuning.py``)."""
         trim_heap()
 
+    # -- sleep mode (kvserve/engine/sleep_mode.py; the engine calls these on every rank) ------
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and swap space (level 1) and the weights too (level 2), then
+        hand the freed heap to the OS. The engine has no unfinished request: nothing is lost.
+        """
+        self.kv_caches = []
+        self.swap_caches = []
+        if level >= 2:
+            self.model = None  # type: ignore[assignment]  # read again by wake_up
+        gc.collect()  # the tensors' last references may sit in reference cycles
+        trim_heap()
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: read the weights again if they were dropped (the same files, so
+        the same numbers), then allocate a zeroed KV cache of the same size."""
+        if self.model is None:
+            self.model = load_target(self.config, self.max_model_len, self.tp)
+        if not self.kv_caches:
+            dtype, bs = self.config.model.dtype, self.block_size
+            self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, bs, dtype, self.device)
+            if self.info.num_swap_blocks:
+                self.swap_caches = allocate_kv_caches(
+                    self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
+                )
+
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's swap copies (swap-out first, then swap-in)."""
         # Swap-out runs first: its device blocks may be handed to other requests this step.
@@ -318,7 +344,7 @@ class ModelRunner:
         prompt_lps = compute_prompt_logprobs(self.model, lp_rows, hidden) if lp_rows else {}
         pooled, sums = {}, {}
         if any(r.pooling is not None for r in rows.scheduled):
-            pooled, sums = self.pooler.step(rows, hidden)
+            pooled, sums = self.pooler.step(rows, hidden, self.model.compute_logits)
         out = ModelRunnerOutput({})
         # None on ranks > 0 (tensor parallelism): only rank 0 samples and proposes.
         if logits is not None:
