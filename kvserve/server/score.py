@@ -161,7 +161,8 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, 
     try:
         return pair_up(text_1, text_2)
     except ValueError as e:
-        param = "text_1" if str(e).startswith("text_1") else "text_2"
+        first = str(e).startswith(("text_1 is", "text_1["))  # else text_2's, or the lengths
+        param = "text_1" if first else "text_2"
         raise bad_request(str(e), param) from e
 
 

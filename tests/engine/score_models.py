@@ -62,9 +62,7 @@ def reranker_reference(
     return float(torch.log_softmax(pair, dim=0)[1].exp())
 
 
-def cosine_reference(
-    model: PreTrainedModel, tok: PreTrainedTokenizerBase, a: str, b: str
-) -> float:
+def cosine_reference(model: PreTrainedModel, tok: PreTrainedTokenizerBase, a: str, b: str) -> float:
     """The cosine of the two texts' last-token final hidden states (transformers')."""
 
     def vec(text: str) -> torch.Tensor:

@@ -48,7 +48,7 @@ def test_tokens_unchanged_after_each_level(llm: LLM) -> None:
 
 
 def test_refusals(llm: LLM, tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="1 .* or 2"):
+    with pytest.raises(ValueError, match=r"1 .* or 2"):
         llm.sleep(3)
     llm.engine.add_request("busy", PROMPTS[0], GREEDY)
     with pytest.raises(SleepRefusedError, match="1 request"):
@@ -79,7 +79,7 @@ def test_idle_sleep_wakes_on_the_next_request(llm: LLM) -> None:
                 await asyncio.sleep(0.05)
             assert engine.is_sleeping and llm.engine.wake_on_request
             out = None
-            async for out in engine.generate(PROMPTS[0], GREEDY):
+            async for out in engine.generate(PROMPTS[0], GREEDY):  # noqa: B007 - the last
                 pass
             assert out is not None and out.finished
             return out.outputs[0].token_ids

@@ -1,0 +1,134 @@
+"""``/score`` and ``/rerank`` through a real ``kvserve serve`` per scorer kind: a causal-LM
+reranker (``--task score``, a tiny random Qwen3) scores by Qwen3-Reranker's yes/no rule and
+an embedding scorer (a tiny random Llama) by the cosine of pooled vectors, both equal to
+transformers' numbers; vLLM's response shapes; the limits and bad input are 400s naming the
+field or flag. The embedding server also sleeps when idle (``--sleep-idle-seconds``): each
+request wakes it and the scores stay exact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvserve.scoring import reranker_prompt
+from tests.engine.score_models import cosine_reference, make_model, reranker_reference
+from tests.server.conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.slow
+
+QUERY = "What is the capital of France?"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France borders Spain."]
+TOL = 1e-4  # float32; the server's batches sum in other orders than transformers
+MAX_DOCS = 4  # --max-prompts-per-request
+MAX_TOKENS = 400  # --max-score-tokens-per-request (a reranker prompt is ~60 tokens)
+
+Served = tuple[Server, PreTrainedModel, PreTrainedTokenizerBase]
+
+
+def _serve(arch: str, tmp: pytest.TempPathFactory, builtin: Path, *extra: str) -> Iterator[Served]:
+    path = tmp.mktemp(arch)
+    model = make_model(arch, path, builtin)
+    args = [str(path), "--dtype", "float32", "--num-kv-blocks", "64", "--max-prompts-per-request",
+            str(MAX_DOCS), "--max-score-tokens-per-request", str(MAX_TOKENS), *extra]  # fmt: skip
+    srv = start_server(args, tmp.mktemp("logs") / f"{arch}.log", api_key=API_KEY)
+    yield srv, model, AutoTokenizer.from_pretrained(path)
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Served]:
+    yield from _serve("qwen3", tmp_path_factory, builtin_model_dir, "--task", "score")
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Served]:
+    extra = ("--enable-sleep-mode", "--sleep-idle-seconds", "0.5")
+    yield from _serve("llama", tmp_path_factory, builtin_model_dir, *extra)
+
+
+def post(srv: Server, path: str, body: dict[str, Any], key: bool = True) -> httpx.Response:
+    headers = srv.headers() if key else {}
+    return httpx.post(f"{srv.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def test_reranker_score_and_rerank(reranker: Served) -> None:
+    srv, model, tok = reranker
+    want = [reranker_reference(model, tok, QUERY, d) for d in DOCS]
+    ntok = sum(len(tok.encode(reranker_prompt(QUERY, d), add_special_tokens=False)) for d in DOCS)
+    for path in ("/score", "/v1/score"):
+        r = post(srv, path, {"text_1": QUERY, "text_2": DOCS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["id"].startswith("score-")
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert all(d["object"] == "score" for d in body["data"])
+        assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=TOL)
+        assert body["usage"] == {"prompt_tokens": ntok, "total_tokens": ntok}
+    ranked = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = post(srv, path, {"query": QUERY, "documents": DOCS})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == ranked
+        assert [x["document"]["text"] for x in results] == [DOCS[i] for i in ranked]
+        assert [x["relevance_score"] for x in results] == pytest.approx(
+            [want[i] for i in ranked], abs=TOL
+        )
+        assert r.json()["usage"]["total_tokens"] == ntok
+    r = post(srv, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 1,
+                                 "return_documents": False})  # fmt: skip
+    assert r.status_code == 200, r.text
+    (top,) = r.json()["results"]
+    assert top["index"] == ranked[0] and "document" not in top
+
+
+def test_embedding_score_after_idle_sleep(embedder: Served) -> None:
+    srv, model, tok = embedder
+    for _ in range(100):  # idle 0.5 s after start: the model sleeps
+        state = httpx.get(f"{srv.url}/is_sleeping", headers=srv.headers(), timeout=10)
+        if state.json()["is_sleeping"]:
+            break
+        httpx.post(f"{srv.url}/health", timeout=10)  # not a model request: stays asleep
+    assert state.json() == {"is_sleeping": True}
+    r = post(srv, "/v1/score", {"text_1": [QUERY, DOCS[0]], "text_2": [DOCS[1], DOCS[2]]})
+    assert r.status_code == 200, r.text  # the request woke the model
+    want = [cosine_reference(model, tok, QUERY, DOCS[1]),
+            cosine_reference(model, tok, DOCS[0], DOCS[2])]  # fmt: skip
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=TOL)
+    assert "woke from sleep level 1" in srv.log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2", "1:1, 1:N or N:N"),
+        ("/score", {"text_1": [], "text_2": DOCS}, "text_1", "text_1 is empty"),
+        ("/rerank", {"query": QUERY, "documents": []}, "documents", "documents is empty"),
+        ("/rerank", {"query": QUERY, "documents": ["d"] * (MAX_DOCS + 1)}, "documents",
+         "--max-prompts-per-request"),
+        ("/rerank", {"query": "long " * 200, "documents": DOCS}, "documents",
+         "--max-score-tokens-per-request"),
+        ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n", ""),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_400(
+    reranker: Served, path: str, body: dict[str, Any], param: str, message: str
+) -> None:
+    r = post(reranker[0], path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param, error
+
+
+def test_key_and_sleep_mode_off(reranker: Served) -> None:
+    srv = reranker[0]
+    for path in ("/score", "/v2/rerank", "/sleep"):
+        assert post(srv, path, {}, key=False).status_code == 401
+    r = httpx.post(f"{srv.url}/sleep?level=1", headers=srv.headers(), timeout=10)
+    assert r.status_code == 404 and "--enable-sleep-mode" in r.json()["error"]["message"]
+    assert API_KEY  # the servers run behind it
