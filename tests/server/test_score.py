@@ -13,42 +13,50 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from kvserve.scoring import reranker_prompt
 from tests.engine.score_models import cosine_reference, make_model, reranker_reference
-from tests.server.conftest import API_KEY, Server, start_server
+from tests.server.conftest import (
+    API_KEY,
+    SCORE_MAX_DOCS,
+    Server,
+    score_server_args,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France borders Spain."]
 TOL = 1e-4  # float32; the server's batches sum in other orders than transformers
-MAX_DOCS = 4  # --max-prompts-per-request
-MAX_TOKENS = 400  # --max-score-tokens-per-request (a reranker prompt is ~60 tokens)
 
 Served = tuple[Server, PreTrainedModel, PreTrainedTokenizerBase]
 
 
-def _serve(arch: str, tmp: pytest.TempPathFactory, builtin: Path, *extra: str) -> Iterator[Served]:
-    path = tmp.mktemp(arch)
-    model = make_model(arch, path, builtin)
-    args = [str(path), "--dtype", "float32", "--num-kv-blocks", "64", "--max-prompts-per-request",
-            str(MAX_DOCS), "--max-score-tokens-per-request", str(MAX_TOKENS), *extra]  # fmt: skip
-    srv = start_server(args, tmp.mktemp("logs") / f"{arch}.log", api_key=API_KEY)
-    yield srv, model, AutoTokenizer.from_pretrained(path)
-    srv.stop()
-
-
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Served]:
-    yield from _serve("qwen3", tmp_path_factory, builtin_model_dir, "--task", "score")
+def reranker(reranker_server: tuple[Server, Path]) -> Served:
+    srv, path = reranker_server
+    return (
+        srv,
+        AutoModelForCausalLM.from_pretrained(path).eval(),
+        AutoTokenizer.from_pretrained(path),
+    )
 
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Served]:
-    extra = ("--enable-sleep-mode", "--sleep-idle-seconds", "0.5")
-    yield from _serve("llama", tmp_path_factory, builtin_model_dir, *extra)
+    path = tmp_path_factory.mktemp("embedder")
+    model = make_model("llama", path, builtin_model_dir)
+    args = score_server_args(path, 64, "--enable-sleep-mode", "--sleep-idle-seconds", "0.5")
+    srv = start_server(args, tmp_path_factory.mktemp("logs") / "embedder.log", api_key=API_KEY)
+    yield srv, model, AutoTokenizer.from_pretrained(path)
+    srv.stop()
 
 
 def post(srv: Server, path: str, body: dict[str, Any], key: bool = True) -> httpx.Response:
@@ -109,7 +117,7 @@ def test_embedding_score_after_idle_sleep(embedder: Served) -> None:
         ("/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2", "1:1, 1:N or N:N"),
         ("/score", {"text_1": [], "text_2": DOCS}, "text_1", "text_1 is empty"),
         ("/rerank", {"query": QUERY, "documents": []}, "documents", "documents is empty"),
-        ("/rerank", {"query": QUERY, "documents": ["d"] * (MAX_DOCS + 1)}, "documents",
+        ("/rerank", {"query": QUERY, "documents": ["d"] * (SCORE_MAX_DOCS + 1)}, "documents",
          "--max-prompts-per-request"),
         ("/rerank", {"query": "long " * 200, "documents": DOCS}, "documents",
          "--max-score-tokens-per-request"),
@@ -125,10 +133,6 @@ def test_bad_input_is_a_400(
     assert message in error["message"] and error["param"] == param, error
 
 
-def test_key_and_sleep_mode_off(reranker: Served) -> None:
-    srv = reranker[0]
-    for path in ("/score", "/v2/rerank", "/sleep"):
-        assert post(srv, path, {}, key=False).status_code == 401
-    r = httpx.post(f"{srv.url}/sleep?level=1", headers=srv.headers(), timeout=10)
-    assert r.status_code == 404 and "--enable-sleep-mode" in r.json()["error"]["message"]
-    assert API_KEY  # the servers run behind it
+def test_the_key_is_needed(reranker: Served) -> None:
+    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+        assert post(reranker[0], path, {}, key=False).status_code == 401

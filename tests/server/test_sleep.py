@@ -5,37 +5,30 @@ routes need the API key and refuse bad levels."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.engine.score_models import SHAPE, make_model
-from tests.server.conftest import API_KEY, Server, start_server
+from tests.engine.score_models import SHAPE
+from tests.server.conftest import RERANKER, RERANKER_KV_BLOCKS, Server
 
 pytestmark = pytest.mark.slow
 
-NUM_BLOCKS = 8192
 BLOCK_SIZE = 16
-HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+HEAD_DIM = 16  # the tiny Qwen3's head_dim (tests/engine/score_models.py)
 # K and V, per layer, per block: 8 KiB in float32; 64 MiB in all
 KV_BYTES = (2 * SHAPE["num_hidden_layers"] * BLOCK_SIZE * SHAPE["num_key_value_heads"]
-            * HEAD_DIM * 4 * NUM_BLOCKS)  # fmt: skip
+            * HEAD_DIM * 4 * RERANKER_KV_BLOCKS)  # fmt: skip
 # the untied embedding and LM head alone (float32), a lower bound of the weights' bytes
 WEIGHT_BYTES = 2 * SHAPE["vocab_size"] * SHAPE["hidden_size"] * 4
 
 
 @pytest.fixture(scope="module")
-def sleepy(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Server]:
-    path = tmp_path_factory.mktemp("sleepy")
-    make_model("llama", path, builtin_model_dir)
-    args = [str(path), "--served-model-name", "sleepy", "--dtype", "float32", "--num-kv-blocks",
-            str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--enable-sleep-mode"]  # fmt: skip
-    srv = start_server(args, tmp_path_factory.mktemp("logs") / "sleepy.log", api_key=API_KEY)
-    yield srv
-    srv.stop()
+def sleepy(reranker_server: tuple[Server, Path]) -> Server:
+    """The reranker server (sleep mode on; a reranker generates too)."""
+    return reranker_server[0]
 
 
 def rss(srv: Server) -> int:
@@ -49,7 +42,7 @@ def rss(srv: Server) -> int:
 def greedy(srv: Server) -> list[str]:
     """The greedy completion's tokens (each token's text, from its logprobs entry)."""
     r = srv.client().completions.create(
-        model="sleepy", prompt="The capital of France is", max_tokens=8, temperature=0,
+        model=RERANKER, prompt="The capital of France is", max_tokens=8, temperature=0,
         logprobs=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert r.choices[0].logprobs is not None
@@ -93,3 +86,10 @@ def test_refusals(sleepy: Server) -> None:
     for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
         assert httpx.request(method, f"{sleepy.url}{path}", timeout=10).status_code == 401
     assert not sleeping(sleepy)
+
+
+def test_sleep_mode_off_is_a_404(server: Server) -> None:
+    """The suite's shared server runs without --enable-sleep-mode."""
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        r = call(server, method, path)
+        assert r.status_code == 404 and "--enable-sleep-mode" in r.json()["error"]["message"]
