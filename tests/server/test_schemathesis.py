@@ -83,6 +83,12 @@ INEXPRESSIBLE = [
         # the server's state: runtime LoRA updating is off on this server (403); with it on,
         # lora_path must be an adapter folder on disk and an unloaded name must be loaded
         r"loading and unloading LoRA adapters at run time is off",
+        # /score: text_1 and text_2 of lengths neither 1 nor equal; the prompts' tokens in all
+        r"the pairs must be 1:1, 1:N or N:N",
+        r"limit \(--max-score-tokens-per-request\)",
+        # the server's state: sleep mode off (404); vLLM's partial wake_up tags
+        r"sleep mode is off",
+        r"kvserve wakes a model whole",
     )
 ]
 
