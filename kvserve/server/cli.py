@@ -286,6 +286,10 @@ def _check_cost_limits(args: argparse.Namespace) -> None:
     for attr, flag in _COST_FLAGS:
         if getattr(args, attr) < 1:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, attr)}")
+    idle = args.sleep_idle_seconds
+    if idle is not None and not (idle > 0 and args.enable_sleep_mode):
+        raise ValueError(f"--sleep-idle-seconds {idle}: needs --enable-sleep-mode and a "
+                         "positive number of seconds")  # fmt: skip
 
 
 def load_models(

@@ -202,6 +202,12 @@ def test_serve_flag_errors() -> None:
         _model_specs(parse("--max-prompts-per-request", "0"))
     with pytest.raises(ValueError, match="--max-num-queued-tokens"):
         _model_specs(parse("--max-num-queued-tokens", "-1"))
+    with pytest.raises(ValueError, match="needs --enable-sleep-mode"):
+        _model_specs(parse("--sleep-idle-seconds", "5"))
+    with pytest.raises(ValueError, match="positive number"):
+        _model_specs(parse("--enable-sleep-mode", "--sleep-idle-seconds", "0"))
+    with pytest.raises(ValueError, match="--max-score-tokens-per-request"):
+        _model_specs(parse("--max-score-tokens-per-request", "0"))
     # Through the real entry point: a clear message and exit code 2, before loading anything.
     r = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "serve", "/no/such/model"],
