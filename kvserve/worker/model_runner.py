@@ -43,7 +43,7 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
-from kvserve.ops.malloc_tuning import keep_freed_memory, trim_heap
+from kvserve.ops.malloc_tuning import keep_freed_memory, own_mappings, trim_heap
 from kvserve.ops.packed_linear import packing_supported
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
@@ -126,9 +126,8 @@ class ModelRunner:
         self.sampler = RowSampler(processors, torch.Generator(device=device).manual_seed(mc.seed))
         # speculative decoding: proposes each row's next tokens
         self.proposer = build_proposer(config, draft, size.num_blocks, self)
-        if device.type == "cpu":
-            # After the weights and KV cache exist, so only step-time buffers are affected.
-            keep_freed_memory()
+        # After the weights and KV cache exist, so only step-time buffers are affected.
+        self.malloc_tuned = device.type == "cpu" and keep_freed_memory()
         warmup_tokens = 0
         if mc.warmup and mc.prepack_weights and packing_supported(device, mc.dtype):
             # After the malloc tuning, so the warm-up's buffers stay in the heap for reuse.
@@ -219,15 +218,17 @@ class ModelRunner:
     def wake_up(self) -> None:
         """Undo ``sleep``: read the weights again if they were dropped (the same files, so
         the same numbers), then allocate a zeroed KV cache of the same size."""
-        if self.model is None:
-            self.model = load_target(self.config, self.max_model_len, self.tp)
-        if not self.kv_caches:
-            dtype, bs = self.config.model.dtype, self.block_size
-            self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, bs, dtype, self.device)
-            if self.info.num_swap_blocks:
-                self.swap_caches = allocate_kv_caches(
-                    self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
-                )
+        # in their own mappings, so the next sleep gives all of them back (malloc_tuning.py)
+        with own_mappings(self.malloc_tuned):
+            if self.model is None:
+                self.model = load_target(self.config, self.max_model_len, self.tp)
+            if not self.kv_caches:
+                dtype, bs, dev = self.config.model.dtype, self.block_size, self.device
+                self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, bs, dtype, dev)
+                if self.info.num_swap_blocks:
+                    self.swap_caches = allocate_kv_caches(
+                        self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
+                    )
 
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's swap copies (swap-out first, then swap-in)."""

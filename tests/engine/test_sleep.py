@@ -5,6 +5,7 @@ sleep with requests unfinished, and the mode must be turned on."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,7 +68,9 @@ def test_sleep_mode_must_be_on(tiny_llama: Path) -> None:
         off.engine.close()
 
 
-def test_idle_sleep_wakes_on_the_next_request(llm: LLM) -> None:
+def test_idle_sleep_wakes_on_the_next_request(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """What ``serve --sleep-idle-seconds`` runs: the async engine's idle loop sleeps the
+    model, and the next request wakes it (logged) and gets the same tokens."""
     want = tokens(llm)[0]
 
     async def run() -> list[int]:
@@ -86,4 +89,6 @@ def test_idle_sleep_wakes_on_the_next_request(llm: LLM) -> None:
         finally:
             engine.shutdown()
 
-    assert asyncio.run(run()) == want
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        assert asyncio.run(run()) == want
+    assert "woke from sleep level 1" in caplog.text

@@ -2,12 +2,11 @@
 reranker (``--task score``, a tiny random Qwen3) scores by Qwen3-Reranker's yes/no rule and
 an embedding scorer (a tiny random Llama) by the cosine of pooled vectors, both equal to
 transformers' numbers; vLLM's response shapes; the limits and bad input are 400s naming the
-field or flag. The embedding server also sleeps when idle (``--sleep-idle-seconds``): each
-request wakes it and the scores stay exact."""
+field or flag. The reranker server is shared with the sleep tests, the embedding one is the
+suite's shared server (its tiny random Llama)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,8 @@ from transformers import (
 )
 
 from kvserve.scoring import reranker_prompt
-from tests.engine.score_models import cosine_reference, make_model, reranker_reference
-from tests.server.conftest import (
-    API_KEY,
-    SCORE_MAX_DOCS,
-    Server,
-    score_server_args,
-    start_server,
-)
+from tests.engine.score_models import cosine_reference, reranker_reference
+from tests.server.conftest import SCORE_MAX_DOCS, TINY, Server
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +43,10 @@ def reranker(reranker_server: tuple[Server, Path]) -> Served:
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path) -> Iterator[Served]:
-    path = tmp_path_factory.mktemp("embedder")
-    model = make_model("llama", path, builtin_model_dir)
-    args = score_server_args(path, 64, "--enable-sleep-mode", "--sleep-idle-seconds", "0.5")
-    srv = start_server(args, tmp_path_factory.mktemp("logs") / "embedder.log", api_key=API_KEY)
-    yield srv, model, AutoTokenizer.from_pretrained(path)
-    srv.stop()
+def embedder(server: Server, tiny_model_dir: Path) -> Served:
+    """The suite's shared server: its tiny random Llama scores by embeddings (cosine)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return server, model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def post(srv: Server, path: str, body: dict[str, Any], key: bool = True) -> httpx.Response:
@@ -95,20 +85,16 @@ def test_reranker_score_and_rerank(reranker: Served) -> None:
     assert top["index"] == ranked[0] and "document" not in top
 
 
-def test_embedding_score_after_idle_sleep(embedder: Served) -> None:
+def test_embedding_score_is_the_cosine(embedder: Served) -> None:
     srv, model, tok = embedder
-    for _ in range(100):  # idle 0.5 s after start: the model sleeps
-        state = httpx.get(f"{srv.url}/is_sleeping", headers=srv.headers(), timeout=10)
-        if state.json()["is_sleeping"]:
-            break
-        httpx.post(f"{srv.url}/health", timeout=10)  # not a model request: stays asleep
-    assert state.json() == {"is_sleeping": True}
-    r = post(srv, "/v1/score", {"text_1": [QUERY, DOCS[0]], "text_2": [DOCS[1], DOCS[2]]})
-    assert r.status_code == 200, r.text  # the request woke the model
+    body = {"model": TINY, "text_1": [QUERY, DOCS[0]], "text_2": [DOCS[1], DOCS[2]]}
+    r = post(srv, "/v1/score", body)
+    assert r.status_code == 200, r.text
     want = [cosine_reference(model, tok, QUERY, DOCS[1]),
             cosine_reference(model, tok, DOCS[0], DOCS[2])]  # fmt: skip
     assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=TOL)
-    assert "woke from sleep level 1" in srv.log.read_text()
+    ntok = sum(len(tok.encode(t)) for t in (QUERY, *DOCS))  # each text embedded once
+    assert r.json()["usage"]["prompt_tokens"] == ntok
 
 
 @pytest.mark.parametrize(
