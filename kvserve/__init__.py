@@ -22,6 +22,8 @@ from kvserve.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
@@ -38,6 +40,8 @@ __all__ = [
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

@@ -217,6 +217,10 @@ class ModelConfig:
     # custom_processors.LogitsProcessor subclasses), one instance each per engine
     logits_processors: tuple[type, ...] = ()
     pooling: PoolingType = PoolingType.LAST  # embedding requests (LLM.embed, /v1/embeddings)
+    # vLLM's --task: "score" makes score/rerank a causal-LM reranker's (kvserve/scoring.py)
+    task: str = "auto"
+    # vLLM's flag: sleep()/wake_up() (free the KV cache, and the weights at level 2)
+    enable_sleep_mode: bool = False
     quantization: Quantization | None = None  # weight-only quantized linears; None: dtype
     # weights per scale along K for int8/int4; None: int8 per channel, int4 32
     quantization_group_size: int | None = None

@@ -93,3 +93,21 @@ class EmbeddingRequestOutput:
 
 # What an engine step returns per request: a generation's or an embedding's output.
 EngineOutput = RequestOutput | EmbeddingRequestOutput
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: one pair's score (cosine similarity of the two texts'
+    embeddings, or a reranker's P(yes); kvserve/scoring.py)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ``ScoringRequestOutput`` (``LLM.score``): one per (text_1, text_2) pair."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the tokens the pair ran as (both texts for cosine scores)
+    outputs: ScoringOutput
+    finished: bool = True

@@ -27,6 +27,10 @@ class PoolingParams:
     # Keep only the last k prompt tokens (vLLM's rule; -1: the model's context length).
     # Applied where the prompt is tokenized (``LLM.embed``, /v1/embeddings).
     truncate_prompt_tokens: int | None = None
+    # Score requests of a causal-LM reranker (``kvserve/scoring.py``): instead of a hidden
+    # state, the LM head's logits of these token ids at the last prompt position, raw
+    # (``normalize`` must be False). None: an embedding.
+    logit_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
@@ -41,15 +45,30 @@ class PoolingParams:
                 "truncate_prompt_tokens",
                 f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}",
             )
+        ids = self.logit_token_ids
+        if ids is not None:
+            if not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise ParamError(
+                    "logit_token_ids", f"logit_token_ids must be token ids, got {ids!r}"
+                )
+            if self.normalize or self.dimensions is not None:
+                raise ParamError(
+                    "logit_token_ids",
+                    "logit_token_ids returns raw logits: normalize must be False and "
+                    "dimensions unset",
+                )
+            self.logit_token_ids = tuple(int(t) for t in ids)
 
 
 @dataclass(frozen=True)
 class PoolingSpec:
     """What the runner does with an embedding request's hidden states (``Request.pooling``):
-    the engine's pooling type and the request's ``normalize``."""
+    the engine's pooling type and the request's ``normalize``; with ``token_ids`` (a score
+    request of a reranker, type LAST) the LM head's logits of those ids instead."""
 
     type: PoolingType
     normalize: bool = True
+    token_ids: tuple[int, ...] = ()
 
 
 def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:

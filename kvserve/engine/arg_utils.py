@@ -310,6 +310,19 @@ class EngineArgs:
         "own output tensor (llama.cpp's Q6_K for a Q4_0 model) where kvserve has its type; "
         "native model classes only",
     )  # fmt: skip
+    task: str = _opt(
+        "auto", "vLLM's flag: 'score' serves a causal-LM reranker (Qwen3-Reranker): /score, "
+        "/rerank and LLM.score read each pair in its yes/no template and score P(yes) of the "
+        "last position; 'auto' does so when config.json says the model is one "
+        "(is_original_qwen3_reranker or classifier_from_token), else scores by the cosine of "
+        "embeddings. Every model still generates and embeds",
+        choices=("auto", "generate", "embed", "embedding", "score"),
+    )  # fmt: skip
+    enable_sleep_mode: bool = _opt(
+        False, "vLLM's flag: LLM.sleep()/wake_up() and the server's POST /sleep?level=1|2, "
+        "POST /wake_up, GET /is_sleeping (level 1 frees the KV cache, level 2 the weights "
+        "too, read again from the model folder on wake)",
+    )  # fmt: skip
     pooling: str = _opt(
         "last", "embeddings (LLM.embed, /v1/embeddings): the last prompt token's final hidden "
         "state, or the mean over the prompt's (vLLM's pooling_type LAST / MEAN)",
@@ -677,6 +690,8 @@ class EngineArgs:
                     load_processor_class(p) for p in self.logits_processors or ()
                 ),
                 pooling=self.pooling,  # type: ignore[arg-type]
+                task=self.task,
+                enable_sleep_mode=self.enable_sleep_mode,
                 quantization=self.quantization,  # type: ignore[arg-type]
                 quantization_group_size=self.quantization_group_size,
                 quantization_activations=self.quantization_activations,  # type: ignore[arg-type]

@@ -38,12 +38,14 @@ from kvserve.config import EngineConfig
 from kvserve.engine.input_processor import InputProcessor, ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
+from kvserve.engine.sleep_mode import EngineSleepingError
 from kvserve.executor import WorkerDiedError
 from kvserve.lora.request import LoRARequest
 from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+from kvserve.scoring import Scorer
 from kvserve.worker.execution_paths import ExecutionPaths
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -116,7 +118,14 @@ class AsyncLLMEngine:
         max_queued_requests: int | None = None,
         start: bool = True,
         max_queued_tokens: int | None = None,
+        sleep_idle_seconds: float | None = None,
+        sleep_idle_level: int = 1,
     ) -> None:
+        if sleep_idle_seconds is not None and not engine.config.model.enable_sleep_mode:
+            # llama.cpp's flag on vLLM's mode: the idle sleep is the mode's sleep
+            raise ValueError("--sleep-idle-seconds needs --enable-sleep-mode")
+        if sleep_idle_seconds is not None and sleep_idle_seconds <= 0:
+            raise ValueError(f"--sleep-idle-seconds must be positive, got {sleep_idle_seconds}")
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         if max_queued_tokens is not None and max_queued_tokens < 0:
@@ -124,6 +133,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests  # counts sequences (n per request)
         self.max_queued_tokens = max_queued_tokens  # counts prompt tokens x n of queued sequences
+        # idle this long, the engine sleeps at sleep_idle_level; the next request wakes it
+        self.sleep_idle_seconds = sleep_idle_seconds
+        self.sleep_idle_level = sleep_idle_level
         self._cond = threading.Condition()  # guards every field below that both threads use
         self._commands: list[Command] = []  # adds, and request ids to abort
         # request id -> stream, until finished. Weak, so that a stream its consumer dropped is
@@ -298,6 +310,12 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
+        engine = self.engine
+        if engine.sleep_level and not engine.wake_on_request:  # a read of two plain fields
+            raise EngineSleepingError(
+                f"the model {engine.model_name!r} is sleeping (level {engine.sleep_level}); "
+                "POST /wake_up first"
+            )
         # Tokenized and checked once, here: the engine thread neither tokenizes nor checks again.
         request = self.processor.process(prompt, params, priority)
         return self._enqueue(request, request_id, lora_request)
@@ -369,6 +387,24 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were dropped."""
         return int(await asyncio.wrap_future(self.call(LLMEngine.reset_prefix_cache)))
+
+    async def sleep(self, level: int = 1) -> float:
+        """``LLMEngine.sleep`` on the engine thread (requests are then refused until
+        ``wake_up``); returns its seconds."""
+        return float(await asyncio.wrap_future(self.call(lambda e: e.sleep(level))))
+
+    async def wake_up(self) -> float:
+        """``LLMEngine.wake_up`` on the engine thread; returns its seconds."""
+        return float(await asyncio.wrap_future(self.call(LLMEngine.wake_up)))
+
+    @property
+    def scorer(self) -> Scorer:
+        """How score and rerank requests score a pair (kvserve/scoring.py)."""
+        return self.engine.scorer
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.sleep_level > 0  # a plain int the engine thread sets
 
     def num_unfinished_requests(self) -> int:
         """Requests submitted and not yet finished, failed or aborted (any thread)."""
@@ -442,23 +478,28 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         failures = 0
         worked = False  # a step ran since the last heap trim
+        idle_since = time.monotonic()  # the end of the last work
         while True:
             with self._cond:
-                idle_trim = False
+                action = None
                 while not self._has_work_locked():
-                    # Idle after work: wait IDLE_TRIM_SECONDS, then give the freed heap back.
-                    if worked and not self._cond.wait(IDLE_TRIM_SECONDS):
-                        idle_trim = not self._has_work_locked()
-                        if idle_trim:
-                            break
-                    elif not worked:
+                    wait, action = self._idle_action(worked, idle_since)
+                    if action is None:
                         self._cond.wait()
+                    elif wait > 0:
+                        self._cond.wait(wait)
+                        action = None  # woken or timed out: look again
+                    else:
+                        break
                 if self._stop or self._dead_reason is not None:
                     break
-                if idle_trim:
+                if action is not None and action != "sleep":
                     worked = False
-            if idle_trim:
+            if action == "trim":
                 self._trim_heaps()
+                continue
+            if action == "sleep":
+                self._idle_sleep()
                 continue
             with self._cond:
                 while self._orphans:
@@ -475,6 +516,8 @@ class AsyncLLMEngine:
                 continue
             failures = 0
             worked = worked or bool(outputs) or bool(commands)
+            if outputs or commands:
+                idle_since = time.monotonic()
             # Stats first: a consumer that sees an output also sees the step's stats.
             self._publish_stats()
             self._deliver(outputs, [c for c in commands if isinstance(c, str)])
@@ -482,6 +525,30 @@ class AsyncLLMEngine:
             self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
         except Exception:  # the engine is going away anyway; just do not die silently
             logger.exception("could not abort the remaining requests at shutdown")
+
+    def _idle_action(self, worked: bool, idle_since: float) -> tuple[float, str | None]:
+        """The next thing an idle engine does and the seconds until it is due: "trim" the
+        heaps IDLE_TRIM_SECONDS after work, "sleep" sleep_idle_seconds after it (None:
+        nothing, wait for work)."""
+        due: list[tuple[float, str]] = []
+        if worked:
+            due.append((idle_since + IDLE_TRIM_SECONDS, "trim"))
+        if self.sleep_idle_seconds is not None and not self.engine.sleep_level:
+            due.append((idle_since + self.sleep_idle_seconds, "sleep"))
+        if not due:
+            return 0.0, None
+        when, action = min(due)
+        return when - time.monotonic(), action
+
+    def _idle_sleep(self) -> None:
+        """Sleep after sleep_idle_seconds idle; the next request wakes the engine (and its
+        time to first token pays it). A failure turns idle sleep off rather than retry."""
+        try:
+            self.engine.sleep(self.sleep_idle_level, wake_on_request=True)
+        except Exception:
+            logger.exception("idle sleep failed; --sleep-idle-seconds is off from now on")
+            self.sleep_idle_seconds = None
+        self._publish_stats()
 
     def _has_work_locked(self) -> bool:
         return bool(

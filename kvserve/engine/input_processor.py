@@ -211,6 +211,12 @@ class InputProcessor:
         """An embedding request's own limits: its prompt fills at most the whole context
         (nothing is generated after it) and the KV cache."""
         self._check_priority(priority)
+        bad = [t for t in params.logit_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ParamError(
+                "logit_token_ids",
+                f"token id {bad[0]} is out of the vocabulary (size {self.vocab_size})",
+            )
         size = self.hidden_size
         if params.dimensions is not None and params.dimensions != size:
             # vLLM shortens only Matryoshka-trained models; a decoder's hidden state is not one.

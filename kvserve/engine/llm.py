@@ -14,9 +14,16 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.lora.request import LoRARequest
-from kvserve.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
+from kvserve.outputs import (
+    EmbeddingRequestOutput,
+    EngineOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+from kvserve.scoring import finish_scores, pair_up, plan_scores
 from kvserve.worker.execution_paths import ExecutionPaths
 
 ChatMessages = list[dict[str, Any]]
@@ -141,6 +148,58 @@ class LLM:
         process = self.engine.processor.process
         checked = [process(p, params, prio) for p, prio in zip(prompts, priorities, strict=True)]
         return self._run(checked, use_tqdm)  # type: ignore[return-value]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_tqdm: bool = True,
+        instruction: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (vLLM's ``LLM.score``): ``text_1`` and ``text_2`` pair 1 to
+        1, 1 to N or N to N. The engine's scorer (``kvserve/scoring.py``) is the cosine of
+        the two texts' embeddings, or with ``task="score"`` (or a reranker's config) a
+        causal-LM reranker's P(yes) over its yes/no logits, each pair in its template
+        (``instruction`` replaces the template's default one)."""
+        scorer = self.engine.scorer
+        pairs = pair_up(text_1, text_2)
+        plan = plan_scores(scorer, pairs, instruction)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer; score needs text")
+        process = self.engine.processor.process
+        checked = [
+            process(
+                {
+                    "prompt": t,
+                    "prompt_token_ids": tok.encode(t, add_special_tokens=plan.add_special_tokens),
+                },
+                plan.params,
+            )
+            for t in plan.texts
+        ]
+        outs = self._run(checked, use_tqdm)
+        vectors = [o.outputs.embedding for o in outs]  # type: ignore[union-attr]
+        scores = finish_scores(scorer, plan, vectors)
+        return [
+            ScoringRequestOutput(
+                f"score-{next(self._ids)}",
+                checked[i].prompt_token_ids + (checked[j].prompt_token_ids if j != i else []),
+                ScoringOutput(score),
+            )
+            for (i, j), score in zip(plan.pairs, scores, strict=True)
+        ]
+
+    # -- sleep mode (vLLM's; needs enable_sleep_mode=True) -------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the KV cache and the weights (level 2) until
+        ``wake_up``; requests in between raise ``EngineSleepingError``."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (and read the weights again after level 2)."""
+        self.engine.wake_up()
 
     def _run(
         self,

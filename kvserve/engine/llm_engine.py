@@ -19,7 +19,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, PoolingType
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
@@ -35,12 +35,14 @@ from kvserve.engine.output_processor import (
     token_logprobs,
     update_text,
 )
+from kvserve.engine.sleep_mode import EngineSleepingError, check_sleep
 from kvserve.executor import Executor, create_executor
 from kvserve.lora.request import LoRARequest
 from kvserve.model.loader import load_hf_config
 from kvserve.outputs import EngineOutput
 from kvserve.pooling_params import PoolingParams, PoolingSpec
 from kvserve.sampling_params import SamplingParams
+from kvserve.scoring import resolve_scorer
 from kvserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from kvserve.structured_output.reasoning import ReasoningState
 from kvserve.worker.execution_paths import ExecutionPaths
@@ -142,6 +144,11 @@ class LLMEngine:
             "|".join(",".join(map(str, c)) for c in paths.thread_cores) or "(unknown)",
             paths.omp_wait_policy or "unset",
         )  # fmt: skip
+        # sleep mode: 0 awake, else the level slept at; whether a request wakes it (idle sleep)
+        self.sleep_level = 0
+        self.wake_on_request = False
+        # how /score, /rerank and LLM.score score a pair (kvserve/scoring.py)
+        self.scorer = resolve_scorer(mc.task, self.hf_config, self.tokenizer)
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         self._child_state: dict[str, CompletionState] = {}
@@ -208,6 +215,13 @@ class LLMEngine:
         ``lora_request``: the adapter it runs with (added first if new; a bad one raises)."""
         if request_id in self._parents or request_id in self._beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.sleep_level:
+            if not self.wake_on_request:
+                raise EngineSleepingError(
+                    f"the model {self.model_name!r} is sleeping (level {self.sleep_level}); "
+                    "wake it first (POST /wake_up, LLM.wake_up())"
+                )
+            self.wake_up()  # an idle sleep: this request's time to first token pays it
         text, ids, params = request.prompt, request.prompt_token_ids, request.params
         if request.beam_search is not None:
             self._add_beam_search(request_id, request, arrival_time, lora_request)
@@ -277,6 +291,8 @@ class LLMEngine:
         """One prompt-only child that finishes after its prefill (max_tokens 0: it never
         samples; its SamplingParams are inert placeholders)."""
         spec = PoolingSpec(self.config.model.pooling, params.normalize)
+        if params.logit_token_ids is not None:  # a reranker's score: the last position's
+            spec = PoolingSpec(PoolingType.LAST, False, params.logit_token_ids)
         req = Request(
             request_id, ids, _NO_SAMPLING, 0, self.eos_token_ids, arrival_time, priority,
             pooling=spec,
@@ -625,6 +641,42 @@ class LLMEngine:
         """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); returns how many
         blocks were dropped. Running requests are not affected."""
         return self.kv.reset_prefix_cache()
+
+    # -- sleep mode (kvserve/engine/sleep_mode.py) ---------------------------------------------
+    def sleep(self, level: int = 1, wake_on_request: bool = False) -> float:
+        """Free the KV cache (level 1) and the weights (level 2) of every rank (vLLM's
+        ``sleep``); returns the seconds it took. ``wake_on_request``: the next request wakes
+        the engine (idle sleep) instead of being refused with ``EngineSleepingError``.
+        Raises ValueError (mode off, bad level) or ``SleepRefusedError`` (requests running)."""
+        level = check_sleep(self.config, level, self.get_num_unfinished_requests())
+        # an explicit sleep wins over an idle one: requests are then refused until wake_up
+        self.wake_on_request = wake_on_request and (self.wake_on_request or not self.sleep_level)
+        if level <= self.sleep_level:
+            return 0.0  # as deep already
+        t0 = time.perf_counter()
+        self.kv.reset_prefix_cache()  # the cached blocks' K/V is about to go
+        self.executor.collective_rpc("sleep", level)
+        self.sleep_level = level
+        elapsed = time.perf_counter() - t0
+        then = "the next request wakes it" if self.wake_on_request else "wake_up to serve"
+        logger.info("%s asleep at level %d in %.2fs (%s)", self.model_name, level, elapsed, then)
+        return elapsed
+
+    def wake_up(self) -> float:
+        """Allocate the KV cache again, reading the weights first after a level-2 sleep
+        (vLLM's ``wake_up``); returns the seconds it took (0 when awake)."""
+        if not self.sleep_level:
+            return 0.0
+        t0 = time.perf_counter()
+        self.executor.collective_rpc("wake_up")
+        level, self.sleep_level = self.sleep_level, 0
+        elapsed = time.perf_counter() - t0
+        logger.info("%s woke from sleep level %d in %.2fs", self.model_name, level, elapsed)
+        return elapsed
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def stats(self) -> dict[str, Any]:
         """Totals and the current batch state (plain numbers, for users and /metrics)."""

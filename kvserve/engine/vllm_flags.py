@@ -104,11 +104,7 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--model-impl": _k(sample="transformers"),
     "--logits-processors": _k(VS, "tests.engine.test_custom_processors:ForceToken"),
     "--trust-remote-code": _r(_REMOTE, S),
-    "--task": _r(
-        "kvserve serves generation and embeddings from every model; there is no "
-        "classify/score/reward/transcription task",
-        noop=("auto", "generate", "embed", "embedding"),
-    ),
+    "--task": _k(sample="score"),
     "--runner": _r(
         "kvserve serves generation and embeddings from every model; there is no other runner",
         noop=("auto", "generate", "pooling"),
@@ -144,7 +140,7 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
         "edit the model's generation_config.json or pass the sampling fields per request",
         sample="{}",
     ),
-    "--enable-sleep-mode": _r("kvserve has no sleep mode", S),
+    "--enable-sleep-mode": _k(S),
     "--override-pooler-config": _r("kvserve pools by --pooling (last or mean)", sample="{}"),
     "--pooler-config": _r("kvserve pools by --pooling (last or mean)", sample="{}"),
     "--logits-processor-pattern": _r(

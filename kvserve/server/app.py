@@ -49,7 +49,9 @@ from kvserve.server.protocol import (
 from kvserve.server.request_limits import check_chat, check_tools
 from kvserve.server.responses import add_responses_routes
 from kvserve.server.responses_store import ResponseStore
+from kvserve.server.score import add_score_routes
 from kvserve.server.serving import Limits, tokenize
+from kvserve.server.sleep import add_sleep_routes
 from kvserve.server.tools import ChatOptions, template_args
 from kvserve.server.tracing import RequestTracer
 
@@ -57,7 +59,10 @@ logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
 # health, metrics and the OpenAPI document stay open
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+_PROTECTED_PREFIXES = (
+    "/v1/", "/v2/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/score", "/rerank",
+    "/sleep", "/wake_up", "/is_sleeping",
+)  # fmt: skip
 SHUTTING_DOWN = "the server is shutting down"
 # room for a /v1/files upload's multipart boundaries and form fields beside the file itself
 _MULTIPART_OVERHEAD = 64 * 1024
@@ -324,6 +329,8 @@ def build_app(state: ServerState) -> FastAPI:
     add_anthropic_routes(app, state)  # /v1/messages (kvserve/server/anthropic/)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora.py)
     add_batch_routes(app, state)  # /v1/files, /v1/batches and the batch loop (batch_*.py)
+    add_score_routes(app, state)  # /score, /v1/score, /rerank, /v1/rerank, /v2/rerank
+    add_sleep_routes(app, state)  # /sleep, /wake_up, /is_sleeping (sleep.py)
     _add_ops_routes(app, state)
     return app
 

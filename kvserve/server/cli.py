@@ -148,6 +148,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="most UTF-8 bytes of text in one conversation: the messages, their tool calls' "
              "arguments and the documents",
     )  # fmt: skip
+    cost.add_argument(
+        "--max-score-tokens-per-request", type=int,
+        default=Limits.max_score_tokens_per_request,
+        help="most prompt tokens of one /score or /rerank request in all (a reranker's "
+             "template repeats the query in every document's prompt)",
+    )  # fmt: skip
+    sleep = p.add_argument_group("sleep mode (with --enable-sleep-mode)")
+    sleep.add_argument(
+        "--sleep-idle-seconds", type=float, default=None,
+        help="llama.cpp's flag: a model idle this long sleeps (--sleep-idle-level) and the "
+             "next request wakes it (its time to first token pays the wake, logged)",
+    )  # fmt: skip
+    sleep.add_argument(
+        "--sleep-idle-level", type=int, default=1, choices=(1, 2),
+        help="the idle sleep's level: 1 frees the KV cache, 2 the weights too (read again "
+             "from the model folder on wake, as llama.cpp unloads the model)",
+    )  # fmt: skip
     p.add_argument(
         "--shutdown-timeout", type=float, default=0.0,
         help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish (new ones "
@@ -268,6 +285,7 @@ _COST_FLAGS = (
     ("max_grammar_bytes", "--max-grammar-bytes"),
     ("max_chat_messages", "--max-chat-messages"),
     ("max_chat_bytes", "--max-chat-bytes"),
+    ("max_score_tokens_per_request", "--max-score-tokens-per-request"),
 )
 
 
@@ -275,6 +293,10 @@ def _check_cost_limits(args: argparse.Namespace) -> None:
     for attr, flag in _COST_FLAGS:
         if getattr(args, attr) < 1:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, attr)}")
+    idle = args.sleep_idle_seconds
+    if idle is not None and not (idle > 0 and args.enable_sleep_mode):
+        raise ValueError(f"--sleep-idle-seconds {idle}: needs --enable-sleep-mode and a "
+                         "positive number of seconds")  # fmt: skip
 
 
 def load_models(
@@ -296,8 +318,10 @@ def load_models(
         if engine.tokenizer is not None:
             engine.grammar_compiler.warm_up()  # fork the compile workers before any grammar
         queue = AsyncLLMEngine(
-            engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens
-        )
+            engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens,
+            sleep_idle_seconds=getattr(args, "sleep_idle_seconds", None),
+            sleep_idle_level=getattr(args, "sleep_idle_level", 1),
+        )  # fmt: skip
         state.add_engine(queue, config.model.path)
         logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
     load_lora_modules(state, getattr(args, "lora_modules", None) or [])

@@ -28,6 +28,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",

@@ -34,11 +34,13 @@ _WHEN = {
     403: "Loading and unloading LoRA adapters at run time is off "
     "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or --allow-runtime-lora-updating turns it on)",
     404: "The model (or LoRA adapter) is not served",
+    409: "The model has requests in flight and cannot sleep (POST /sleep)",
     413: "The body is larger than --max-request-body-bytes",
     429: "The model's queue is full (--max-queued-requests, --max-num-queued-tokens); "
     "retry after the Retry-After header's seconds",
     500: "The engine failed while running the request (it keeps serving others)",
-    503: "The server is loading its models or shutting down, or the engine is dead",
+    503: "The server is loading its models or shutting down, the engine is dead, or the "
+    "model sleeps (POST /wake_up)",
 }
 _SECURITY_SCHEME = "bearerAuth"
 _API_KEY_SCHEME = "apiKeyHeader"

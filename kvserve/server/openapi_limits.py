@@ -73,6 +73,10 @@ _NON_EMPTY = ("guided_regex", "guided_grammar", "regex", "grammar", "guided_json
 _BACKENDS = ["auto", "xgrammar"]  # guided_decoding_backend (server/structured.py)
 
 
+# /score's and /rerank's texts (server/score.py)
+_SCORE_TEXTS = ("text_1", "text_2", "query", "documents")
+
+
 def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
     """Edit the request schemas of ``schema`` (an OpenAPI document) in place."""
     for body in _request_schemas(schema):
@@ -95,7 +99,8 @@ def publish_limits(schema: dict[str, Any], limits: PublishedLimits) -> None:
         for name in _NON_EMPTY:  # structured_output/params.py: non-empty grammar texts
             for arm in _arms(props.get(name), "string"):
                 arm["minLength"] = 1
-        for name in ("input", "prompt"):  # no empty prompt or input (nothing to compute)
+        # no empty prompt, input, score text or document (nothing to compute)
+        for name in ("input", "prompt", *_SCORE_TEXTS):
             for arm in _arms(props.get(name), "string", "array"):
                 _non_empty(arm)
         for arm in _arms(props.get("logit_bias"), "object"):  # keys are token ids
@@ -132,7 +137,7 @@ def _server_limits(props: dict[str, Any], limits: PublishedLimits) -> None:
     for name, most in (("tools", limits.max_tools), ("messages", limits.max_messages)):
         for arm in _arms(props.get(name), "array"):
             arm["maxItems"] = most
-    for name in ("prompt", "input"):
+    for name in ("prompt", "input", *_SCORE_TEXTS):  # score: pairs (documents) at most
         for arm in _arms(props.get(name), "array"):
             if arm.get("items", {}).get("type") in ("string", "array"):  # several prompts
                 arm["maxItems"] = limits.max_prompts

@@ -23,6 +23,7 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from kvserve.engine.sleep_mode import EngineSleepingError
 from kvserve.outputs import Logprob, PromptLogprobs, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sample.sampler import NO_TOKEN_ALLOWED
@@ -59,6 +60,9 @@ class Limits:
     max_grammar_bytes: int = 64 * 1024  # regex, grammar, structural tag, choices together
     max_chat_messages: int = 1024
     max_chat_bytes: int = 1024 * 1024  # the conversation's text (UTF-8)
+    # prompt tokens of one /score or /rerank request in all (a reranker repeats the query in
+    # every document's prompt): 256 documents of 512 tokens
+    max_score_tokens_per_request: int = 128 * 1024
 
 
 def check_fan_out(limits: Limits, n: int, num_prompts: int) -> None:
@@ -268,7 +272,7 @@ def engine_error(e: BaseException) -> BaseException:
         return APIError(
             429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}
         )
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, EngineSleepingError)):
         return APIError(503, str(e))
     if isinstance(e, EngineStepError):
         return APIError(500, str(e))

@@ -28,6 +28,7 @@ executor stops the engine (``RankFailedError``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -42,7 +43,7 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
-from kvserve.ops.malloc_tuning import keep_freed_memory, trim_heap
+from kvserve.ops.malloc_tuning import keep_freed_memory, own_mappings, trim_heap
 from kvserve.ops.packed_linear import packing_supported
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
@@ -125,9 +126,8 @@ class ModelRunner:
         self.sampler = RowSampler(processors, torch.Generator(device=device).manual_seed(mc.seed))
         # speculative decoding: proposes each row's next tokens
         self.proposer = build_proposer(config, draft, size.num_blocks, self)
-        if device.type == "cpu":
-            # After the weights and KV cache exist, so only step-time buffers are affected.
-            keep_freed_memory()
+        # After the weights and KV cache exist, so only step-time buffers are affected.
+        self.malloc_tuned = device.type == "cpu" and keep_freed_memory()
         warmup_tokens = 0
         # bf16 only: there the first max-size prefill paid oneDNN's kernel set-up (0.80 s, later
         # ones 0.60 s, 160M model). Float32 packing on AVX2 showed no first-prefill penalty (the
@@ -207,6 +207,33 @@ class ModelRunner:
         """Hand this process's freed C heap back to the OS: the engine calls it on every rank
         once it has been idle for ``IDLE_TRIM_SECONDS`` (``ops/malloc_tuning.py``)."""
         trim_heap()
+
+    # -- sleep mode (kvserve/engine/sleep_mode.py; the engine calls these on every rank) ------
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and swap space (level 1) and the weights too (level 2), then
+        hand the freed heap to the OS. The engine has no unfinished request: nothing is lost.
+        """
+        self.kv_caches = []
+        self.swap_caches = []
+        if level >= 2:
+            self.model = None  # type: ignore[assignment]  # read again by wake_up
+        gc.collect()  # the tensors' last references may sit in reference cycles
+        trim_heap()
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: read the weights again if they were dropped (the same files, so
+        the same numbers), then allocate a zeroed KV cache of the same size."""
+        # in their own mappings, so the next sleep gives all of them back (malloc_tuning.py)
+        with own_mappings(self.malloc_tuned):
+            if self.model is None:
+                self.model = load_target(self.config, self.max_model_len, self.tp)
+            if not self.kv_caches:
+                dtype, bs, dev = self.config.model.dtype, self.block_size, self.device
+                self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, bs, dtype, dev)
+                if self.info.num_swap_blocks:
+                    self.swap_caches = allocate_kv_caches(
+                        self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
+                    )
 
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's block copies: swap-out first, then swap-in, then copy-on-write."""
@@ -331,7 +358,7 @@ class ModelRunner:
         prompt_lps = compute_prompt_logprobs(self.model, lp_rows, hidden) if lp_rows else {}
         pooled, sums = {}, {}
         if any(r.pooling is not None for r in rows.scheduled):
-            pooled, sums = self.pooler.step(rows, hidden)
+            pooled, sums = self.pooler.step(rows, hidden, self.model.compute_logits)
         out = ModelRunnerOutput({})
         # None on ranks > 0 (tensor parallelism): only rank 0 samples and proposes.
         if logits is not None:

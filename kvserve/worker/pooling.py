@@ -16,7 +16,7 @@ the last prompt position has its row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,8 @@ from kvserve.worker.input_batch import StepRows
 # request id -> (sum of its hidden states so far [H] float32, positions covered), or None:
 # the request's sum is done with
 SumUpdates = dict[str, tuple[torch.Tensor, int] | None]
+# the model's compute_logits: [N, H] -> [N, V] (None on tensor-parallel ranks > 0)
+LogitsFn = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 def pool(hidden: torch.Tensor, pooling: PoolingType, normalize: bool = True) -> torch.Tensor:
@@ -46,6 +48,17 @@ def finish(vec: torch.Tensor, normalize: bool) -> torch.Tensor:
     return F.normalize(vec, p=2.0, dim=-1) if normalize else vec
 
 
+def token_logits(
+    last: torch.Tensor, token_ids: tuple[int, ...], logits_fn: LogitsFn
+) -> list[float]:
+    """The LM head's float32 logits of ``token_ids`` for one final hidden state ``[1, H]``
+    (empty on tensor-parallel ranks > 0, whose output is dropped)."""
+    logits = logits_fn(last)  # [1, V]
+    if logits is None:
+        return []
+    return logits[0, list(token_ids)].float().tolist()
+
+
 class Pooler:
     """Pools the embedding requests that a step finishes; see the module docstring."""
 
@@ -61,12 +74,16 @@ class Pooler:
             self._sums.pop(rid, None)
 
     def step(
-        self, sched: StepRows | SchedulerOutput, hidden: torch.Tensor
+        self,
+        sched: StepRows | SchedulerOutput,
+        hidden: torch.Tensor,
+        logits_fn: LogitsFn | None = None,
     ) -> tuple[dict[str, list[float]], SumUpdates]:
         """This step's embeddings (request id -> vector) and the mean-pooling sums to
         ``commit`` once the step has succeeded. ``hidden``: ``[T, H]``, the step's flat
         batch (each scheduled request's rows in order). ``sched``: the runner's rows (or the
-        scheduler's view: the same fields)."""
+        scheduler's view: the same fields). ``logits_fn``: the model's ``compute_logits``,
+        for requests whose spec has ``token_ids`` (every rank calls it for the same rows)."""
         pooled: dict[str, list[float]] = {}
         updates: SumUpdates = {}
         offset = 0
@@ -77,7 +94,11 @@ class Pooler:
             if spec is not None:
                 rows = hidden[offset : offset + n]  # [n, H]
                 done = sched.pools(req)
-                if spec.type is PoolingType.LAST:
+                if spec.token_ids:
+                    if done:
+                        assert logits_fn is not None, "token-logit pooling needs the LM head"
+                        pooled[rid] = token_logits(rows[-1:], spec.token_ids, logits_fn)
+                elif spec.type is PoolingType.LAST:
                     if done:
                         pooled[rid] = finish(rows[-1], spec.normalize).tolist()
                 else:

@@ -176,3 +176,34 @@ def queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(args, log)
     yield srv
     srv.stop()
+
+
+RERANKER = "tiny-reranker"
+# the reranker server's KV cache: 8192 blocks of 16 tokens, 8 KiB each in float32 (64 MiB),
+# so that sleep's release stands far above the RSS noise (tests/server/test_sleep.py)
+RERANKER_KV_BLOCKS = 8192
+SCORE_MAX_DOCS = 4  # --max-prompts-per-request of the score servers
+SCORE_MAX_TOKENS = 400  # --max-score-tokens-per-request (a reranker prompt is ~60 tokens)
+
+
+def score_server_args(path: Path, num_blocks: int, *extra: str) -> list[str]:
+    return [str(path), "--dtype", "float32", "--num-kv-blocks", str(num_blocks),
+            "--max-prompts-per-request", str(SCORE_MAX_DOCS),
+            "--max-score-tokens-per-request", str(SCORE_MAX_TOKENS), *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reranker_server(
+    tmp_path_factory: pytest.TempPathFactory, builtin_model_dir: Path
+) -> Iterator[tuple[Server, Path]]:
+    """A tiny random Qwen3 served as a causal-LM reranker (``--task score``), with sleep mode
+    on, behind the API key; shared by the score and sleep tests. Yields it and its folder."""
+    from tests.engine.score_models import make_model
+
+    path = tmp_path_factory.mktemp(RERANKER)
+    make_model("qwen3", path, builtin_model_dir)
+    args = score_server_args(path, RERANKER_KV_BLOCKS, "--task", "score", "--enable-sleep-mode",
+                             "--served-model-name", RERANKER)  # fmt: skip
+    srv = start_server(args, tmp_path_factory.mktemp("logs") / "reranker.log", api_key=API_KEY)
+    yield srv, path
+    srv.stop()

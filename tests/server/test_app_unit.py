@@ -157,6 +157,11 @@ def test_openapi_documents_the_real_statuses() -> None:
         ("get", "/v1/batches"): ["200", "400", "401", "404", "500", "503"],
         ("get", "/v1/batches/{batch_id}"): ["200", "401", "404", "500", "503"],
         ("post", "/v1/batches/{batch_id}/cancel"): ["200", "400", "401", "404", "500", "503"],
+        ("post", "/v1/score"): generation,  # /score: an unpublished alias
+        ("post", "/v1/rerank"): generation,  # /rerank, /v2/rerank: unpublished aliases
+        ("post", "/sleep"): ["200", "400", "401", "404", "409", "503"],
+        ("post", "/wake_up"): ["200", "400", "401", "404", "503"],
+        ("get", "/is_sleeping"): ["200", "401", "404", "503"],
     }
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     assert ops["post", "/tokenize"]["responses"]["400"]["content"]["application/json"] == {
@@ -206,6 +211,12 @@ def test_serve_flag_errors() -> None:
         _model_specs(parse("--max-prompts-per-request", "0"))
     with pytest.raises(ValueError, match="--max-num-queued-tokens"):
         _model_specs(parse("--max-num-queued-tokens", "-1"))
+    with pytest.raises(ValueError, match="needs --enable-sleep-mode"):
+        _model_specs(parse("--sleep-idle-seconds", "5"))
+    with pytest.raises(ValueError, match="positive number"):
+        _model_specs(parse("--enable-sleep-mode", "--sleep-idle-seconds", "0"))
+    with pytest.raises(ValueError, match="--max-score-tokens-per-request"):
+        _model_specs(parse("--max-score-tokens-per-request", "0"))
     # Through the real entry point: a clear message and exit code 2, before loading anything.
     r = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "serve", "/no/such/model"],

@@ -96,6 +96,12 @@ INEXPRESSIBLE = [
         r"best_of must be unset or equal to n",
         r"above the engine's limit of \d+ \(max_beam_width, --max-beam-width\)",
         r"beam search with beam_width \d+ and \d+ output tokens",
+        # /score: text_1 and text_2 of lengths neither 1 nor equal; the prompts' tokens in all
+        r"the pairs must be 1:1, 1:N or N:N",
+        r"limit \(--max-score-tokens-per-request\)",
+        # the server's state: sleep mode off (404); vLLM's partial wake_up tags
+        r"sleep mode is off",
+        r"kvserve wakes a model whole",
     )
 ]
 
