@@ -770,7 +770,7 @@ class EngineArgs:
                 raise ValueError(f"revision {self.revision!r} (--revision) is for Hugging Face "
                                  f"Hub ids; {model!r} is a local path")  # fmt: skip
             if Path(model).is_dir():
-                return Path(model), Path(model).name, None
+                return Path(model), Path(model).name, None, {}
             local = Path(model).expanduser()
             if not local.exists():
                 raise ValueError(
