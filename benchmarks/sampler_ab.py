@@ -90,7 +90,10 @@ def main() -> None:
     ap.add_argument("--ref", default="HEAD~1")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     new = importlib.import_module("kvserve.sample.sampler")
     with tempfile.TemporaryDirectory() as tmp:
         old = load_ref(args.ref, Path(tmp))
