@@ -206,7 +206,7 @@ class ModelConfig:
     # the bytes a decode step reads); None: auto (the checkpoint's 16-bit dtype where that
     # applies, model/wide_linear.py); float32 (= dtype): off
     weight_dtype: torch.dtype | None = None
-    fused_ops: bool = True  # CPU bf16: C++ RMSNorm, SiLU*up, RoPE+KV write (same rounding)
+    fused_ops: bool = True  # RMSNorm, SiLU*up, RoPE+KV write fused: C++ on CPU, Triton on CUDA
     # True: every step's layers run in Python; False: decode-only steps of native Llama-family
     # models run their layers in one C++ call (model/decode_loop.py; same numbers)
     enforce_eager: bool = False

@@ -239,8 +239,8 @@ class EngineArgs:
         choices=tuple(m.value for m in AttentionBackendEnum),
     )  # fmt: skip
     fused_ops: bool = _opt(
-        True, "CPU bf16: C++ RMSNorm, SiLU*up and RoPE + KV write kernels (same rounding); "
-        "--no-fused-ops keeps the PyTorch op chains",
+        True, "RMSNorm, SiLU*up and RoPE + KV write as fused kernels (same rounding): C++ on "
+        "the CPU (bf16, float32), Triton on CUDA; --no-fused-ops keeps the PyTorch op chains",
     )  # fmt: skip
     prepack_weights: bool = _opt(True, "CPU bf16: oneDNN-prepacked linear weights (same numbers)")
     weight_dtype: str = _opt(

@@ -31,7 +31,6 @@ from kvserve.model.llama import (
     RotaryEmbedding,
     layer_window,
 )
-from kvserve.ops import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -47,7 +46,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
+            return self.kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)

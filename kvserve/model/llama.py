@@ -5,8 +5,9 @@ attention metadata says which tokens belong to which request and where their K/V
 Q/K/V and gate/up projections are fused into single matmuls at load time. Given a ``TPGroup``
 of several ranks, the layers are this rank's shards (``kvserve/distributed/layers.py``): its
 query and K/V heads, its slice of the MLP and the vocabulary. With
-``enable_fused_ops`` (CPU, bf16) RMSNorm, SiLU*up and RoPE + KV write each run as one C++
-kernel (``cpu_kernels``) that rounds like the PyTorch op chain it replaces.
+``enable_fused_ops`` RMSNorm, SiLU*up and RoPE + KV write each run as one kernel that rounds
+like the PyTorch op chain it replaces: C++ on the CPU (``cpu_kernels``), Triton on CUDA
+(``ops/triton/fused_ops.py``; ``ops/fused_kernels.py`` picks).
 
 Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE (fused: inside the RoPE + KV
 write kernel), a head_dim of its own, and optional sliding-window layers (``layer_types``).
@@ -17,6 +18,7 @@ or tanh-GELU, per-layer-type RoPE) are shared with ``gemma.py``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from kvserve.lora.punica import LoRAMapping
 from kvserve.model.base import ForwardBatch
 from kvserve.model.decode_loop import DecodeLoop, build_decode_loop
 from kvserve.ops import cpu_kernels
+from kvserve.ops.fused_kernels import fused_kernels_for
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -79,11 +82,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
-        self.fused = False  # one C++ kernel instead of the op chain below
+        self.fused = False  # one kernel instead of the op chain below
+        self.kernels: ModuleType = cpu_kernels  # C++ on the CPU, Triton on CUDA (when fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+            return self.kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         # Normalise in float32 as Hugging Face does, so bf16 runs round the same way.
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -94,7 +98,7 @@ class RMSNorm(nn.Module):
         """The skip connection and this norm: returns ``(residual + x, norm(residual + x))``.
         Fused, the sum is written into ``residual`` (which the caller owns)."""
         if self.fused:
-            normed = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            normed = self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
             return residual, normed
         residual = residual + x
         return residual, self(residual)
@@ -203,7 +207,8 @@ class Attention(nn.Module):
             self.attn_kwargs["sliding_window"] = sliding_window
         if soft_cap is not None:
             self.attn_kwargs["soft_cap"] = soft_cap
-        self.fused = False  # (q/k norm +) RoPE + KV write as one C++ kernel
+        self.fused = False  # (q/k norm +) RoPE + KV write as one kernel
+        self.kernels: ModuleType = cpu_kernels  # C++ on the CPU, Triton on CUDA (when fused)
         # q_norm/k_norm act per head before RoPE (Qwen3, Gemma 3); OLMoE's are over the
         # whole projections, applied in ``project`` instead
         self.per_head_qk_norm = True
@@ -226,7 +231,7 @@ class Attention(nn.Module):
             norms = None
             if per_head and self.q_norm is not None and self.k_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight)
-            q = cpu_kernels.rope_write_kv(
+            q = self.kernels.rope_write_kv(
                 qkv, cos, sin, *kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads,
                 norms, self.q_norm.eps if self.q_norm else 1e-6,
                 bool(self.q_norm and self.q_norm.unit_offset),
@@ -281,7 +286,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp)
         self.intermediate = self.gate_up_proj.local_sizes[0]  # this rank's features
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
-        self.fused = False  # act(gate) * up as one C++ kernel
+        self.fused = False  # act(gate) * up as one kernel
         # LoRA slot weights (kvserve/lora/layers.py attach_lora), owned by the LoRAManager
         self.lora_gate_up: LoRASlotWeights | None = None
         self.lora_down: LoRASlotWeights | None = None
@@ -433,15 +438,22 @@ class LlamaForCausalLM(nn.Module):
         math on 8- or 16-wide float vectors, whose sums (RMSNorm's mean of squares) add in
         another order than PyTorch's, so results differ by a few ulps (tested within 1e-6
         relative; the prepacked float32 linears already differ by ~1e-4).
+
+        On CUDA (bfloat16, float16, float32) the same chains run as Triton kernels
+        (``kvserve/ops/triton/fused_ops.py``), held to the same op chains under Triton's
+        interpreter in CI; their figures on a GPU await a GPU run (docs/performance.md).
         """
         param = self.embed_tokens.weight
-        if param.device.type != "cpu" or param.dtype not in (torch.bfloat16, torch.float32):
-            return False
-        if not cpu_kernels.available():
+        kernels = fused_kernels_for(param.device, param.dtype)
+        if kernels is None:
             return False
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.fused = True  # q/k norms then run inside the attention's RoPE kernel
+            if isinstance(m, (RMSNorm, Attention)):
+                m.kernels = kernels
+            if isinstance(m, MLP):  # the same function of the device's kernel module
+                m.act_and_mul = getattr(kernels, m.act_and_mul.__name__)
         return True
 
     def enable_decode_loop(self) -> bool:

@@ -45,6 +45,7 @@ from kvserve.model.llama import (
 )
 from kvserve.moe.experts import ActAndMul, FusedExperts
 from kvserve.moe.router import RouterConfig, route
+from kvserve.ops.fused_kernels import fused_kernels_for
 from kvserve.ops.malloc_tuning import trim_heap
 from kvserve.quantization.apply import RTN_METHODS, quantized_layer, rtn_weight
 from kvserve.quantization.streaming import StreamingQuantizer
@@ -229,12 +230,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         return DecoderLayer(config, _attention(config, arch, layer, self.tp), self.tp, mlp=mlp)
 
     def enable_fused_ops(self) -> bool:
-        """As Llama's, and the experts' act(gate) * up on the C++ kernel too."""
+        """As Llama's, and the experts' act(gate) * up on the same kernel module too."""
         if not super().enable_fused_ops():
             return False
+        param = self.embed_tokens.weight
+        kernels = fused_kernels_for(param.device, param.dtype)  # C++ on CPU, Triton on CUDA
         for m in self.modules():
             if isinstance(m, SparseMoeBlock):
-                m.experts.act_and_mul = m.fused_act_and_mul
+                m.experts.act_and_mul = getattr(kernels, m.fused_act_and_mul.__name__)
         return True
 
     @torch.no_grad()

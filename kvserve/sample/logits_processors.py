@@ -11,7 +11,9 @@ sampler passes those rows' slice), in the order ``sample`` applies them:
 3. ``apply_min_tokens`` and ``apply_penalties`` (vLLM order and semantics).
 
 A row's processors never see another row, so one request's bias or grammar cannot leak into
-its batch neighbours' tokens.
+its batch neighbours' tokens. Nothing here waits for the device: ids and values come from the
+host (``host_io.to_device``), and which processors run is decided from the requests'
+``SamplingParams`` (per-request callables are user code and may sync on their own).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvserve.sample.host_io import tensor_to_device, to_device
 from kvserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -45,7 +48,8 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Mask (-inf) every token whose bit is clear; ``logits`` ``[R, V]`` (in place), ``bitmask``
     int32 ``[R, W]`` with ``W * 32 >= V`` (bits past the vocabulary are ignored)."""
-    allowed = unpack_token_bitmask(bitmask.to(logits.device), logits.shape[1])  # [R, V]
+    bitmask = tensor_to_device(bitmask, logits.device)  # [R, W]
+    allowed = unpack_token_bitmask(bitmask, logits.shape[1])  # [R, V]
     return logits.masked_fill_(~allowed, _NEG_INF)
 
 
@@ -64,7 +68,7 @@ def apply_token_bitmask_rows(
         if cpu_kernels.available():
             cpu_kernels.apply_token_bitmask(logits, bitmask, rows)
             return logits
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # [G]
+    index = to_device(rows, torch.long, logits.device)  # [G]
     logits[index] = apply_token_bitmask(logits[index], bitmask)
     return logits
 
@@ -72,9 +76,13 @@ def apply_token_bitmask_rows(
 def apply_allowed_token_ids(logits: torch.Tensor, allowed: Sequence[Sequence[int]]) -> torch.Tensor:
     """Keep only each row's allowed ids (vLLM's ``allowed_token_ids``); ``logits`` ``[R, V]``,
     modified in place. Ids outside the vocabulary are refused by the engine before this."""
-    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [R, V]
-    for i, ids in enumerate(allowed):
-        keep[i, torch.tensor(list(ids), dtype=torch.long, device=logits.device)] = True
+    device = logits.device
+    rows = [i for i, ids in enumerate(allowed) for _ in ids]
+    cols = [t for ids in allowed for t in ids]
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [R, V]
+    if rows:  # one scatter for every row (an empty list allows nothing, as before)
+        index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+        keep.index_put_(index, torch.ones((), dtype=torch.bool, device=device))
     return logits.masked_fill_(~keep, _NEG_INF)
 
 
@@ -97,11 +105,22 @@ def apply_bad_words(
     output_token_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """Mask (-inf) each row's banned bad-word tokens; ``logits`` ``[R, V]``, in place."""
+    rows: list[int] = []
+    cols: list[int] = []
     for i, (words, out) in enumerate(zip(bad_words_token_ids, output_token_ids, strict=True)):
         ids = [t for t in banned_bad_word_ids(words, out) if 0 <= t < logits.shape[1]]
-        if ids:
-            logits[i, torch.tensor(ids, dtype=torch.long, device=logits.device)] = _NEG_INF
+        rows.extend([i] * len(ids))
+        cols.extend(ids)
+    if rows:
+        _fill_neg_inf(logits, rows, cols)
     return logits
+
+
+def _fill_neg_inf(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
+    """``logits[rows[m], cols[m]] = -inf`` for every m, one scatter; ``logits`` ``[R, V]``."""
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))  # [M] x 2
+    logits.index_put_(index, torch.full((), _NEG_INF, dtype=logits.dtype, device=device))
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -> torch.Tensor:
@@ -116,8 +135,8 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
             values.append(value)
     if rows:
         dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))  # [M] x 2
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=dev), True)
+        index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))  # [M] x 2
+        logits.index_put_(index, to_device(values, logits.dtype, dev), True)
     return logits
 
 
@@ -164,7 +183,7 @@ def _pad_ids(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> t
     """Right-pad ragged id lists with ``pad`` into a ``[N, L]`` long tensor (L >= 1)."""
     width = max(1, max((len(r) for r in rows), default=0))
     padded = [list(r) + [pad] * (width - len(r)) for r in rows]
-    ids = torch.tensor(padded, dtype=torch.long, device=device)  # [N, L]
+    ids = to_device(padded, torch.long, device)  # [N, L]
     # Ids past the logits' vocab (embedding table larger than lm_head, as HF allows) cannot be
     # generated, so they go to the padding bin and are dropped like the padding itself.
     return ids.clamp_(max=pad)
@@ -194,8 +213,8 @@ def _ids_padded_by_repeat(
     valid = [[t for t in r if 0 <= t < vocab_size] for r in rows]
     width = max(1, max((len(r) for r in valid), default=0))
     padded = [r + [r[0] if r else 0] * (width - len(r)) for r in valid]
-    ids = torch.tensor(padded, dtype=torch.long, device=device)  # [N, L]
-    empty = torch.tensor([not r for r in valid], dtype=torch.bool, device=device)  # [N]
+    ids = to_device(padded, torch.long, device)  # [N, L]
+    empty = to_device([not r for r in valid], torch.bool, device)  # [N]
     return ids, empty
 
 
@@ -218,11 +237,7 @@ def apply_min_tokens(
             rows.extend([i] * len(stop_ids))
             cols.extend(stop_ids)
     if rows:
-        index = (
-            torch.tensor(rows, dtype=torch.long, device=logits.device),  # [M]
-            torch.tensor(cols, dtype=torch.long, device=logits.device),  # [M]
-        )
-        logits.index_put_(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+        _fill_neg_inf(logits, rows, cols)
     return logits
 
 
@@ -233,10 +248,16 @@ def apply_penalties(
     repetition_penalties: torch.Tensor,
     frequency_penalties: torch.Tensor,
     presence_penalties: torch.Tensor,
+    *,
+    repetition: bool | None = None,
+    additive: bool | None = None,
 ) -> torch.Tensor:
     """Apply repetition, then frequency, then presence penalties (vLLM order and semantics).
 
     ``logits`` is float ``[N, V]`` (may be modified in place); the penalty tensors are ``[N]``.
+    ``repetition`` / ``additive``: whether any row has a repetition penalty / a frequency or
+    presence penalty, as the caller knows from its host-side parameters (the sampler does);
+    None reads the penalty tensors back to find out.
     Repetition (HF/CTRL): for tokens seen in prompt or output, positive logits are divided by
     the penalty and negative ones multiplied. Frequency: subtract ``freq * count`` of the token
     in the output. Presence: subtract ``presence`` once for every token present in the output.
@@ -246,7 +267,9 @@ def apply_penalties(
     dtype = logits.dtype
     # Only the seen ids are touched: gather their logits, penalise, scatter back. That costs
     # [N, L] work instead of several [N, V] passes; duplicate ids write identical values.
-    if bool((repetition_penalties != 1.0).any()):
+    if repetition is None:
+        repetition = bool((repetition_penalties != 1.0).any())
+    if repetition:
         seen_ids, empty = _ids_padded_by_repeat(
             [list(p) + list(o) for p, o in zip(prompt_token_ids, output_token_ids, strict=True)],
             vocab_size,
@@ -264,7 +287,9 @@ def apply_penalties(
         logits.scatter_(1, seen_ids, penalised)
     freq = frequency_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
     presence = presence_penalties.to(device=device, dtype=dtype).unsqueeze(1)  # [N, 1]
-    if bool((freq != 0.0).any() or (presence != 0.0).any()):
+    if additive is None:
+        additive = bool((freq != 0.0).any() or (presence != 0.0).any())
+    if additive:
         out_ids, _ = _ids_padded_by_repeat(output_token_ids, vocab_size, device)  # [N, Lo]
         # Empty rows are padded with id 0, whose count is 0 there: subtracting 0 is a no-op.
         counts = token_counts(output_token_ids, vocab_size, device).gather(1, out_ids)  # [N, Lo]

@@ -18,6 +18,13 @@ processing chain (``sampler._process_logits`` with the proposals as output histo
 penalties and min_tokens see the tokens before each position) and the same temperature /
 top-k / top-p / min-p. A seeded request draws its uniforms and residual noise from its own
 generator, in a fixed order, so it stays reproducible.
+
+All requests are verified at once as tensors (issue 35: no host sync but the one read of the
+results): the proposals are padded to ``[N, K]``, acceptance is a cumulative product over the
+accept flags, and the token after the accepted prefix is a residual draw at every position and
+a bonus draw, of which the right one is gathered. Each sampled request still draws its k
+uniforms and then one noise vector from its generator, in request order, exactly as the
+per-request loop did, so seeded (and engine-seeded) requests keep their tokens.
 """
 
 from __future__ import annotations
@@ -27,19 +34,21 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sample.host_io import read_back, to_device
 from kvserve.sample.logits_processors import has_seam
+from kvserve.sample.logprobs import DeviceLogprobs, logprobs_on_device, logprobs_on_host
 from kvserve.sample.sampler import (
-    SamplerOutput,
     SamplingMetadata,
     _check_rows,
-    _check_some_token_allowed,
     _has_penalty,
-    _logprobs_output,
     _min_tokens_active,
     _process_logits,
-    random_sample,
+    dead_rows,
+    log_uniform_noise,
+    raise_if_dead,
     target_probs,
 )
+from kvserve.sample.top_k_top_p import put_rows
 from kvserve.sampling_params import SamplingParams
 
 
@@ -90,7 +99,83 @@ def rejection_sample(
     """Accepted tokens per request. ``logits`` ``[sum(k_i + 1), V]`` (never modified), row
     after row per request; ``md`` one row per logits row (``expand_for_verification``);
     ``drafts[i]`` the k_i proposals of request i; ``draft_probs[i]`` float ``[k_i, V]`` its
-    proposal distributions, or None for a deterministic proposal (one-hot q)."""
+    proposal distributions (used as float32), or None for a deterministic proposal (one-hot
+    q)."""
+    return verify_on_device(logits, md, drafts, draft_probs).to_host(md.params)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each request's positions sit: N requests, K = the longest proposal."""
+
+    starts: list[int]  # per request: its first logits row
+    lengths: list[int]  # per request: k_i
+    rows: torch.Tensor  # long [N, K + 1]: logits row of position j (past k_i: row k_i again)
+    drafts: torch.Tensor  # long [N, K]: the proposals, 0 past k_i
+    valid: torch.Tensor  # bool [N, K]: j < k_i
+
+    @staticmethod
+    def build(drafts: Sequence[Sequence[int]], device: torch.device) -> _Layout:
+        lengths = [len(d) for d in drafts]
+        width = max(lengths, default=0)
+        starts, rows, padded, valid = [], [], [], []
+        start = 0
+        for d in drafts:
+            k = len(d)
+            starts.append(start)
+            rows.append([start + min(j, k) for j in range(width + 1)])
+            padded.append([*d, *([0] * (width - k))])
+            valid.append([j < k for j in range(width)])
+            start += k + 1
+        return _Layout(
+            starts,
+            lengths,
+            to_device(rows, torch.long, device).reshape(len(drafts), width + 1),
+            to_device(padded, torch.long, device).reshape(len(drafts), width),
+            to_device(valid, torch.bool, device).reshape(len(drafts), width),
+        )
+
+
+@dataclass
+class DeviceVerification:
+    """Verification results on the device; ``to_host`` is the call's one read."""
+
+    tokens: torch.Tensor  # long [N, K + 1]: per request, its first counts[i] are the output
+    counts: torch.Tensor  # long [N]: accepted proposals + 1
+    layout: _Layout
+    dead: torch.Tensor | None  # bool [R]: logits rows where no token is allowed
+    logprobs: DeviceLogprobs | None  # over the N * (K + 1) positions of ``tokens``
+
+    def to_host(self, params: Sequence[SamplingParams]) -> SpecSamplerOutput:
+        extra = [] if self.dead is None else [self.dead]
+        lp = [] if self.logprobs is None else self.logprobs.tensors()
+        values = read_back([self.tokens, self.counts, *extra, *lp])
+        if self.dead is not None:
+            raise_if_dead([-1 if d else 0 for d in values[2]])
+        width = self.tokens.shape[1]
+        flat = [int(t) for t in values[0]]
+        counts = [int(c) for c in values[1]]
+        accepted = [flat[i * width : i * width + c] for i, c in enumerate(counts)]
+        if self.logprobs is None:
+            return SpecSamplerOutput(accepted)
+        row_params = [params[r] for r in _flat_rows(self.layout)]
+        lps, tops, ranks = logprobs_on_host(self.logprobs, values[-4:], flat, row_params)
+        out = SpecSamplerOutput(accepted, [], [], [])
+        assert out.logprobs is not None and out.top_logprobs is not None and out.ranks is not None
+        for i, c in enumerate(counts):
+            out.logprobs.append(lps[i * width : i * width + c])
+            out.top_logprobs.append(tops[i * width : i * width + c])
+            out.ranks.append(ranks[i * width : i * width + c])
+        return out
+
+
+def verify_on_device(
+    logits: torch.Tensor,
+    md: SamplingMetadata,
+    drafts: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
+) -> DeviceVerification:
+    """``rejection_sample`` up to the read of its results: no host sync."""
     _check_rows(logits, md)
     params = md.params
     changes = any(has_seam(p) or _has_penalty(p) for p in params) or _min_tokens_active(md)
@@ -98,105 +183,106 @@ def rejection_sample(
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [R, V]
     x = _process_logits(x, md)
-    if changes:
-        _check_some_token_allowed(x)
-    greedy_ids: list[int] = x.max(dim=-1).indices.tolist()  # [R]
-    random_rows = [r for r, p in enumerate(params) if not p.greedy]
-    probs = None
-    if random_rows:
-        probs = torch.zeros_like(x)  # [R, V]; only the sampled requests' rows are filled
-        index = torch.tensor(random_rows, dtype=torch.long, device=x.device)
-        probs[index] = target_probs(x[index], [params[r] for r in random_rows])
-    accepted: list[list[int]] = []
-    row = 0
-    for i, draft in enumerate(drafts):
-        if params[row].greedy:
-            accepted.append(_accept_greedy(draft, greedy_ids[row : row + len(draft) + 1]))
-        else:
-            assert probs is not None
-            q = None if draft_probs is None else draft_probs[i]
-            gen = md.generators[row] or md.default_generator
-            accepted.append(_accept_sampled(draft, probs[row : row + len(draft) + 1], q, gen))
-        row += len(draft) + 1
-    if raw_logprobs is None:
-        return SpecSamplerOutput(accepted)
-    return _spec_logprobs(raw_logprobs, accepted, drafts, params)
+    layout = _Layout.build(drafts, x.device)
+    # Greedy requests: the target's argmax at every position; the proposals are accepted
+    # while they equal it, so the output is that argmax up to the first disagreement.
+    tokens = x.max(dim=-1).indices[layout.rows]  # [N, K + 1]
+    agree = (layout.drafts == tokens[:, :-1]) & layout.valid  # [N, K]
+    counts = agree.long().cumprod(dim=1).sum(dim=1) + 1  # [N]
+    sampled = [i for i, start in enumerate(layout.starts) if not params[start].greedy]
+    if sampled:
+        s_tokens, s_counts = _verify_sampled(x, md, layout, sampled, draft_probs)
+        tokens = put_rows(tokens, sampled, s_tokens)
+        counts = put_rows(counts, sampled, s_counts)
+    logprobs = None
+    if raw_logprobs is not None:
+        flat_rows = layout.rows.reshape(-1)  # [N * (K + 1)]
+        row_params = [params[r] for r in _flat_rows(layout)]
+        logprobs = logprobs_on_device(raw_logprobs[flat_rows], tokens.reshape(-1), row_params)
+    dead = dead_rows(x) if changes else None
+    return DeviceVerification(tokens, counts, layout, dead, logprobs)
 
 
-def _accept_greedy(draft: Sequence[int], target: list[int]) -> list[int]:
-    """Proposals while they equal the target's argmax, then the target's own token."""
-    out: list[int] = []
-    for d, t in zip(draft, target, strict=False):
-        if d != t:
-            break
-        out.append(d)
-    out.append(target[len(out)])
-    return out
+def _flat_rows(layout: _Layout) -> list[int]:
+    """``layout.rows`` flattened, computed on the host."""
+    width = layout.rows.shape[1]
+    return [
+        s + min(j, k)
+        for s, k in zip(layout.starts, layout.lengths, strict=True)
+        for j in range(width)
+    ]
 
 
-def _accept_sampled(
-    draft: Sequence[int],
-    p: torch.Tensor,
-    q: torch.Tensor | None,
-    gen: torch.Generator | None,
-) -> list[int]:
-    """Speculative sampling for one request: ``p`` ``[k + 1, V]`` target probabilities,
-    ``q`` ``[k, V]`` proposal probabilities (None: one-hot on the proposals)."""
-    k = len(draft)
-    uniforms: list[float] = torch.rand(k, generator=gen, device=p.device).tolist()  # [k]
-    d = torch.tensor(list(draft), dtype=torch.long, device=p.device)  # [k]
-    pos = torch.arange(k, device=p.device)
-    p_d: list[float] = p[pos, d].tolist()  # [k] target probability of each proposal
-    q_d: list[float] = [1.0] * k if q is None else q[pos, d].tolist()
-    out: list[int] = []
-    for j in range(k):
-        if q_d[j] > 0 and uniforms[j] < p_d[j] / q_d[j]:
-            out.append(draft[j])
-            continue
-        if q is None:
-            residual = p[j].clone()  # [V]
-            residual[draft[j]] = 0.0
-        else:
-            residual = (p[j] - q[j]).clamp_(min=0.0)  # [V]
-        if not bool(residual.sum() > 0):
-            residual = p[j].clone()  # p <= q everywhere means p == q: nothing to correct
-        out.append(_draw(residual, gen))
-        return out
-    out.append(_draw(p[k].clone(), gen))  # every proposal accepted: a bonus token from p_k
-    return out
+def _verify_sampled(
+    x: torch.Tensor,
+    md: SamplingMetadata,
+    layout: _Layout,
+    sampled: list[int],
+    draft_probs: Sequence[torch.Tensor | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for the requests ``sampled`` (indices into the layout) on the
+    processed logits ``x`` ``[R, V]``. Returns their tokens ``[S, K + 1]`` and counts ``[S]``."""
+    params, device = md.params, x.device
+    width = layout.drafts.shape[1]  # K
+    rows = layout.rows[to_device(sampled, torch.long, device)]  # [S, K + 1]
+    # The distributions of every position of these requests (row-local, so the same values
+    # as request by request), arranged [S, K + 1, V].
+    row_params = [params[layout.starts[i]] for i in sampled for _ in range(width + 1)]
+    p = target_probs(x[rows.reshape(-1)], row_params, md.resolved_sync_free(device))
+    p = p.reshape(len(sampled), width + 1, -1)  # [S, K + 1, V]
+    d = layout.drafts[to_device(sampled, torch.long, device)]  # [S, K]
+    valid = layout.valid[to_device(sampled, torch.long, device)]  # [S, K]
+    uniforms, log_noise = _draws(md, layout, sampled, p)  # [S, K] float32, [S, V]
+    p_d = p[:, :width].gather(2, d.unsqueeze(2)).squeeze(2)  # [S, K]
+    # q one-hot on the proposal: q(d) = 1 and the residual is p without d.
+    q_d = torch.ones_like(p_d)  # [S, K]
+    residual = p[:, :width].clone().scatter_(2, d.unsqueeze(2), 0.0)  # [S, K, V]
+    with_q = [
+        s for s, i in enumerate(sampled) if draft_probs is not None and draft_probs[i] is not None
+    ]
+    if with_q:
+        assert draft_probs is not None
+        q = torch.zeros((len(with_q), width, p.shape[2]), dtype=p.dtype, device=device)
+        for m, s in enumerate(with_q):
+            qi = draft_probs[sampled[s]]
+            assert qi is not None
+            q[m, : qi.shape[0]] = qi.to(device=device, dtype=p.dtype)
+        idx = to_device(with_q, torch.long, device)  # [Sq]
+        q_d[idx] = q.gather(2, d[idx].unsqueeze(2)).squeeze(2)
+        residual[idx] = (p[idx, :width] - q).clamp_(min=0.0)
+    # p <= q everywhere means p == q: nothing to correct, draw from p itself
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[:, :width])
+    # Accept while u < p(d) / q(d), in float64 as the per-request loop compared them.
+    accept = (q_d > 0) & (uniforms.double() < p_d.double() / q_d.double()) & valid  # [S, K]
+    n_acc = accept.long().cumprod(dim=1).sum(dim=1)  # [S]
+    # The token after the accepted prefix: the residual draw at a rejected position, the
+    # bonus draw from p_k when all k were accepted (the exponential race, one noise vector).
+    k = to_device([layout.lengths[i] for i in sampled], torch.long, device)  # [S]
+    recovered = residual.div_(log_noise.unsqueeze(1)).argmin(dim=-1)  # [S, K]
+    p_k = p[torch.arange(len(sampled), device=device), k]  # [S, V]
+    bonus = p_k.div(log_noise).argmin(dim=-1)  # [S]
+    nxt = torch.cat([recovered, bonus.unsqueeze(1)], dim=1).scatter_(
+        1, k.unsqueeze(1), bonus.unsqueeze(1)
+    )  # [S, K + 1]: position k_i holds the bonus
+    last = nxt.gather(1, n_acc.unsqueeze(1))  # [S, 1]
+    pad = torch.zeros((len(sampled), 1), dtype=d.dtype, device=device)  # [S, 1]
+    out = torch.cat([d, pad], dim=1).scatter_(1, n_acc.unsqueeze(1), last)
+    return out, n_acc + 1  # [S, K + 1], [S]
 
 
-def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One token with probability proportional to ``weights`` ``[V]`` (unnormalised)."""
-    return int(random_sample(weights.unsqueeze(0), [gen], gen)[0])  # the exponential race
-
-
-def _spec_logprobs(
-    raw_logprobs: torch.Tensor,
-    accepted: list[list[int]],
-    drafts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-) -> SpecSamplerOutput:
-    """Each accepted token's logprob, rank and top-n from its own position's raw logits."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    row = 0
-    for draft, toks in zip(drafts, accepted, strict=True):
-        rows.extend(range(row, row + len(toks)))
-        tokens.extend(toks)
-        row += len(draft) + 1
-    index = torch.tensor(rows, dtype=torch.long, device=raw_logprobs.device)
-    chosen = torch.tensor(tokens, dtype=torch.long, device=raw_logprobs.device)
-    res: SamplerOutput = _logprobs_output(
-        raw_logprobs[index], chosen, tokens, [params[r] for r in rows]
-    )
-    out = SpecSamplerOutput(accepted, [], [], [])
-    start = 0
-    for toks in accepted:
-        end = start + len(toks)
-        assert out.logprobs is not None and out.top_logprobs is not None and out.ranks is not None
-        out.logprobs.append((res.sampled_logprobs or [])[start:end])
-        out.top_logprobs.append((res.top_logprobs or [])[start:end])
-        out.ranks.append((res.sampled_ranks or [])[start:end])
-        start = end
-    return out
+def _draws(
+    md: SamplingMetadata, layout: _Layout, sampled: list[int], p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sampled request's k uniforms, then one log-uniform noise vector, from its generator
+    (or the default one), request after request: the order the per-request loop drew them in.
+    Returns ``[S, K]`` (padded with 1: never accepted) and ``[S, V]``."""
+    width, vocab_size = p.shape[1] - 1, p.shape[2]
+    uniforms, noise = [], []
+    for i in sampled:
+        gen = md.generators[layout.starts[i]] or md.default_generator
+        u = torch.rand(layout.lengths[i], generator=gen, device=p.device)  # [k]
+        pad = torch.ones(width - layout.lengths[i], dtype=u.dtype, device=p.device)
+        uniforms.append(torch.cat([u, pad]))
+        like = torch.empty((1, vocab_size), dtype=p.dtype, device=p.device)
+        noise.append(log_uniform_noise(like, [gen], gen))  # [1, V]
+    return torch.stack(uniforms), torch.cat(noise)

@@ -14,6 +14,13 @@ tested on its own; ``sample`` strings them together with vLLM's semantics and or
    exponential race ``argmax(probs / Exponential(1))``, which lets a seeded row draw its noise from
    its own ``torch.Generator`` and so stay reproducible whatever else is in the batch.
 
+No host sync inside a call but the one read of its results (issue 35): ``sample_on_device``
+decides every branch from the host-side ``SamplingParams`` (which rows filter, penalise,
+sample), moves host data with non-blocking copies (``host_io``) and leaves ids, logprobs and
+the "no token allowed" flags on the device; ``DeviceSample.to_host`` reads them all at once
+(``tests/sample/test_no_host_sync.py`` fails on any other read). A seeded row draws the same
+noise, so its tokens are those the per-row code gave before.
+
 Every helper tensor is built only for the rows (and only in the steps) that need it, and the common
 benchmark case - an all-greedy batch with nothing of 1-4 - is a single argmax, done by a C++ kernel
 that reads bf16 logits in place: anything that changes logits (a bitmask included) leaves that path
@@ -33,6 +40,7 @@ import torch
 
 from kvserve.ops import cpu_kernels
 from kvserve.sample.custom_processors import LogitsProcessor
+from kvserve.sample.host_io import as_float32, read_back, to_device
 from kvserve.sample.logits_processors import (
     apply_allowed_token_ids,
     apply_bad_words,
@@ -44,10 +52,18 @@ from kvserve.sample.logits_processors import (
     has_seam,
     token_counts,
 )
-from kvserve.sample.top_k_top_p import apply_min_p, apply_top_k_top_p, put_rows, take_rows
+from kvserve.sample.logprobs import DeviceLogprobs, logprobs_on_device, logprobs_on_host
+from kvserve.sample.top_k_top_p import (
+    apply_min_p,
+    apply_top_k_top_p,
+    put_rows,
+    take_rows,
+    top_k_top_p_rows,
+)
 from kvserve.sampling_params import SamplingParams
 
 __all__ = [
+    "DeviceSample",
     "SamplerOutput",
     "SamplingMetadata",
     "apply_min_p",
@@ -56,6 +72,7 @@ __all__ = [
     "apply_top_k_top_p",
     "random_sample",
     "sample",
+    "sample_on_device",
     "token_counts",
 ]
 
@@ -83,6 +100,14 @@ class SamplingMetadata:
     token_bitmask_rows: list[int] = field(default_factory=list)
     # the engine's custom batch-level processors, already told this call's rows
     batch_processors: list[LogitsProcessor] = field(default_factory=list)
+    # Never read a device tensor before the results (one read per call). None: everywhere but
+    # on the CPU, where a read waits for nothing and top-p's value-dependent shortcut (a
+    # partial topk, a full sort only for rows it does not decide) is ~7x cheaper; True on the
+    # CPU runs the accelerator's code (the no-sync test does).
+    sync_free: bool | None = None
+
+    def resolved_sync_free(self, device: torch.device) -> bool:
+        return device.type != "cpu" if self.sync_free is None else self.sync_free
 
     def row(self, i: int) -> SamplingMetadata:
         """Row ``i`` as a one-row ``SamplingMetadata`` (per-row retries)."""
@@ -99,6 +124,7 @@ class SamplingMetadata:
             default_generator=self.default_generator,
             token_bitmask=mask,
             token_bitmask_rows=rows,
+            sync_free=self.sync_free,
         )
 
 
@@ -132,25 +158,37 @@ def random_sample(
     row by row, so a seeded request's tokens do not depend on its batch neighbours; the other
     rows share one batched draw from ``default_generator``. Returns long ``[N]``.
     """
-    num_rows, vocab_size = probs.shape
     # Exponential(1) by inverse CDF, -log(U): on CPU uniform_ + log_ is ~4x faster than
     # exponential_. U < 1 so the noise is never 0 (no 0/0 NaN for masked tokens); U == 0 gives
     # an infinite draw, which only zeroes that token's score.
-    noise = torch.empty_like(probs)  # [N, V]
+    return probs.div_(log_uniform_noise(probs, generators, default_generator)).argmin(dim=-1)
+
+
+def log_uniform_noise(
+    like: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``log(U)`` for ``U ~ Uniform[0, 1)`` shaped like ``like`` ``[N, V]``: a seeded row draws
+    from its own generator, the others share one draw from ``default_generator``.
+
+    With L = log(U) <= 0 the Exponential(1) noise is E = -L, and argmax(p / E) == argmin(p / L):
+    dividing by L directly saves a [N, V] negation pass.
+    """
+    num_rows, vocab_size = like.shape
+    noise = torch.empty_like(like)  # [N, V]
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == num_rows:
         noise.uniform_(generator=default_generator)
     elif unseeded:
         draw = torch.empty(
-            (len(unseeded), vocab_size), dtype=probs.dtype, device=probs.device
+            (len(unseeded), vocab_size), dtype=like.dtype, device=like.device
         ).uniform_(generator=default_generator)  # [U, V]
-        noise[torch.tensor(unseeded, dtype=torch.long, device=probs.device)] = draw
+        noise[to_device(unseeded, torch.long, like.device)] = draw
     for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].uniform_(generator=generator)
-    # With L = log(U) <= 0 the noise is E = -L, and argmax(probs / E) == argmin(probs / L):
-    # dividing by L directly saves a [N, V] negation pass.
-    return probs.div_(noise.log_()).argmin(dim=-1)  # [N]
+    return noise.log_()  # [N, V]
 
 
 def _sample_random_rows(
@@ -158,22 +196,26 @@ def _sample_random_rows(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None,
+    sync_free: bool,
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p and sampling for non-greedy rows.
 
     ``logits`` is float32 ``[R, V]`` and is not modified. Returns the sampled ids, long ``[R]``.
     """
-    probs = target_probs(logits, params)  # [R, V]
+    probs = target_probs(logits, params, sync_free)  # [R, V]
     return random_sample(probs, generators, default_generator)  # [R]
 
 
-def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def target_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sync_free: bool = False
+) -> torch.Tensor:
     """The distribution non-greedy rows sample from: temperature, top-k, top-p, min-p, softmax.
 
-    ``logits`` is float32 ``[R, V]`` and is not modified. Returns float32 ``[R, V]``.
+    ``logits`` is float32 ``[R, V]`` and is not modified. Returns float32 ``[R, V]``. Every
+    branch is decided from ``params``; ``sync_free`` as in ``SamplingMetadata``.
     """
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = to_device([p.temperature for p in params], logits.dtype, device)  # [R]
     # Out of place on purpose: ``logits`` may be the caller's tensor; everything after this
     # works in place on the fresh result.
     logits = logits / temperature.unsqueeze(1)  # [R, V]
@@ -183,31 +225,17 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if filter_rows:
         need_k = any(params[j].top_k > 0 for j in filter_rows)
         need_p = any(params[j].top_p < 1.0 for j in filter_rows)
-        # k >= V keeps every token (the same as disabled): clamp before building the tensor, so
-        # a huge k (2**63 from a client) cannot overflow int64.
-        vocab_size = logits.shape[1]
-        top_k = (
-            torch.tensor(
-                [min(params[j].top_k, vocab_size) for j in filter_rows],
-                dtype=torch.long,
-                device=device,
-            )
-            if need_k
-            else None
-        )  # [F]
-        top_p = (
-            torch.tensor([params[j].top_p for j in filter_rows], dtype=logits.dtype, device=device)
-            if need_p
-            else None
-        )  # [F]
-        filtered = apply_top_k_top_p(take_rows(logits, filter_rows), top_k, top_p)  # [F, V]
+        top_k = [params[j].top_k for j in filter_rows] if need_k else None  # [F]
+        # p as the float32 kernel compares it (a p just below 1 rounds to 1: no filter)
+        top_p = as_float32([params[j].top_p for j in filter_rows]) if need_p else None  # [F]
+        filtered = top_k_top_p_rows(
+            take_rows(logits, filter_rows), top_k, top_p, sync_free=sync_free
+        )  # [F, V]
         logits = put_rows(logits, filter_rows, filtered)
 
     min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if min_p_rows:
-        min_p = torch.tensor(
-            [params[j].min_p for j in min_p_rows], dtype=logits.dtype, device=device
-        )  # [M]
+        min_p = to_device([params[j].min_p for j in min_p_rows], logits.dtype, device)  # [M]
         filtered = apply_min_p(take_rows(logits, min_p_rows), min_p)  # [M, V]
         logits = put_rows(logits, min_p_rows, filtered)
     return logits.softmax(dim=-1)  # [R, V]
@@ -283,18 +311,20 @@ def _process_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         apply_min_tokens(x, params, md.output_token_ids, md.min_tokens_stop_ids)
     penalty_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
     if penalty_rows:
-
-        def per_row(attr: str) -> torch.Tensor:
-            values = [getattr(params[i], attr) for i in penalty_rows]
-            return torch.tensor(values, dtype=torch.float32, device=x.device)  # [P]
-
+        # float32 as the kernel holds them, so the flags below match the tensors exactly
+        rep, freq, pres = (
+            as_float32([getattr(params[i], attr) for i in penalty_rows])
+            for attr in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
         penalised = apply_penalties(
             take_rows(x, penalty_rows),
             [md.prompt_token_ids[i] for i in penalty_rows],
             [md.output_token_ids[i] for i in penalty_rows],
-            per_row("repetition_penalty"),
-            per_row("frequency_penalty"),
-            per_row("presence_penalty"),
+            to_device(rep, torch.float32, x.device),  # [P]
+            to_device(freq, torch.float32, x.device),  # [P]
+            to_device(pres, torch.float32, x.device),  # [P]
+            repetition=any(v != 1.0 for v in rep),
+            additive=any(v != 0.0 for v in freq + pres),
         )  # [P, V]
         x = put_rows(x, penalty_rows, penalised)
     return x
@@ -317,7 +347,7 @@ def _min_tokens_active(md: SamplingMetadata) -> bool:
     )
 
 
-def _pick_tokens(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def _pick_tokens(x: torch.Tensor, md: SamplingMetadata, sync_free: bool) -> torch.Tensor:
     """Argmax for greedy rows, temperature/top-k/top-p/min-p sampling for the others; ``x`` is
     float32 ``[B, V]`` and is not modified. Returns long ``[B]``."""
     params = md.params
@@ -327,17 +357,18 @@ def _pick_tokens(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     sampled = torch.empty(x.shape[0], dtype=torch.long, device=x.device)  # [B]
     if greedy_rows:
-        greedy_idx = torch.tensor(greedy_rows, dtype=torch.long, device=x.device)
+        greedy_idx = to_device(greedy_rows, torch.long, x.device)  # [G]
         sampled[greedy_idx] = x[greedy_idx].max(dim=-1).indices
     random_tokens = _sample_random_rows(
         take_rows(x, random_rows),
         [params[i] for i in random_rows],
         [md.generators[i] for i in random_rows],
         md.default_generator,
+        sync_free,
     )  # [R]
     if len(random_rows) == x.shape[0]:
         return random_tokens
-    sampled[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = random_tokens
+    sampled[to_device(random_rows, torch.long, x.device)] = random_tokens
     return sampled
 
 
@@ -349,13 +380,18 @@ class NoTokenAllowedError(ValueError):
 NO_TOKEN_ALLOWED = "no token is allowed"
 
 
-def _check_some_token_allowed(x: torch.Tensor) -> None:
-    """Raise when a row of the processed logits ``[B, V]`` is -inf everywhere: its grammar,
-    allowed_token_ids, bad_words and min_tokens contradict each other (for example min_tokens
-    beyond the point where the grammar can only end); sampling would pick token 0."""
-    dead = torch.isneginf(x.amax(dim=-1))  # [B]
-    if bool(dead.any()):
-        rows = dead.nonzero().squeeze(1).tolist()
+def dead_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool ``[B]``: rows of the processed logits ``[B, V]`` that are -inf everywhere (the
+    request's grammar, allowed_token_ids, bad_words and min_tokens contradict each other, for
+    example min_tokens beyond the point where the grammar can only end). Left on the device:
+    the caller marks those rows' ids -1 and ``raise_if_dead`` reports them after the read."""
+    return torch.isneginf(x.amax(dim=-1))  # [B]
+
+
+def raise_if_dead(token_ids: Sequence[int]) -> None:
+    """Raise ``NoTokenAllowedError`` for the rows whose id came back as -1 (``dead_rows``)."""
+    rows = [i for i, t in enumerate(token_ids) if t < 0]
+    if rows:
         raise NoTokenAllowedError(
             f"{NO_TOKEN_ALLOWED} at this position (rows {rows}): the request's structured "
             "output grammar, allowed_token_ids, bad_words and min_tokens together exclude "
@@ -363,8 +399,35 @@ def _check_some_token_allowed(x: torch.Tensor) -> None:
         )
 
 
+@dataclass
+class DeviceSample:
+    """A sampler call's results, still on the device; ``to_host`` is the call's one read."""
+
+    token_ids: torch.Tensor  # long [B]; -1 where no token is allowed
+    logprobs: DeviceLogprobs | None = None
+    checked: bool = False  # True: nothing changed the logits, no row can be dead
+
+    def to_host(self, params: Sequence[SamplingParams]) -> SamplerOutput:
+        if self.logprobs is None:
+            token_ids: list[int] = self.token_ids.tolist()
+            if not self.checked:
+                raise_if_dead(token_ids)
+            return SamplerOutput(token_ids, None, None)
+        values = read_back([self.token_ids, *self.logprobs.tensors()])
+        token_ids = [int(t) for t in values[0]]
+        raise_if_dead(token_ids)
+        lps, tops, ranks = logprobs_on_host(self.logprobs, values[1:], token_ids, params)
+        return SamplerOutput(token_ids, lps, tops, ranks)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` (``[B, V]``, any float dtype; never modified)."""
+    return sample_on_device(logits, md).to_host(md.params)
+
+
+def sample_on_device(logits: torch.Tensor, md: SamplingMetadata) -> DeviceSample:
+    """``sample`` up to the read of its results: no host sync (on any device when
+    ``md.sync_free``; per-request logits-processor callables are user code)."""
     _check_rows(logits, md)
     params = md.params
     want_logprobs = any(p.logprobs is not None for p in params)
@@ -376,7 +439,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     )
     if all(p.greedy for p in params) and not changes_logits and not want_logprobs:
         # Hot path (greedy benchmarks): the first maximum of each row, as argmax.
-        return SamplerOutput(greedy_ids(logits).tolist(), None, None)
+        return DeviceSample(greedy_ids(logits), checked=True)
 
     # Whatever changes logits works in place, so it gets a private float32 copy; otherwise x
     # may alias the caller's float32 logits, which is safe because the rest never writes to x
@@ -386,40 +449,12 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         apply_token_bitmask_rows(x, md.token_bitmask, md.token_bitmask_rows)
     raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [B, V] float32
     x = _process_logits(x, md)
+    sampled = _pick_tokens(x, md, md.resolved_sync_free(x.device))  # [B]
+    logprobs = None
+    if raw_logprobs is not None:
+        logprobs = logprobs_on_device(raw_logprobs, sampled, params)
     if changes_logits:
-        _check_some_token_allowed(x)
-    sampled = _pick_tokens(x, md)  # [B]
-    token_ids: list[int] = sampled.tolist()
-    if raw_logprobs is None:
-        return SamplerOutput(token_ids, None, None)
-    return _logprobs_output(raw_logprobs, sampled, token_ids, params)
-
-
-def _logprobs_output(
-    raw_logprobs: torch.Tensor,
-    sampled: torch.Tensor,
-    token_ids: list[int],
-    params: Sequence[SamplingParams],
-) -> SamplerOutput:
-    """Sampled-token logprobs and ranks, and each asking row's top-n; ``raw_logprobs`` float32
-    ``[B, V]``, ``sampled`` long ``[B]``."""
-    batch_size, vocab_size = raw_logprobs.shape
-    chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-    sampled_logprobs: list[float] = chosen.squeeze(1).tolist()
-    # vLLM's rank: how many tokens are at least as likely as the sampled one.
-    ranks: list[int] = (raw_logprobs >= chosen).sum(dim=-1).tolist()
-    top_logprobs: list[dict[int, float] | None] = [None] * batch_size
-    ask_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    k_max = min(vocab_size, max(params[i].logprobs or 0 for i in ask_rows))
-    top_values: list[list[float]] = [[] for _ in ask_rows]
-    top_ids: list[list[int]] = [[] for _ in ask_rows]
-    if k_max > 0:
-        # One topk for all asking rows; each row then keeps its own first n.
-        values, ids = take_rows(raw_logprobs, ask_rows).topk(k_max, dim=-1)  # [A, k_max] x 2
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for j, i in enumerate(ask_rows):
-        n = min(vocab_size, params[i].logprobs or 0)
-        entry = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-        entry.setdefault(token_ids[i], sampled_logprobs[i])
-        top_logprobs[i] = entry
-    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, ranks)
+        # A dead row's pick is meaningless (no crash: NaN/-inf only), so it is marked instead
+        # of checked here, which would read the device.
+        sampled = sampled.masked_fill(dead_rows(x), -1)  # [B]
+    return DeviceSample(sampled, logprobs)

@@ -79,10 +79,13 @@ class RowSampler:
         """Accept or reject each request's proposals; a failure is narrowed to one request."""
         md = expand_for_verification(self.metadata(reqs, grammar), drafts)
         states = [None if r.generator is None else r.generator.get_state() for r in reqs]
+        default_state = self.generator.get_state()
         try:
             return spec_output_to_runner(reqs, rejection_sample(logits, md, drafts))
         except Exception:
             logger.exception("verifying %d requests failed; retrying one by one", len(reqs))
+        # The failed call may have drawn (a dead row is found after sampling): rewind.
+        self.generator.set_state(default_state)
         out = ModelRunnerOutput({})
         row = 0
         for r, draft, state in zip(reqs, drafts, states, strict=True):
@@ -105,6 +108,7 @@ class RowSampler:
         md.batch_processors = self._tell_processors(reqs)
         # Seeded rows: keep their generator states, so that a retry draws the same noise.
         states = [None if g is None else g.get_state() for g in md.generators]
+        default_state = self.generator.get_state()  # unseeded rows' noise, rewound the same way
         try:
             return sampler_output_to_runner(reqs, sample(logits, md))
         except NoTokenAllowedError as exc:
@@ -113,6 +117,8 @@ class RowSampler:
             logger.warning("%s; retrying the batch of %d rows row by row", exc, len(reqs))
         except Exception:
             logger.exception("sampling a batch of %d rows failed; retrying row by row", len(reqs))
+        # The sampler finds a row with no allowed token only after drawing: rewind the noise.
+        self.generator.set_state(default_state)
         out = ModelRunnerOutput({})
         for i, r in enumerate(reqs):
             gen, state = md.generators[i], states[i]
