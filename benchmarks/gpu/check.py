@@ -176,7 +176,7 @@ def main() -> None:
     if device.type == "cpu" and not interpreted():
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     gpu = device.type == "cuda"
-    if gpu:
+    if gpu and device.index is not None:
         torch.cuda.set_device(device)
     # the interpreter's ~3 ms per program: contexts / 10, batch 4 for 64, fp16 for bf16
     shrink, big, dtype = (1, 64, torch.bfloat16) if gpu else (10, 4, torch.float16)

@@ -15,9 +15,11 @@ pkgs=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0
   opentelemetry-api==1.45.2 anyio==4.16.0 sniffio==1.3.1 idna==3.20
-  uvicorn==0.54.0 click==8.5.1 h11==0.16.0 prometheus-client==0.26.0
+  uvicorn==0.54.0 httptools==0.9.0 click==8.5.1 h11==0.16.0 prometheus-client==0.26.0
   # GGUF checkpoints, structured outputs
   gguf==0.19.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+  # the official client the check serves (benchmarks/gpu/e2e.py)
+  openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 distro==1.9.0
   # the tests (pytest -m cuda)
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-asyncio==1.5.0
 )
