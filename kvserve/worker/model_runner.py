@@ -45,6 +45,7 @@ from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
 from kvserve.ops.malloc_tuning import keep_freed_memory, own_mappings, trim_heap
 from kvserve.ops.packed_linear import packing_supported
+from kvserve.sample.host_io import to_device
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.execution_paths import collect_paths
@@ -283,7 +284,7 @@ class ModelRunner:
         md, positions = build_metadata(meta_rows, self.block_size, self.device,
                                        frozenset(spec_rows))  # fmt: skip
         md = self.attn_backend.build_metadata(md)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        input_ids = to_device(ids, torch.long, self.device)  # [T], no sync on CUDA
         lora = None
         if self.lora is not None:
             counts = [n for _, _, n in meta_rows]  # each row's tokens, proposals included
@@ -350,7 +351,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(batch)  # [T, hidden]
         reqs = [r for r in rows.scheduled if rows.samples(r)]
-        logits = self.model.compute_logits(hidden[logits_idx]) if reqs else None  # [N, V]
+        # the rows as a device tensor: indexing with a list copies it with a sync on CUDA
+        idx = to_device(logits_idx, torch.long, hidden.device)
+        logits = self.model.compute_logits(hidden[idx]) if reqs else None  # [N, V]
         t2 = time.perf_counter()
         # Before sampling: if this raises, the step is retried per request and no seeded
         # generator has advanced yet.
