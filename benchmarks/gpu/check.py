@@ -120,6 +120,25 @@ def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """GPU time of the kernels ``fn`` runs, per call, from the profiler: event timing of one
+    call measures the host's launch gaps too (a batch-1 decode layer's Python launch path
+    took longer than its kernels on the H200). 0 where there is no GPU."""
+    if interpreted():
+        return 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    return us / calls / 1e3
+
+
 def copy_bandwidth(device: torch.device, size: int) -> float:
     """Copy bandwidth on ``device``, bytes/s (read + write of ``size`` bytes)."""
     x = torch.empty(size, dtype=torch.uint8, device=device)
@@ -140,6 +159,8 @@ def time_decode(
         "context": context,
         "triton_ms": time_ms(lambda: triton_paged_attention(q, k, v, md, scale)),
         "sdpa_gather_ms": time_ms(lambda: paged_attention(q, k, v, md, scale)),
+        "triton_kernel_ms": kernel_ms(lambda: triton_paged_attention(q, k, v, md, scale)),
+        "sdpa_gather_kernel_ms": kernel_ms(lambda: paged_attention(q, k, v, md, scale)),
         "kv_read_floor_ms": kv_bytes / bandwidth * 1e3,
     }
     print(f"decode batch {batch} context {context}: {res}")
@@ -159,6 +180,8 @@ def time_prefill(
         "context": 2 * queries,
         "triton_ms": time_ms(lambda: triton_paged_attention(q, k, v, md, scale), 20),
         "sdpa_ms": time_ms(lambda: paged_attention(q, k, v, md, scale), 20),
+        "triton_kernel_ms": kernel_ms(lambda: triton_paged_attention(q, k, v, md, scale)),
+        "sdpa_kernel_ms": kernel_ms(lambda: paged_attention(q, k, v, md, scale)),
     }
     print(f"prefill: {res}")
     return res
