@@ -297,6 +297,11 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV cache; used when num_kv_blocks is None
     num_kv_blocks: int | None = None  # exact number of blocks; wins over kv_cache_memory
+    # CUDA only: the fraction of the device's total memory the engine may use (vLLM's
+    # meaning); the KV cache gets what the weights and a profiled dummy step leave of it
+    # (kvserve/worker/memory_profile.py). On a CPU the engine args turn the flag into
+    # kv_cache_memory instead.
+    gpu_memory_utilization: float | None = None
     swap_space: int = 4 * 1024**3  # bytes of CPU swap space for PreemptionMode.SWAP
     # Reuse the K/V of full blocks across requests with the same prefix (vLLM's automatic
     # prefix caching, on by default there too).
@@ -311,6 +316,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}.")
 
 
 @dataclass(frozen=True)

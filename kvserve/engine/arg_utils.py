@@ -190,16 +190,18 @@ class EngineArgs:
     seed: int = _opt(0, "seeds the engine's generator for requests without a seed")
     device: str = _opt("cpu", "torch device: cpu, cuda or cuda:N (checked: CUDA must be available)")
     kv_cache_memory: int | str | None = _opt(
-        None, "KV cache size, e.g. 2GiB (default: 1GiB; a bare number is bytes)", type=str
+        None, "KV cache size, e.g. 2GiB (a bare number is bytes; default: 1GiB on a CPU, on CUDA "
+        "--gpu-memory-utilization 0.9 sizes it)", type=str
     )
     num_kv_blocks: int | None = _opt(
         None, "KV cache size in blocks (wins over --kv-cache-memory)", type=int
     )
     gpu_memory_utilization: float | None = _opt(
         None,
-        "vLLM's flag: size the KV cache as this fraction of the memory free at start-up "
-        "(CPU: MemAvailable, CUDA: free device memory); not with --kv-cache-memory or "
-        "--num-kv-blocks",
+        "vLLM's flag. CUDA: the fraction of the device's total memory the engine may use "
+        "(default 0.9 there); the KV cache gets what the weights and a profiled largest step "
+        "leave. CPU: the KV cache is this fraction of MemAvailable at start-up. Not with "
+        "--kv-cache-memory or --num-kv-blocks",
         type=float,
     )
     block_size: int = _opt(16, "tokens per KV block")
@@ -708,6 +710,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self._kv_cache_bytes(free_memory),
+                gpu_memory_utilization=self._cuda_utilization(),
                 swap_space=parse_bytes(self.swap_space),
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
@@ -784,7 +787,20 @@ class EngineArgs:
             return resolve_model(str(fetched))[0], model, str(fetched.resolve()), {}
         return fetched, model, None, {}
 
+    def _cuda_utilization(self) -> float | None:
+        """vLLM's ``gpu_memory_utilization`` on CUDA: the given value, else 0.9 when no other
+        KV size is given (vLLM's default); None on a CPU."""
+        if parse_device(self.device) == "cpu":
+            return None
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if self.kv_cache_memory is None and self.num_kv_blocks is None:
+            return 0.9
+        return None
+
     def _kv_cache_bytes(self, free_memory: Callable[[str], int] | None) -> int | None:
+        if parse_device(self.device) != "cpu":  # CUDA: sized by the runner after the load
+            return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
         if self.gpu_memory_utilization is None:
             return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
         free = (free_memory or available_memory)(self.device)

@@ -34,7 +34,6 @@ import time
 
 import torch
 
-from kvserve.attention.paged import AttentionMetadata
 from kvserve.attention.selector import select_for_model
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.scheduler import SchedulerOutput
@@ -51,6 +50,7 @@ from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.execution_paths import collect_paths
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
+from kvserve.worker.memory_profile import dummy_prefill, kv_budget, profile_cuda_memory
 from kvserve.worker.model_setup import (
     kv_cache_size,
     load_draft,
@@ -107,7 +107,10 @@ class ModelRunner:
             if tp.world_size > 1:
                 raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
             self.lora = LoRAManager(self.model, config.lora, mc.dtype, device)
-        size = kv_cache_size(config, self.model, draft)
+        kv_bytes = None  # CUDA: vLLM's gpu_memory_utilization, after a profiled dummy step
+        if device.type == "cuda" and cc.gpu_memory_utilization is not None:
+            kv_bytes = self._cuda_kv_bytes(cc.gpu_memory_utilization)
+        size = kv_cache_size(config, self.model, draft, kv_bytes)
         self.num_blocks = size.num_blocks
         self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, cc.block_size,
                                             mc.dtype, device)  # fmt: skip
@@ -152,6 +155,40 @@ class ModelRunner:
             load_seconds=time.perf_counter() - t0,
         )
 
+    def _cuda_kv_bytes(self, utilization: float) -> int:
+        """The KV cache's bytes under ``gpu_memory_utilization`` on CUDA
+        (``worker/memory_profile.py``): a dummy step of the largest size on a temporary
+        cache just big enough for it, then what is left of the device's share."""
+        mc, sc, bs = self.config.model, self.config.scheduler, self.block_size
+        backend = select_for_model(mc.attention_backend, self.model.config, self.model.head_dim,
+                                   self.device, mc.dtype)  # fmt: skip
+        tokens = sc.max_num_batched_tokens
+        blocks = -(-tokens // bs) + tokens // bs + 2  # every ~32-token row rounded up
+        caches = allocate_kv_caches(self.model, blocks, bs, mc.dtype, self.device)
+        prof = profile_cuda_memory(self.model, backend, caches, blocks, bs, tokens,
+                                   self.max_model_len, sc.max_num_seqs)  # fmt: skip
+        del caches
+        torch.cuda.empty_cache()
+        budget = kv_budget(utilization, prof)
+        gib = 2**30
+        logger.info(
+            "gpu_memory_utilization %.3g of %.1f GiB on %s: %.2f GiB in use after the load, "
+            "%.2f GiB peak of a %d-token dummy step, %.2f GiB for the KV cache", utilization,
+            prof.total / gib, self.device, prof.used_after_load / gib,
+            prof.activation_peak / gib, tokens, budget / gib,
+        )  # fmt: skip
+        per_block = kv_bytes_per_block(self.model, bs, mc.dtype)
+        if budget < per_block:
+            raise ValueError(
+                f"gpu_memory_utilization {utilization} leaves no room for the KV cache on "
+                f"{self.device}: {utilization} of {prof.total / gib:.1f} GiB is "
+                f"{utilization * prof.total / gib:.2f} GiB, and {prof.used_after_load / gib:.2f}"
+                f" GiB are in use after loading the model, {prof.activation_peak / gib:.2f} GiB"
+                " more at the largest step; raise --gpu-memory-utilization or lower "
+                "--max-num-batched-tokens / --max-num-seqs"
+            )
+        return budget
+
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, max_len: int) -> int:
         """A dummy prefill of up to ``num_tokens`` tokens before serving (vLLM's dummy run).
@@ -163,28 +200,8 @@ class ModelRunner:
         Nothing is sampled. Every rank runs it (its collectives too). Returns the number of
         tokens run.
         """
-        bs = self.block_size
-        row_len = min(bs * max(1, 32 // bs), max_len)  # ~32-token prompts, whole blocks
-        per_row = -(-row_len // bs)  # blocks per row
-        rows = min(num_tokens // row_len, self.num_blocks // per_row)
-        if rows == 0:
-            return 0
-        dev = self.device
-        pos = torch.arange(row_len, device=dev)
-        first = torch.arange(rows, device=dev) * per_row  # each row's first block
-        md = AttentionMetadata(
-            slot_mapping=(first[:, None] * bs + pos).reshape(-1),  # [rows * row_len]
-            query_start_loc=[i * row_len for i in range(rows + 1)],
-            seq_lens=[row_len] * rows,
-            block_tables=first[:, None] + torch.arange(per_row, device=dev),  # [rows, per_row]
-            block_size=bs,
-        )
-        ids = torch.zeros(rows * row_len, dtype=torch.long, device=dev)
-        md = self.attn_backend.build_metadata(md)
-        batch = ForwardBatch(ids, pos.repeat(rows), self.kv_caches, md, self.attn_backend)
-        hidden = self.model(batch)  # [rows * row_len, hidden]
-        self.model.compute_logits(hidden[row_len - 1 :: row_len])  # [rows, V]
-        return rows * row_len
+        return dummy_prefill(self.model, self.attn_backend, self.kv_caches, self.num_blocks,
+                             self.block_size, num_tokens, max_len)  # fmt: skip
 
     # -- LoRA adapters (the engine calls these through the executor) ---------------------------
     def add_lora(self, req: LoRARequest) -> bool:

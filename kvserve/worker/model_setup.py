@@ -134,14 +134,17 @@ class KVCacheSize:
     bytes_per_block: int  # K and V of every layer, the draft's too
 
 
-def kv_cache_size(config: EngineConfig, model: CausalLM, draft: CausalLM | None) -> KVCacheSize:
-    """Blocks from ``num_kv_blocks``, else from ``kv_cache_memory`` (default 1 GiB)."""
+def kv_cache_size(
+    config: EngineConfig, model: CausalLM, draft: CausalLM | None, kv_bytes: int | None = None
+) -> KVCacheSize:
+    """Blocks from ``num_kv_blocks``, else from ``kv_bytes`` (CUDA's profiled share under
+    ``gpu_memory_utilization``), else from ``kv_cache_memory`` (default 1 GiB)."""
     cc, dtype = config.cache, config.model.dtype
     per_block = kv_bytes_per_block(model, cc.block_size, dtype)
     if draft is not None:  # the draft's K/V lives in the same blocks
         per_block += kv_bytes_per_block(draft, cc.block_size, dtype)
     num_blocks = cc.num_kv_blocks or max(
-        1, (cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
+        1, (kv_bytes or cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
     )
     swap = config.scheduler.preemption_mode is PreemptionMode.SWAP
     # More swap than twice the device cache is never useful here (a full swap space falls
