@@ -44,7 +44,7 @@ from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
 from kvserve.ops.malloc_tuning import keep_freed_memory, own_mappings, trim_heap
 from kvserve.ops.packed_linear import packing_supported
-from kvserve.sample.host_io import to_device
+from kvserve.sample.host_io import tensor_to_device, to_device
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
 from kvserve.worker.execution_paths import collect_paths
@@ -114,7 +114,7 @@ class ModelRunner:
         self.num_blocks = size.num_blocks
         self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, cc.block_size,
                                             mc.dtype, device)  # fmt: skip
-        # CPU swap space, same layout; pinned memory would speed GPU copies, plain is fine here.
+        # CPU swap space, same layout; swap copies stage through pinned memory on CUDA.
         self.swap_caches = allocate_kv_caches(
             self.model, size.num_swap_blocks, cc.block_size, mc.dtype, torch.device("cpu")
         ) if size.num_swap_blocks > 0 else []  # fmt: skip
@@ -257,17 +257,14 @@ class ModelRunner:
         """The step's block copies: swap-out first, then swap-in, then copy-on-write."""
         # Swap-out runs first: its device blocks may be handed to other requests this step.
         if sched.blocks_to_swap_out:
-            src = torch.tensor([d for d, _ in sched.blocks_to_swap_out], device=self.device)
-            dst = torch.tensor([c for _, c in sched.blocks_to_swap_out])
-            for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
-                sk[dst] = k[src].cpu()
-                sv[dst] = v[src].cpu()
+            self._swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             src = torch.tensor([c for c, _ in sched.blocks_to_swap_in])
-            dst = torch.tensor([d for _, d in sched.blocks_to_swap_in], device=self.device)
+            dst = to_device([d for _, d in sched.blocks_to_swap_in], torch.long, self.device)
             for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
-                k[dst] = sk[src].to(self.device)
-                v[dst] = sv[src].to(self.device)
+                # pinned on CUDA: the copy is queued, and the scatter after it on the stream
+                k[dst] = tensor_to_device(sk[src], self.device)
+                v[dst] = tensor_to_device(sv[src], self.device)
         # Copy-on-write of blocks shared by forked beams, after swap-in: a beam swapped in
         # this step never shares, so the order only matters for blocks freed by swap-out.
         if sched.blocks_to_copy:
@@ -276,6 +273,26 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 k[dst] = k[src]
                 v[dst] = v[src]
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to swap blocks ((device, swap) pairs). On CUDA every layer's
+        blocks go in one gather, one non-blocking copy into pinned memory and one wait
+        (a blocking ``.cpu()`` per layer and tensor was 2 x layers waits)."""
+        dst = torch.tensor([c for _, c in pairs])
+        src = to_device([d for d, _ in pairs], torch.long, self.device)
+        if self.device.type != "cuda":
+            for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
+                sk[dst] = k[src]
+                sv[dst] = v[src]
+            return
+        # [2 * layers, n, Hkv, block_size, D]: every layer's K then V of those blocks
+        stacked = torch.stack([t[src] for kv in self.kv_caches for t in kv])
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the host reads it next
+        for i, (sk, sv) in enumerate(self.swap_caches):
+            sk[dst] = host[2 * i]
+            sv[dst] = host[2 * i + 1]
 
     def _prepare(self, rows: StepRows) -> tuple[ForwardBatch, list[int]]:
         """The step's forward batch, and the flat rows whose logits are sampled (a

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve.config import KVPolicy, PreemptionMode
 from kvserve.engine.llm import build_engine_config
@@ -70,3 +71,15 @@ def test_reserve_admits_only_what_fits(tiny_llama: Path) -> None:
     assert [r.request_id for r in e.scheduler.running] == ["0"]
     assert e.kv.block_ids("0") == list(range(13))
     assert len(e.scheduler.waiting) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swap_on_cuda_same_outputs(tiny_llama: Path) -> None:
+    """Swap-out through pinned memory and swap-in queued on the stream (the runner's CUDA
+    path) give the tokens of a cache that never preempts, on the GPU."""
+    want = run_engine_checked(engine(tiny_llama, num_kv_blocks=200, device="cuda"), PROMPTS,
+                              PARAMS)  # fmt: skip
+    e = engine(tiny_llama, num_kv_blocks=14, preemption_mode="swap", device="cuda")
+    assert run_engine_checked(e, PROMPTS, PARAMS) == want
+    assert e.stats()["num_preemptions"] > 0
