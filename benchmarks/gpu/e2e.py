@@ -103,6 +103,15 @@ def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
+def graph_facts(llm: Any) -> dict[str, Any]:
+    """Whether decode steps ran as CUDA graphs: captured sizes, steps replayed, pool bytes."""
+    g = getattr(llm.engine.runner, "decode_graphs", None)
+    if g is None:
+        return {"captured": False}
+    return {"captured": g.captured, "sizes": list(g.sizes), "steps": g.steps,
+            "pool_mib": round(g.pool_bytes / 2**20, 1)}  # fmt: skip
+
+
 def kv_greedy(folder: Path, prompts: list[list[int]], n: int, **kw: Any
               ) -> tuple[list[list[int]], str]:  # fmt: skip
     """kvserve's greedy tokens (all prompts in one batch) and its attention backend."""
@@ -113,6 +122,7 @@ def kv_greedy(folder: Path, prompts: list[list[int]], n: int, **kw: Any
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         backend = llm.engine.runner.attn_backend.name.value if llm.engine.runner else "?"
+        print(f"  graphs: {graph_facts(llm)}")
         return [list(o.outputs[0].token_ids) for o in outs], backend
     finally:
         llm.engine.close()
@@ -375,6 +385,7 @@ def step_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "launches_per_decode_step": (l41 - l1) / 40,
                 "gpu_ops_per_decode_step": (k41 - k1) / 40,
                 "gpu_kernel_ms_per_decode_step": (g41 - g1) / 40,
+                "graphs": graph_facts(llm),
             }
         finally:
             llm.engine.close()
