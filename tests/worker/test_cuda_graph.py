@@ -93,9 +93,7 @@ def llama_1k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     partitions on a CPU (512 each), while the eager plan of these short contexts has one."""
     path = tmp_path_factory.mktemp("llama_1k")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": 1024})).save_pretrained(
-        path
-    )
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": 1024})).save_pretrained(path)
     return path
 
 
