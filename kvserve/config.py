@@ -556,12 +556,18 @@ class CompilationConfig:
     (``kvserve/worker/cuda_graph.py``). Ignored on a CPU."""
 
     cudagraph_capture_sizes: tuple[int, ...] = default_capture_sizes(256)
+    # vLLM's max_seq_len_to_capture: a step with a longer context runs eager. It bounds the
+    # static block tables (copied every step) and the split-K partitions of a graph step.
+    max_seq_len_to_capture: int = 8192
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
         if not sizes or sizes[0] < 1:
             raise ValueError(f"cudagraph_capture_sizes must be positive, got {sizes}")
         object.__setattr__(self, "cudagraph_capture_sizes", sizes)
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("max_seq_len_to_capture (--max-seq-len-to-capture) must be >= 1, "
+                             f"got {self.max_seq_len_to_capture}")  # fmt: skip
 
     @property
     def max_cudagraph_capture_size(self) -> int:

@@ -368,6 +368,10 @@ class EngineArgs:
         None, "vLLM's flag: the largest decode batch captured as a CUDA graph (default "
         "min(--max-num-seqs, 512))", type=int,
     )  # fmt: skip
+    max_seq_len_to_capture: int = _opt(
+        8192, "vLLM's flag: the longest context a CUDA-graph decode step covers; a step with "
+        "a longer one runs eager (it sizes the block tables copied every step)",
+    )  # fmt: skip
     max_logprobs: int = _opt(
         20, "vLLM's flag: most logprobs one request may ask per token, counted for logprobs, "
         "top_logprobs and prompt_logprobs (echo with logprobs too); above: 400 (-1: no cap)",
@@ -450,6 +454,9 @@ class EngineArgs:
         resolve_capture_sizes(  # a bad list fails here, before any loading
             self.cuda_graph_sizes, self.max_cudagraph_capture_size, self.max_num_seqs
         )
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("max_seq_len_to_capture (--max-seq-len-to-capture) must be >= 1, "
+                             f"got {self.max_seq_len_to_capture}")  # fmt: skip
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
@@ -755,7 +762,8 @@ class EngineArgs:
             compilation=CompilationConfig(
                 cudagraph_capture_sizes=resolve_capture_sizes(
                     self.cuda_graph_sizes, self.max_cudagraph_capture_size, self.max_num_seqs
-                )
+                ),
+                max_seq_len_to_capture=self.max_seq_len_to_capture,
             ),
         )
 

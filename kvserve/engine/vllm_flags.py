@@ -128,9 +128,7 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--config-format": _r("kvserve reads Hugging Face config.json only", noop=("auto", "hf")),
     "--rope-scaling": _r("kvserve applies the model's own rope_scaling (config.json)"),
     "--rope-theta": _r("kvserve applies the model's own rope_theta (config.json)"),
-    "--max-seq-len-to-capture": _i(
-        "kvserve's CUDA graphs cover every context up to --max-model-len", sample="8192"
-    ),
+    "--max-seq-len-to-capture": _k(sample="8192"),
     "--logprobs-mode": _r(
         "kvserve's logprobs are the log-softmax of the raw logits (vLLM's default)",
         noop=("raw_logprobs",),

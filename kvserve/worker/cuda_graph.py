@@ -8,15 +8,17 @@ What is captured: the model's forward (embeddings to the final norm) for ``B`` r
 decode token each, ``B`` in ``CompilationConfig.cudagraph_capture_sizes``, largest first, into
 one shared memory pool. What stays outside, as in vLLM: the logits (``compute_logits`` of the
 real rows) and sampling. Which steps replay (``decode_rows``): every row one query token that
-samples, no speculative proposals, no LoRA adapter; a batch pads up to the next captured size,
-and a larger one, or any other step, runs eager (``ModelRunner._run``).
+samples, no speculative proposals, no LoRA adapter, no context past ``max_len``; a batch pads
+up to the next captured size, and a larger one, or any other step, runs eager
+(``ModelRunner._run``).
 
 Static inputs (``StaticDecodeInputs``): token ids, positions, slots, context lengths and block
-tables ``[B, ceil(max_model_len / block_size)]`` live at fixed device addresses, laid out per
-batch size in one int64 buffer that each step fills from one pinned host buffer with one
-non-blocking copy. The attention plan is the backend's static one
+tables ``[B, ceil(max_len / block_size)]`` (``max_len``: min(max_model_len,
+max_seq_len_to_capture), vLLM's 8,192 by default; a longer context runs eager) live at fixed
+device addresses, laid out per batch size in one int64 buffer that each step fills from one
+pinned host buffer with one non-blocking copy. The attention plan is the backend's static one
 (``AttentionBackend.static_decode_metadata``): read from those tensors alone, with split-K
-sized from ``max_model_len``, so the launch grid depends on ``B`` only.
+sized from ``max_len``, so the launch grid depends on ``B`` only.
 
 Padding rows: token ``PAD_TOKEN_ID`` at position 0 with a one-token context in the scratch
 block, block ``num_blocks`` of the KV tensors (one past the blocks the engine's pool hands
@@ -143,7 +145,10 @@ class StaticDecodeInputs:
         for i, (token, p, blocks) in enumerate(rows):
             ids[i], pos[i], lens[i] = token, p, p + 1
             slots[i] = blocks[p // bs] * bs + p % bs
-            tables[i, : len(blocks)] = blocks
+            # the blocks of its p + 1 tokens fit (p < max_len); any after them (lookahead
+            # slots of a draft model) are never read
+            used = blocks[: self.max_blocks]
+            tables[i, : len(used)] = used
         ids[n:], pos[n:], slots[n:], lens[n:] = PAD_TOKEN_ID, 0, scratch * bs, 1
         count = size * self.width
         self.device_buf[:count].copy_(self.host[:count], non_blocking=True)
@@ -163,24 +168,27 @@ class DecodeGraphs:
         sizes: tuple[int, ...],
         *,
         block_size: int,
-        max_model_len: int,
+        max_len: int,
         scratch_block: int,
         device: torch.device,
     ) -> None:
+        """``max_len``: the longest context a replayed step may have (min(max_model_len,
+        max_seq_len_to_capture)); it sizes the block tables and the static split-K."""
         if not backend.supports_static_decode:
             raise ValueError(f"attention backend {backend.name.value} has no static decode plan")
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.model, self.device = model, device
         self.sizes = tuple(sorted(set(sizes)))
-        max_blocks = -(-max_model_len // block_size)
+        self.max_len = max_len
+        max_blocks = -(-max_len // block_size)
         self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, block_size, scratch_block,
                                          device)  # fmt: skip
         self._batches: dict[int, ForwardBatch] = {}
         for size in self.sizes:
             ids, pos, slots, _, tables = self.inputs.device_views(size)
             lens = self.inputs.seq_lens32[:size]
-            md = backend.static_decode_metadata(slots, tables, lens, block_size, max_model_len)
+            md = backend.static_decode_metadata(slots, tables, lens, block_size, max_len)
             self._batches[size] = ForwardBatch(ids, pos, kv_caches, md, backend)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states [size, hidden]
@@ -199,10 +207,10 @@ class DecodeGraphs:
 
     def prepare(self, rows: list[DecodeRow]) -> int | None:
         """Fill the static inputs with ``rows``, padded; returns the padded size, or None
-        (nothing written) when the step must run eager: too many rows, or a block table
-        wider than ``max_model_len`` needs (lookahead blocks)."""
+        (nothing written) when the step must run eager: more rows than the largest size, or
+        a context longer than ``max_len``."""
         size = self.padded_size(len(rows))
-        if size is None or any(len(b) > self.inputs.max_blocks for _, _, b in rows):
+        if size is None or any(p >= self.max_len for _, p, _ in rows):
             return None
         self.inputs.fill(rows, size)
         return size

@@ -148,6 +148,7 @@ class ModelRunner:
             logger.info("warm-up: %d-token dummy prefill in %.2fs", warmup_tokens,
                         time.perf_counter() - t1)  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
+        self._graphs_asleep: tuple[tuple[int, ...], bool] | None = None  # (sizes, captured)
         if graphs_off is None:
             self.enable_decode_graphs(config.compilation.cudagraph_capture_sizes, capture=True)
         elif device.type == "cuda":
@@ -180,10 +181,10 @@ class ModelRunner:
             mc = self.config.model
             self.kv_caches = allocate_kv_caches(self.model, self._kv_blocks(), self.block_size,
                                                 mc.dtype, self.device)  # fmt: skip
+        max_len = min(self.max_model_len, self.config.compilation.max_seq_len_to_capture)
         graphs = DecodeGraphs(
             self.model, self.attn_backend, self.kv_caches, sizes, block_size=self.block_size,
-            max_model_len=self.max_model_len, scratch_block=self.scratch_block,
-            device=self.device,
+            max_len=max_len, scratch_block=self.scratch_block, device=self.device,
         )  # fmt: skip
         if capture:
             try:
@@ -257,7 +258,8 @@ class ModelRunner:
         """
         self.kv_caches = []
         self.swap_caches = []
-        if self.decode_graphs is not None:  # they point at the KV tensors: captured again
+        if self.decode_graphs is not None:  # they point at the KV tensors: built again on wake
+            self._graphs_asleep = (self.decode_graphs.sizes, self.decode_graphs.captured)
             self.decode_graphs.release()
             self.decode_graphs = None
         if level >= 2:
@@ -279,9 +281,10 @@ class ModelRunner:
                     self.swap_caches = allocate_kv_caches(
                         self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
                     )
-        if self.decode_graphs is None and self.scratch_block is not None:  # CUDA graphs were on
-            self.enable_decode_graphs(self.config.compilation.cudagraph_capture_sizes,
-                                      capture=True)  # fmt: skip
+        if self._graphs_asleep is not None:  # the graphs sleep dropped, over the new tensors
+            sizes, captured = self._graphs_asleep
+            self._graphs_asleep = None
+            self.enable_decode_graphs(sizes, capture=captured)
 
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's block copies: swap-out first, then swap-in, then copy-on-write."""

@@ -158,6 +158,23 @@ def test_capture_failure_leaves_the_engine_eager(llama_1k: Path) -> None:
     assert _run(engine, [(4, 3)]) == _run(_engine(llama_1k, enforce_eager=True), [(4, 3)])
 
 
+def test_long_contexts_and_sleep(llama_1k: Path) -> None:
+    """Steps past max_seq_len_to_capture run eager (positions 12-15 of 12-18 replay); sleep
+    drops the static path and wake-up builds it again over the new KV tensors."""
+    want = _run(_engine(llama_1k, enforce_eager=True), [(12, 8)])
+    engine = _engine(llama_1k, enforce_eager=True, max_seq_len_to_capture=16)
+    runner = _runner(engine)
+    runner.enable_decode_graphs((1, 2), capture=False)
+    assert _run(engine, [(12, 8)]) == want
+    assert runner.decode_graphs is not None and runner.decode_graphs.steps == 4
+    runner.sleep(1)
+    assert runner.decode_graphs is None
+    runner.wake_up()
+    assert runner.decode_graphs is not None and runner.decode_graphs.max_len == 16
+    assert runner.decode_graphs._batches[1].kv_caches is runner.kv_caches
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks + 1
+
+
 def test_graphs_are_off_on_cpu_and_the_decode_loop_unchanged(llama_1k: Path) -> None:
     """enforce_eager=False on a CPU still means the C++ decode loop (where it applies), never
     graphs, and no scratch block."""
@@ -226,3 +243,17 @@ def test_replay_has_no_host_sync(llama_1k: Path) -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert hidden.shape[0] == 3 and bool(torch.isfinite(hidden).all())
     assert _runner(_cuda_engine(llama_1k, enforce_eager=True)).decode_graphs is None
+
+
+@pytest.mark.cuda
+def test_wake_up_captures_again_on_cuda(llama_1k: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    want = _run(_cuda_engine(llama_1k, enforce_eager=True), [(4, 3)])
+    engine = _cuda_engine(llama_1k, cuda_graph_sizes=[1, 2])
+    runner = _runner(engine)
+    runner.sleep(1)
+    runner.wake_up()
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.captured
+    assert _run(engine, [(4, 3)]) == want and graphs.steps == 2
