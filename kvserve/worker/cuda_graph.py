@@ -142,9 +142,12 @@ class StaticDecodeInputs:
         ids, pos, slots, lens, tables = self._split(self._host_np, size)
         bs, scratch, n = self.block_size, self.scratch_block, len(rows)
         tables.fill(scratch)  # past a row's blocks: never read (its length stops the kernel)
-        for i, (token, p, blocks) in enumerate(rows):
-            ids[i], pos[i], lens[i] = token, p, p + 1
-            slots[i] = blocks[p // bs] * bs + p % bs
+        if n:
+            ids[:n] = [token for token, _, _ in rows]
+            pos[:n] = [p for _, p, _ in rows]
+            lens[:n] = pos[:n] + 1
+            slots[:n] = [blocks[p // bs] * bs + p % bs for _, p, blocks in rows]
+        for i, (_, _, blocks) in enumerate(rows):
             # the blocks of its p + 1 tokens fit (p < max_len); any after them (lookahead
             # slots of a draft model) are never read
             used = blocks[: self.max_blocks]
