@@ -1,8 +1,8 @@
 """CUDA graphs for decode-only steps (vLLM's full CUDA graphs of decode batches).
 
 A GPU decode step of a small model is bound by launches and host work, not by the GPU: each
-layer issues about ten kernels, each a few microseconds of Python and driver time. Captured
-once per batch size at start-up, a step replays the whole forward as one graph launch.
+layer issues a dozen or more kernels, each a few microseconds of Python and driver time.
+Captured once per batch size at start-up, a step replays the whole forward as one launch.
 
 What is captured: the model's forward (embeddings to the final norm) for ``B`` rows of one
 decode token each, ``B`` in ``CompilationConfig.cudagraph_capture_sizes``, largest first, into
@@ -25,7 +25,8 @@ block, block ``num_blocks`` of the KV tensors (one past the blocks the engine's 
 out, allocated only when graphs may run): no padded K/V lands in a request's block, whatever
 writes the cache (the fused Triton or C++ kernels, ``write_kv``), and every padded row reads
 the slot it wrote this step, so its numbers are finite. Rows never mix (each row's attention
-reads its own block table), so real rows get the eager path's numbers.
+reads its own block table), so a real row gets what it would in an eager batch of ``B`` rows
+(a matmul library may round ``B`` rows differently from ``n``).
 
 Fail-safe: a capture that raises is logged once as a warning and the runner runs eager.
 Without a GPU, ``capture=False`` runs the very callable that would be captured (``forward``)
