@@ -507,6 +507,81 @@ class StructuredOutputsConfig:
             raise ValueError(f"grammar_cache_memory must be non-negative, got {self.cache_memory}.")
 
 
+# vLLM's cap on the default capture list (``max_cudagraph_capture_size``'s default is
+# min(max_num_seqs, 512)): a larger batch is compute-bound, where launches no longer matter.
+MAX_DEFAULT_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """vLLM's capture list up to ``max_size``: 1, 2, 4, then every 8 to 256, then every 16
+    (a batch pads to the next size: at most 7 wasted rows below 256, 15 above)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += range(8, min(max_size, 255) + 1, 8)
+    sizes += range(256, max_size + 1, 16)
+    return tuple(sizes)
+
+
+def resolve_capture_sizes(
+    cuda_graph_sizes: tuple[int, ...] | list[int] | None,
+    max_cudagraph_capture_size: int | None,
+    max_num_seqs: int,
+) -> tuple[int, ...]:
+    """The batch sizes captured as CUDA graphs, ascending (vLLM's rules): no list, the
+    default pattern up to ``max_cudagraph_capture_size`` (default min(max_num_seqs, 512));
+    one value, the default pattern up to it; several, exactly those. ValueError for a
+    size below 1 or a list that goes past an explicit ``max_cudagraph_capture_size``."""
+    if max_cudagraph_capture_size is not None and max_cudagraph_capture_size < 1:
+        raise ValueError(
+            "max_cudagraph_capture_size (--max-cudagraph-capture-size) must be >= 1, got "
+            f"{max_cudagraph_capture_size}"
+        )
+    sizes = list(cuda_graph_sizes or ())
+    if any(int(s) != s or s < 1 for s in sizes):
+        raise ValueError(f"cuda_graph_sizes (--cuda-graph-sizes) must be positive integers, "
+                         f"got {sizes}")  # fmt: skip
+    if len(sizes) > 1:
+        out = tuple(sorted(set(sizes)))
+        if max_cudagraph_capture_size is not None and out[-1] > max_cudagraph_capture_size:
+            raise ValueError(
+                f"cuda_graph_sizes {list(out)} go past max_cudagraph_capture_size "
+                f"{max_cudagraph_capture_size}; drop the larger sizes or raise the cap"
+            )
+        return out
+    if sizes:
+        top = sizes[0]
+        if max_cudagraph_capture_size is not None:
+            top = min(top, max_cudagraph_capture_size)
+    else:
+        top = max_cudagraph_capture_size or min(max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE)
+    return default_capture_sizes(top)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """What runs as CUDA graphs (vLLM's ``CompilationConfig``, its graph fields only): the
+    decode-only steps of up to the largest of ``cudagraph_capture_sizes`` rows, padded to
+    the next captured size, on CUDA with TRITON_ATTN unless ``enforce_eager``
+    (``kvserve/worker/cuda_graph.py``). Ignored on a CPU."""
+
+    cudagraph_capture_sizes: tuple[int, ...] = default_capture_sizes(256)
+    # vLLM's max_seq_len_to_capture: a step with a longer context runs eager. It bounds the
+    # static block tables (copied every step) and the split-K partitions of a graph step.
+    max_seq_len_to_capture: int = 8192
+
+    def __post_init__(self) -> None:
+        sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"cudagraph_capture_sizes must be positive, got {sizes}")
+        object.__setattr__(self, "cudagraph_capture_sizes", sizes)
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("max_seq_len_to_capture (--max-seq-len-to-capture) must be >= 1, "
+                             f"got {self.max_seq_len_to_capture}")  # fmt: skip
+
+    @property
+    def max_cudagraph_capture_size(self) -> int:
+        return self.cudagraph_capture_sizes[-1]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -517,6 +592,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig | None = None  # None: LoRA adapters off (--enable-lora turns them on)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)  # CUDA graphs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))

@@ -38,6 +38,9 @@ class AttentionBackend(ABC):
     dtypes: ClassVar[frozenset[torch.dtype]]  # query / KV cache dtypes it computes
     supports_sliding_window: ClassVar[bool] = True
     supports_soft_cap: ClassVar[bool] = True
+    # attends a decode-only step from device tensors alone (``static_decode_metadata``): what
+    # a step replayed as a CUDA graph needs (``worker/cuda_graph.py``)
+    supports_static_decode: ClassVar[bool] = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -88,6 +91,21 @@ class AttentionBackend(ABC):
         fresh-prompt groups, padded context groups gathering into this backend's buffers)."""
         md.split_rows(self.workspace)
         return md
+
+    def static_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int64
+        seq_lens: torch.Tensor,  # [B] int32 on the device
+        block_size: int,
+        max_len: int,
+    ) -> AttentionMetadata:
+        """Metadata for a decode-only step of ``B`` rows (row ``i``: token ``i``) whose every
+        per-step value lives in these device tensors, rewritten before each step: nothing of
+        the step is read on the host, so the step can be captured once and replayed.
+        ``max_len``: the longest context any row may have. Only backends with
+        ``supports_static_decode``."""
+        raise NotImplementedError(f"{self.name.value} cannot attend from device tensors alone")
 
     def write_kv(
         self,

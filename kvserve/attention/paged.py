@@ -135,6 +135,11 @@ class AttentionMetadata:
     context_groups: list[ContextGroup] = field(default_factory=list)  # batched other prefills
     # multi-token rows to attend as decode rows, one entry per query (speculative verification)
     spec_rows: frozenset[int] = frozenset()
+    # A backend's plan read from device tensors alone (``AttentionBackend.
+    # static_decode_metadata``, for a step replayed as a CUDA graph): then every row is one
+    # decode token, ``seq_lens`` is empty (the lengths live on the device only) and the
+    # backend must attend from the plan, never from the lists.
+    static_plan: object | None = None
 
     @property
     def num_rows(self) -> int:

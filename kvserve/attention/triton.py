@@ -27,6 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = AttentionBackendEnum.TRITON_ATTN
     device_types = frozenset({"cuda", "cpu"})  # cpu: under the interpreter only
     dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
+    supports_static_decode = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -71,6 +72,27 @@ class TritonAttentionBackend(AttentionBackend):
         self._plans.clear()
         return md
 
+    def static_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int64
+        seq_lens: torch.Tensor,  # [B] int32 on the device
+        block_size: int,
+        max_len: int,
+    ) -> AttentionMetadata:
+        from kvserve.ops.triton.paged_attention import static_decode_plan
+
+        b = slot_mapping.shape[0]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=list(range(b + 1)),  # one query per row
+            seq_lens=[],  # on the device only (static_plan)
+            block_tables=block_tables,
+            block_size=block_size,
+            prefill_rows=[],
+            static_plan=static_decode_plan(block_tables, seq_lens, max_len),
+        )
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D] (the step's K/V already written)
@@ -86,7 +108,9 @@ class TritonAttentionBackend(AttentionBackend):
 
         group = q.shape[1] // k_cache.shape[1]  # query heads per KV head
         cached = self._plans.get(group)
-        if cached is not None and cached[0] is md:
+        if md.static_plan is not None:  # decode only: the same plan for every group
+            plan = md.static_plan
+        elif cached is not None and cached[0] is md:
             plan = cached[1]
         else:
             plan = plan_attention(md, group, q.device)

@@ -25,6 +25,7 @@ import torch
 from kvserve.config import (
     AttentionBackendEnum,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -36,6 +37,7 @@ from kvserve.config import (
     parse_bytes,
     parse_device,
     parse_dtype,
+    resolve_capture_sizes,
 )
 from kvserve.engine.vllm_flags import check_vllm_kwargs
 from kvserve.model.hub import (
@@ -355,8 +357,22 @@ class EngineArgs:
     )  # fmt: skip
     enforce_eager: bool = _opt(
         False, "vLLM's flag: run every step's layers in Python; without it, decode-only steps "
-        "of native Llama-family models on CPU run their layers in one C++ call (kvserve's "
-        "analog of CUDA graphs; same numbers)",
+        "of native Llama-family models run as captured CUDA graphs on CUDA (TRITON_ATTN) and "
+        "their layers in one C++ call on CPU (same tokens)",
+    )  # fmt: skip
+    cuda_graph_sizes: list[int] | None = _opt(  # noqa: RUF009 (_opt is a field())
+        None, "vLLM's flag: the decode batch sizes captured as CUDA graphs: one value is the "
+        "largest (1, 2, 4, then every 8 to 256, every 16 above, up to it), several are the "
+        "exact list (default: that pattern up to --max-cudagraph-capture-size); a decode "
+        "batch pads to the next captured size, a larger one runs eager", type=int, nargs="+",
+    )  # fmt: skip
+    max_cudagraph_capture_size: int | None = _opt(
+        None, "vLLM's flag: the largest decode batch captured as a CUDA graph (default "
+        "min(--max-num-seqs, 512))", type=int,
+    )  # fmt: skip
+    max_seq_len_to_capture: int = _opt(
+        8192, "vLLM's flag: the longest context a CUDA-graph decode step covers; a step with "
+        "a longer one runs eager (it sizes the block tables copied every step)",
     )  # fmt: skip
     max_logprobs: int = _opt(
         20, "vLLM's flag: most logprobs one request may ask per token, counted for logprobs, "
@@ -435,6 +451,14 @@ class EngineArgs:
                              f"got {self.tensor_parallel_size}")  # fmt: skip
         if str(self.device) == "cpu":  # needs no model: a bad value fails before any start
             self._cpu_cores()
+        if isinstance(self.cuda_graph_sizes, int):  # LLM(cuda_graph_sizes=8): one value
+            self.cuda_graph_sizes = [self.cuda_graph_sizes]
+        resolve_capture_sizes(  # a bad list fails here, before any loading
+            self.cuda_graph_sizes, self.max_cudagraph_capture_size, self.max_num_seqs
+        )
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("max_seq_len_to_capture (--max-seq-len-to-capture) must be >= 1, "
+                             f"got {self.max_seq_len_to_capture}")  # fmt: skip
         for size in (self.kv_cache_memory, self.swap_space):
             if size is not None:
                 parse_bytes(size)
@@ -738,6 +762,12 @@ class EngineArgs:
                 cache_memory=parse_bytes(self.grammar_cache_memory),
             ),
             lora=self.lora_config(),
+            compilation=CompilationConfig(
+                cudagraph_capture_sizes=resolve_capture_sizes(
+                    self.cuda_graph_sizes, self.max_cudagraph_capture_size, self.max_num_seqs
+                ),
+                max_seq_len_to_capture=self.max_seq_len_to_capture,
+            ),
         )
 
     def _cpu_cores(self) -> tuple[tuple[int, ...], ...] | None:

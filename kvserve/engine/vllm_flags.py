@@ -51,7 +51,7 @@ class VLLMFlag:
 
 
 S, V, VS = Takes.SWITCH, Takes.VALUE, Takes.VALUES
-_NO_GPU = "kvserve runs no CUDA graphs or custom GPU kernels to tune"
+_NO_GPU = "kvserve has no custom GPU kernels or all-reduce to tune"
 _NO_MM = "kvserve serves text-only models (no images, audio or video)"
 _NO_DP = "kvserve runs one engine per model (no data parallelism)"
 _NO_EP = "kvserve has no expert parallelism"
@@ -128,7 +128,7 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
     "--config-format": _r("kvserve reads Hugging Face config.json only", noop=("auto", "hf")),
     "--rope-scaling": _r("kvserve applies the model's own rope_scaling (config.json)"),
     "--rope-theta": _r("kvserve applies the model's own rope_theta (config.json)"),
-    "--max-seq-len-to-capture": _i(_NO_GPU, sample="8192"),
+    "--max-seq-len-to-capture": _k(sample="8192"),
     "--logprobs-mode": _r(
         "kvserve's logprobs are the log-softmax of the raw logits (vLLM's default)",
         noop=("raw_logprobs",),
@@ -255,7 +255,8 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
         "--stream-batching-interval-ms)",
         noop=("1",),
     ),
-    "--cuda-graph-sizes": _i(_NO_GPU, VS, "8"),
+    "--cuda-graph-sizes": _k(VS, "8"),
+    "--max-cudagraph-capture-size": _k(sample="8"),
     "--use-v2-block-manager": _i("vLLM's own no-op (v2 is the only block manager)", S),
     # speculative decoding and compilation
     "--speculative-config": _k(sample='{"method": "ngram", "num_speculative_tokens": 2}'),

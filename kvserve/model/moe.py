@@ -195,6 +195,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     architectures = SUPPORTED_ARCHITECTURES
     _streaming: StreamingQuantizer | None = None  # quantize_experts_with
+    supports_cuda_graphs = False  # the experts loop reads their token counts on the host
     supports_tensor_parallel = True  # each rank a slice of every expert (not OLMoE)
     supports_lora = False  # adapters on routed experts are not implemented
 

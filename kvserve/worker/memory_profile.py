@@ -27,11 +27,13 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.paged import AttentionMetadata
+from kvserve.config import SchedulerConfig
 from kvserve.model.base import CausalLM, ForwardBatch, KVCaches
+from kvserve.worker.inputs import allocate_kv_caches, kv_bytes_per_block
 
 logger = logging.getLogger("kvserve.runner")
 
-__all__ = ["MemoryProfile", "dummy_prefill", "kv_budget", "profile_cuda_memory"]
+__all__ = ["MemoryProfile", "cuda_kv_bytes", "dummy_prefill", "kv_budget", "profile_cuda_memory"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +117,43 @@ def profile_cuda_memory(
     peak = torch.cuda.max_memory_allocated(dev) - base
     torch.cuda.empty_cache()
     return MemoryProfile(total=total, used_after_load=total - free, activation_peak=peak)
+
+
+def cuda_kv_bytes(
+    model: CausalLM,
+    backend: AttentionBackend,
+    utilization: float,
+    sched: SchedulerConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    max_len: int,
+) -> int:
+    """The KV cache's bytes under ``gpu_memory_utilization`` on the model's CUDA device: a
+    dummy step of the largest size on a temporary cache just big enough for it, then what
+    is left of the device's share. ValueError (with the figures) when not one block fits."""
+    device = next(model.parameters()).device
+    tokens, bs = sched.max_num_batched_tokens, block_size
+    blocks = -(-tokens // bs) + tokens // bs + 2  # every ~32-token row rounded up
+    caches = allocate_kv_caches(model, blocks, bs, dtype, device)
+    prof = profile_cuda_memory(model, backend, caches, blocks, bs, tokens, max_len,
+                               sched.max_num_seqs)  # fmt: skip
+    del caches
+    torch.cuda.empty_cache()
+    budget = kv_budget(utilization, prof)
+    gib = 2**30
+    logger.info(
+        "gpu_memory_utilization %.3g of %.1f GiB on %s: %.2f GiB in use after the load, "
+        "%.2f GiB peak of a %d-token dummy step, %.2f GiB for the KV cache", utilization,
+        prof.total / gib, device, prof.used_after_load / gib, prof.activation_peak / gib,
+        tokens, budget / gib,
+    )  # fmt: skip
+    if budget < kv_bytes_per_block(model, bs, dtype):
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} leaves no room for the KV cache on "
+            f"{device}: {utilization} of {prof.total / gib:.1f} GiB is "
+            f"{utilization * prof.total / gib:.2f} GiB, and {prof.used_after_load / gib:.2f}"
+            f" GiB are in use after loading the model, {prof.activation_peak / gib:.2f} GiB"
+            " more at the largest step; raise --gpu-memory-utilization or lower "
+            "--max-num-batched-tokens / --max-num-seqs"
+        )
+    return budget

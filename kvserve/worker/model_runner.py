@@ -47,10 +47,11 @@ from kvserve.ops.packed_linear import packing_supported
 from kvserve.sample.host_io import tensor_to_device, to_device
 from kvserve.spec.build import build_proposer
 from kvserve.spec.proposer import ProposalInput
+from kvserve.worker.cuda_graph import DecodeGraphs, decode_rows, graphs_off_reason
 from kvserve.worker.execution_paths import collect_paths
 from kvserve.worker.input_batch import CachedRequestState, InputBatch, StepRows
 from kvserve.worker.inputs import allocate_kv_caches, build_metadata, kv_bytes_per_block
-from kvserve.worker.memory_profile import dummy_prefill, kv_budget, profile_cuda_memory
+from kvserve.worker.memory_profile import cuda_kv_bytes, dummy_prefill
 from kvserve.worker.model_setup import (
     kv_cache_size,
     load_draft,
@@ -107,22 +108,29 @@ class ModelRunner:
             if tp.world_size > 1:
                 raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
             self.lora = LoRAManager(self.model, config.lora, mc.dtype, device)
+        # what every attention layer calls; owns the step's gather buffers
+        self.attn_backend = select_for_model(
+            mc.attention_backend, self.model.config, self.model.head_dim, device, mc.dtype
+        )
         kv_bytes = None  # CUDA: vLLM's gpu_memory_utilization, after a profiled dummy step
         if device.type == "cuda" and cc.gpu_memory_utilization is not None:
-            kv_bytes = self._cuda_kv_bytes(cc.gpu_memory_utilization)
+            kv_bytes = cuda_kv_bytes(self.model, self.attn_backend, cc.gpu_memory_utilization,
+                                     config.scheduler, cc.block_size, mc.dtype,
+                                     self.max_model_len)  # fmt: skip
         size = kv_cache_size(config, self.model, draft, kv_bytes)
         self.num_blocks = size.num_blocks
-        self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, cc.block_size,
+        # CUDA graphs of decode steps (worker/cuda_graph.py): their padding rows write into
+        # one scratch block past the engine's blocks, allocated only when graphs may run
+        graphs_off = graphs_off_reason(device, mc.enforce_eager, self.attn_backend, self.model,
+                                       tp.world_size)  # fmt: skip
+        self.scratch_block: int | None = None if graphs_off else size.num_blocks
+        self.kv_caches = allocate_kv_caches(self.model, self._kv_blocks(), cc.block_size,
                                             mc.dtype, device)  # fmt: skip
         # CPU swap space, same layout; swap copies stage through pinned memory on CUDA.
         self.swap_caches = allocate_kv_caches(
             self.model, size.num_swap_blocks, cc.block_size, mc.dtype, torch.device("cpu")
         ) if size.num_swap_blocks > 0 else []  # fmt: skip
         self.timings = StepTimings()
-        # what every attention layer calls; owns the step's gather buffers
-        self.attn_backend = select_for_model(
-            mc.attention_backend, self.model.config, self.model.head_dim, device, mc.dtype
-        )
         self.pooler = Pooler()  # embedding requests: mean-pooling sums across prefill chunks
         self.input_batch = InputBatch(device)  # the runner's state of each request
         # custom batch-level logits processors (vLLM v1's interface), one instance each
@@ -145,6 +153,12 @@ class ModelRunner:
             warmup_tokens = self.warm_up(max_tokens, self.max_model_len)
             logger.info("warm-up: %d-token dummy prefill in %.2fs", warmup_tokens,
                         time.perf_counter() - t1)  # fmt: skip
+        self.decode_graphs: DecodeGraphs | None = None
+        self._graphs_asleep: tuple[tuple[int, ...], bool] | None = None  # (sizes, captured)
+        if graphs_off is None:
+            self.enable_decode_graphs(config.compilation.cudagraph_capture_sizes, capture=True)
+        elif device.type == "cuda":
+            logger.info("CUDA graphs off: %s", graphs_off)
         self.info = RunnerInfo(
             num_blocks=size.num_blocks,
             num_swap_blocks=size.num_swap_blocks,
@@ -155,39 +169,36 @@ class ModelRunner:
             load_seconds=time.perf_counter() - t0,
         )
 
-    def _cuda_kv_bytes(self, utilization: float) -> int:
-        """The KV cache's bytes under ``gpu_memory_utilization`` on CUDA
-        (``worker/memory_profile.py``): a dummy step of the largest size on a temporary
-        cache just big enough for it, then what is left of the device's share."""
-        mc, sc, bs = self.config.model, self.config.scheduler, self.block_size
-        backend = select_for_model(mc.attention_backend, self.model.config, self.model.head_dim,
-                                   self.device, mc.dtype)  # fmt: skip
-        tokens = sc.max_num_batched_tokens
-        blocks = -(-tokens // bs) + tokens // bs + 2  # every ~32-token row rounded up
-        caches = allocate_kv_caches(self.model, blocks, bs, mc.dtype, self.device)
-        prof = profile_cuda_memory(self.model, backend, caches, blocks, bs, tokens,
-                                   self.max_model_len, sc.max_num_seqs)  # fmt: skip
-        del caches
-        torch.cuda.empty_cache()
-        budget = kv_budget(utilization, prof)
-        gib = 2**30
-        logger.info(
-            "gpu_memory_utilization %.3g of %.1f GiB on %s: %.2f GiB in use after the load, "
-            "%.2f GiB peak of a %d-token dummy step, %.2f GiB for the KV cache", utilization,
-            prof.total / gib, self.device, prof.used_after_load / gib,
-            prof.activation_peak / gib, tokens, budget / gib,
+    def _kv_blocks(self) -> int:
+        """Blocks of the KV tensors: the engine's, plus the scratch block when it exists."""
+        return self.num_blocks + (self.scratch_block is not None)
+
+    def enable_decode_graphs(self, sizes: tuple[int, ...], *, capture: bool) -> None:
+        """Run decode-only steps of up to ``max(sizes)`` rows through static inputs padded to
+        ``sizes`` (``worker/cuda_graph.py``), captured as CUDA graphs with ``capture``; a
+        capture that fails is logged and leaves every step eager. ``capture=False`` runs the
+        same path eagerly (the CPU tests); before the first request only, as it may
+        reallocate the KV cache with the scratch block."""
+        if self.scratch_block is None:
+            if len(self.input_batch):
+                raise RuntimeError("static decode inputs need a scratch block: enable them "
+                                   "before the first request")  # fmt: skip
+            self.scratch_block = self.num_blocks
+            mc = self.config.model
+            self.kv_caches = allocate_kv_caches(self.model, self._kv_blocks(), self.block_size,
+                                                mc.dtype, self.device)  # fmt: skip
+        max_len = min(self.max_model_len, self.config.compilation.max_seq_len_to_capture)
+        graphs = DecodeGraphs(
+            self.model, self.attn_backend, self.kv_caches, sizes, block_size=self.block_size,
+            max_len=max_len, scratch_block=self.scratch_block, device=self.device,
         )  # fmt: skip
-        per_block = kv_bytes_per_block(self.model, bs, mc.dtype)
-        if budget < per_block:
-            raise ValueError(
-                f"gpu_memory_utilization {utilization} leaves no room for the KV cache on "
-                f"{self.device}: {utilization} of {prof.total / gib:.1f} GiB is "
-                f"{utilization * prof.total / gib:.2f} GiB, and {prof.used_after_load / gib:.2f}"
-                f" GiB are in use after loading the model, {prof.activation_peak / gib:.2f} GiB"
-                " more at the largest step; raise --gpu-memory-utilization or lower "
-                "--max-num-batched-tokens / --max-num-seqs"
-            )
-        return budget
+        if capture:
+            try:
+                graphs.capture()
+            except Exception as exc:
+                logger.warning("CUDA graph capture failed, decode steps run eager: %r", exc)
+                return
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, max_len: int) -> int:
@@ -233,6 +244,10 @@ class ModelRunner:
         """
         self.kv_caches = []
         self.swap_caches = []
+        if self.decode_graphs is not None:  # they point at the KV tensors: built again on wake
+            self._graphs_asleep = (self.decode_graphs.sizes, self.decode_graphs.captured)
+            self.decode_graphs.release()
+            self.decode_graphs = None
         if level >= 2:
             self.model = None  # type: ignore[assignment]  # read again by wake_up
         gc.collect()  # the tensors' last references may sit in reference cycles
@@ -247,11 +262,15 @@ class ModelRunner:
                 self.model = load_target(self.config, self.max_model_len, self.tp)
             if not self.kv_caches:
                 dtype, bs, dev = self.config.model.dtype, self.block_size, self.device
-                self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, bs, dtype, dev)
+                self.kv_caches = allocate_kv_caches(self.model, self._kv_blocks(), bs, dtype, dev)
                 if self.info.num_swap_blocks:
                     self.swap_caches = allocate_kv_caches(
                         self.model, self.info.num_swap_blocks, bs, dtype, torch.device("cpu")
                     )
+        if self._graphs_asleep is not None:  # the graphs sleep dropped, over the new tensors
+            sizes, captured = self._graphs_asleep
+            self._graphs_asleep = None
+            self.enable_decode_graphs(sizes, capture=captured)
 
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's block copies: swap-out first, then swap-in, then copy-on-write."""
@@ -381,13 +400,20 @@ class ModelRunner:
         (the step's, or one request of them); the runner's per-request results are committed
         only when all of it succeeded. Reads only plain fields of ``sched``."""
         t0 = time.perf_counter()
-        batch, logits_idx = self._prepare(rows)
-        t1 = time.perf_counter()
-        hidden = self.model(batch)  # [T, hidden]
+        graph_size = self._prepare_graph(rows)
+        if graph_size is not None:  # decode only: one row per request, each sampled
+            assert self.decode_graphs is not None
+            t1 = time.perf_counter()
+            hidden = self.decode_graphs.run(graph_size, len(rows.scheduled))  # [B, hidden]
+            sampled = hidden
+        else:
+            batch, logits_idx = self._prepare(rows)
+            t1 = time.perf_counter()
+            hidden = self.model(batch)  # [T, hidden]
+            # the rows as a device tensor: indexing with a list copies it with a sync on CUDA
+            sampled = hidden[to_device(logits_idx, torch.long, hidden.device)]
         reqs = [r for r in rows.scheduled if rows.samples(r)]
-        # the rows as a device tensor: indexing with a list copies it with a sync on CUDA
-        idx = to_device(logits_idx, torch.long, hidden.device)
-        logits = self.model.compute_logits(hidden[idx]) if reqs else None  # [N, V]
+        logits = self.model.compute_logits(sampled) if reqs else None  # [N, V]
         t2 = time.perf_counter()
         # Before sampling: if this raises, the step is retried per request and no seeded
         # generator has advanced yet.
@@ -414,6 +440,14 @@ class ModelRunner:
                      ("propose", t4 - t3)):  # fmt: skip
             phases[k] = phases.get(k, 0.0) + v
         return out
+
+    def _prepare_graph(self, rows: StepRows) -> int | None:
+        """The padded size when this step runs through the decode graphs (their inputs
+        filled), else None (eager)."""
+        if self.decode_graphs is None:
+            return None
+        decode = decode_rows(rows)
+        return None if decode is None else self.decode_graphs.prepare(decode)
 
     def _propose(
         self, reqs: list[CachedRequestState], out: ModelRunnerOutput

@@ -18,6 +18,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import (
     AttentionBackendEnum,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     GenerationConfigSource,
     KVPolicy,
@@ -91,7 +92,8 @@ ALL_FLAGS = [
     "--num-threads", "1", "--chat-template", "<{{ messages[0]['content'] }}>",
     "--generation-config", "auto", "--tensor-parallel-size", "1", "--enforce-eager",
     "--disable-log-requests", "--pooling", "mean", "--quantization-activations", "none",
-    "--quantization", "int8", "--quantization-lm-head",
+    "--quantization", "int8", "--quantization-lm-head", "--cuda-graph-sizes", "2",
+    "--max-cudagraph-capture-size", "2",
 ]  # fmt: skip
 
 
@@ -111,6 +113,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         num_threads=1, chat_template=template, generation_config="auto",
         tensor_parallel_size=1, enforce_eager=True, disable_log_requests=True, pooling="mean",
         quantization_activations="none", quantization="int8", quantization_lm_head=True,
+        cuda_graph_sizes=[2], max_cudagraph_capture_size=2,
     )  # fmt: skip
     expected = EngineConfig(
         model=ModelConfig(
@@ -126,6 +129,7 @@ def test_cli_to_engine_args_to_engine_config(tmp_path: Path) -> None:
         scheduler=SchedulerConfig(3, 100, KVPolicy.RESERVE, PreemptionMode.SWAP,
                                   SchedulingPolicy.PRIORITY, 2),
         device="cpu",
+        compilation=CompilationConfig(cudagraph_capture_sizes=(1, 2)),
     )  # fmt: skip
     assert args.create_engine_config() == expected
     # The same options as LLM keyword arguments build the same config.

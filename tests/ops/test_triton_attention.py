@@ -31,12 +31,14 @@ pytest.importorskip("triton")
 
 from kvserve.attention.paged import AttentionMetadata, reference_paged_attention
 from kvserve.ops.triton.paged_attention import (
+    STATIC_MAX_PARTS,
     KernelTuning,
     decode_partition_size,
     interpreted,
     paged_decode_attention,
     plan_attention,
     run_attention,
+    static_decode_plan,
     tile_keys,
     triton_paged_attention,
 )
@@ -256,6 +258,29 @@ def test_lower_level_decode_entries(dev: torch.device) -> None:
     short = AttentionMetadata(md.slot_mapping, [0, 1], [41], md.block_tables, md.block_size)
     want = reference_paged_attention(q, k, v, short, 0.2)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_static_decode_plan(dtype: torch.dtype, dev: torch.device) -> None:
+    """The plan a CUDA graph replays (device lengths, split-K from the model's limit): the
+    eager plan's numbers bit for bit where both cut at the same partition size (the extra
+    partitions past every context add exactly 0), and the reference's with fewer, longer
+    partitions (``max_parts``)."""
+    lens = [40, 9, 23]  # 2, 1 and 1 partitions of 32
+    q, k, v, md = make_batch(lens, [1, 1, 1], (4, 2), dtype, dev)
+    scale = q.shape[-1] ** -0.5
+    eager = torch.empty_like(q)
+    run_attention(plan_attention(md, 2, dev, tuning=SMALL), q, k, v, scale, eager, tuning=SMALL)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    for max_parts, parts in ((STATIC_MAX_PARTS, 3), (2, 2)):  # partitions of 32, or of 64
+        plan = static_decode_plan(md.block_tables, seq_lens, 96, max_parts)
+        assert plan.entry_rows.tolist() == plan.entry_tokens.tolist() == [0, 1, 2]
+        out = torch.empty_like(q)
+        run_attention(plan, q, k, v, scale, out, tuning=SMALL)
+        if parts == 3 and dev.type == "cpu":  # CUDA cuts both at 16 (min_programs); its
+            assert torch.equal(out, eager)  # reduce may add 3 partials in another order
+        want = reference_paged_attention(q, k, v, md, scale)
+        torch.testing.assert_close(out, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_bad_input_is_refused() -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "prefill_block_q",
     "prefill_tiles",
     "run_attention",
+    "static_decode_plan",
     "tile_keys",
     "triton_paged_attention",
 ]
@@ -183,13 +184,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
+    max_parts: int | None = None,
 ) -> None:
     """Decode entries: ``out[tok]`` = attention of ``q[tok]`` over its row's first ``len`` keys.
 
     q/out ``[T, H, D]``; caches ``[NB, Hkv, BS, D]``; block_tables ``[B, max_blocks]``;
     entry_rows/entry_tokens/entry_lens ``[E]`` int32 (row, query token, context length).
     ``max_len`` (a host int, at least every entry's length) sizes the split-K partitions
-    without reading the device.
+    without reading the device. ``max_parts``: at most this many partitions (longer ones
+    instead), for a static plan whose ``max_len`` is the model's limit (None: no cap).
     """
     check_attention_options(sliding_window, soft_cap)
     group, d = _check_tensors(out, q, k_cache, v_cache)
@@ -198,6 +201,8 @@ def paged_decode_attention(
         return
     span = max_len if sliding_window is None else min(max_len, sliding_window)
     size = decode_partition_size(e, hkv, span, _min_programs(q.device, tuning), tuning)
+    if max_parts is not None:
+        size = _pow2(-(-span // max_parts), size)
     parts = max(1, -(-span // size))
     d_pad = _pow2(d, 16)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -306,6 +311,8 @@ class AttentionPlan:
     tile_rows: torch.Tensor  # [n] int32: prefill query tiles
     tile_q0: torch.Tensor  # [n] int32
     block_q: int  # query tokens per prefill tile
+    # a static plan's cap on split-K partitions (``static_decode_plan``); None: no cap
+    max_parts: int | None = None
 
 
 def plan_attention(
@@ -319,6 +326,11 @@ def plan_attention(
     (query heads per KV head): one-token rows and ``md.spec_rows`` become decode entries
     (query ``t`` of a row whose last query is ``qe - 1`` sees ``L - (qe - 1 - t)`` keys), the
     other multi-token rows prefill tiles."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # its one host-to-device copy would be captured reading a pinned buffer that is
+        # freed after the step: a replay would attend with stale lengths
+        raise RuntimeError("plan_attention reads host lists: a captured step needs a static "
+                           "plan (static_decode_plan)")  # fmt: skip
     qsl, lens = md.query_start_loc, md.seq_lens
     entries: tuple[list[int], list[int], list[int]] = ([], [], [])
     prefill: list[int] = []
@@ -344,6 +356,35 @@ def plan_attention(
                          block_q)  # fmt: skip
 
 
+# A static plan's most split-K partitions: its ``max_len`` is the model's context limit, and
+# every partition of every entry is a program that writes its (empty) share, so a long limit
+# gets longer partitions instead of thousands of programs (vLLM's unified Triton kernel cuts
+# a sequence into at most 16 segments); below 32 x 512 = 16,384 tokens the cap never changes
+# the size. A partition past an entry's context adds exactly 0 in the reduce, so the results
+# are the eager path's bit for bit wherever both cut at the same size (the eager size comes
+# from the step's longest context, this one from ``max_len``: they differ only where
+# ``min_programs`` cuts a small batch's partitions below 512 and the limit is long).
+STATIC_MAX_PARTS = 32
+
+
+def static_decode_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    max_parts: int = STATIC_MAX_PARTS,
+) -> AttentionPlan:
+    """A plan for a decode-only step read from device tensors alone, so that a CUDA graph can
+    replay it: row ``i`` has one query (token ``i``) and context ``seq_lens[i]`` (int32 ``[B]``,
+    written before each replay), ``block_tables`` ``[B, max_blocks]``; split-K is sized from
+    ``max_len`` (the model's context limit, not the step's), so the launch grid depends on
+    ``B`` only. Built once per captured batch size; nothing is copied from the host."""
+    b, device = seq_lens.shape[0], seq_lens.device
+    rows = torch.arange(b, dtype=torch.int32, device=device)  # [B] entry i = row i = token i
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=device)  # [B + 1]
+    return AttentionPlan(block_tables, qsl, seq_lens, rows, rows, seq_lens, max_len,
+                         rows[:0], rows[:0], 1, max_parts)  # fmt: skip
+
+
 def run_attention(
     plan: AttentionPlan,
     q: torch.Tensor,
@@ -361,7 +402,8 @@ def run_attention(
     if plan.entry_rows.numel():
         paged_decode_attention(
             out, q, k_cache, v_cache, plan.block_tables, plan.entry_rows, plan.entry_tokens,
-            plan.entry_lens, scale, max_len=plan.max_entry_len, **opts,
+            plan.entry_lens, scale, max_len=plan.max_entry_len, max_parts=plan.max_parts,
+            **opts,
         )  # fmt: skip
     if plan.tile_rows.numel():
         paged_prefill_attention(
