@@ -158,10 +158,16 @@ class ModelRunner:
             num_swap_blocks=size.num_swap_blocks,
             bytes_per_block=size.bytes_per_block,
             attention_backend=self.attn_backend.name.value,
-            paths=collect_paths(self.model, device, mc.dtype, quantization_name(mc)),
+            paths=collect_paths(
+                self.model, device, mc.dtype, quantization_name(mc), self._captured_sizes()
+            ),
             warmup_tokens=warmup_tokens,
             load_seconds=time.perf_counter() - t0,
         )
+
+    def _captured_sizes(self) -> tuple[int, ...]:
+        graphs = self.decode_graphs
+        return graphs.sizes if graphs is not None and graphs.captured else ()
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV tensors: the engine's, plus the scratch block when it exists."""

@@ -184,8 +184,10 @@ def test_long_contexts_and_sleep(llama_1k: Path) -> None:
 def test_graphs_are_off_on_cpu_and_the_decode_loop_unchanged(llama_1k: Path) -> None:
     """enforce_eager=False on a CPU still means the C++ decode loop (where it applies), never
     graphs, and no scratch block."""
-    runner = _runner(_engine(llama_1k, attention_backend="auto"))
+    engine = _engine(llama_1k, attention_backend="auto")
+    runner = _runner(engine)
     assert runner.decode_graphs is None and runner.scratch_block is None
+    assert engine.execution_paths.cuda_graphs == ()
     assert runner.kv_caches[0][0].shape[0] == runner.num_blocks
 
 
@@ -209,7 +211,7 @@ def test_graphs_match_eager_on_cuda(llama_1k: Path, dtype: str) -> None:
     engine = _cuda_engine(llama_1k, dtype=dtype, cuda_graph_sizes=list(SIZES))
     runner = _runner(engine)
     assert runner.decode_graphs is not None and runner.decode_graphs.captured
-    assert runner.decode_graphs.sizes == SIZES
+    assert runner.decode_graphs.sizes == engine.execution_paths.cuda_graphs == SIZES
     assert _run(engine, requests) == want
     assert runner.decode_graphs.steps == (7 if dtype == "bfloat16" else GRAPH_STEPS)
 
