@@ -123,7 +123,7 @@ class LLMEngine:
         }
         logger.info(
             "loaded %s in %.1fs (%s executor, %d rank(s)); KV cache: %d blocks x %d tokens = "
-            "%d tokens, %.1f MiB; attention backend: %s; fused ops: %s; C++ decode loop: %s",
+            "%d tokens, %.1f MiB; attention backend: %s; fused ops: %s; C++ decode loop: %s%s",
             self.model_name,
             info.load_seconds,
             config.parallel.distributed_executor_backend.value,  # type: ignore[union-attr]
@@ -135,6 +135,10 @@ class LLMEngine:
             info.attention_backend,
             "on" if info.fused_ops else "off",
             "on" if info.decode_loop else "off",
+            f"; CUDA graphs: {len(info.paths.cuda_graphs)} decode batch sizes up to "
+            f"{info.paths.cuda_graphs[-1]}"
+            if info.paths.cuda_graphs
+            else "",
         )
         paths = info.paths
         logger.info(

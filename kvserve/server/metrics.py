@@ -387,7 +387,7 @@ def execution_paths_info(engine: AsyncLLMEngine) -> dict[str, str]:
             labels[key] = " ".join(value)
         elif key == "thread_cores":
             labels[key] = "|".join(",".join(map(str, cores)) for cores in value)
-        elif key == "cpu_affinity":
+        elif key in ("cpu_affinity", "cuda_graphs"):
             labels[key] = ",".join(map(str, value))
         else:
             labels[key] = str(value)

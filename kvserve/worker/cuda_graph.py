@@ -28,7 +28,8 @@ the slot it wrote this step, so its numbers are finite. Rows never mix (each row
 reads its own block table), so a real row gets what it would in an eager batch of ``B`` rows
 (a matmul library may round ``B`` rows differently from ``n``).
 
-Fail-safe: a capture that raises is logged once as a warning and the runner runs eager.
+Fail-safe: a capture, or a graph step, that raises is logged once as a warning and the runner
+runs every step eager from then on.
 Without a GPU, ``capture=False`` runs the very callable that would be captured (``forward``)
 eagerly, which is how CI holds this path to the eager one (``tests/worker/test_cuda_graph.py``,
 Triton's interpreter).

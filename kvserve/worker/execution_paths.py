@@ -29,6 +29,8 @@ class ExecutionPaths:
     # each when --cpu-cores binds); () where the OpenMP runtime is not libgomp
     thread_cores: tuple[tuple[int, ...], ...]
     omp_wait_policy: str  # $OMP_WAIT_POLICY as libgomp read it here ("" when unset)
+    # the decode batch sizes replayed as CUDA graphs (worker/cuda_graph.py); () when off
+    cuda_graphs: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,9 +61,14 @@ def kernel_flags() -> tuple[str, ...]:
 
 
 def collect_paths(
-    model: nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    cuda_graphs: tuple[int, ...] = (),
 ) -> ExecutionPaths:
-    """This rank's paths, read back in the thread that loaded (and will run) the model."""
+    """This rank's paths, read back in the thread that loaded (and will run) the model;
+    ``cuda_graphs``: the captured decode batch sizes."""
     from kvserve.worker.cpu_binding import omp_thread_cores
 
     cpu = device.type == "cpu"
@@ -77,4 +84,5 @@ def collect_paths(
         cpu_affinity=tuple(sorted(os.sched_getaffinity(0))),
         thread_cores=omp_thread_cores(threads) if cpu else (),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+        cuda_graphs=cuda_graphs,
     )

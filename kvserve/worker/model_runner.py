@@ -164,10 +164,16 @@ class ModelRunner:
             num_swap_blocks=size.num_swap_blocks,
             bytes_per_block=size.bytes_per_block,
             attention_backend=self.attn_backend.name.value,
-            paths=collect_paths(self.model, device, mc.dtype, quantization_name(mc)),
+            paths=collect_paths(
+                self.model, device, mc.dtype, quantization_name(mc), self._captured_sizes()
+            ),
             warmup_tokens=warmup_tokens,
             load_seconds=time.perf_counter() - t0,
         )
+
+    def _captured_sizes(self) -> tuple[int, ...]:
+        graphs = self.decode_graphs
+        return graphs.sizes if graphs is not None and graphs.captured else ()
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV tensors: the engine's, plus the scratch block when it exists."""
@@ -400,12 +406,10 @@ class ModelRunner:
         (the step's, or one request of them); the runner's per-request results are committed
         only when all of it succeeded. Reads only plain fields of ``sched``."""
         t0 = time.perf_counter()
-        graph_size = self._prepare_graph(rows)
-        if graph_size is not None:  # decode only: one row per request, each sampled
-            assert self.decode_graphs is not None
-            t1 = time.perf_counter()
-            hidden = self.decode_graphs.run(graph_size, len(rows.scheduled))  # [B, hidden]
-            sampled = hidden
+        graph_hidden = self._graph_forward(rows)
+        if graph_hidden is not None:  # decode only: one row per request, each sampled
+            t1 = t0  # the inputs' fill is inside the replay's time
+            hidden = sampled = graph_hidden  # [B, hidden]
         else:
             batch, logits_idx = self._prepare(rows)
             t1 = time.perf_counter()
@@ -441,13 +445,21 @@ class ModelRunner:
             phases[k] = phases.get(k, 0.0) + v
         return out
 
-    def _prepare_graph(self, rows: StepRows) -> int | None:
-        """The padded size when this step runs through the decode graphs (their inputs
-        filled), else None (eager)."""
-        if self.decode_graphs is None:
+    def _graph_forward(self, rows: StepRows) -> torch.Tensor | None:
+        """The hidden states ``[B, hidden]`` of a step the decode graphs run, else None
+        (eager). A graph step that raises turns the graphs off (one warning) and the step
+        runs eager."""
+        graphs = self.decode_graphs
+        decode = None if graphs is None else decode_rows(rows)
+        if graphs is None or decode is None:
             return None
-        decode = decode_rows(rows)
-        return None if decode is None else self.decode_graphs.prepare(decode)
+        try:
+            size = graphs.prepare(decode)
+            return None if size is None else graphs.run(size, len(decode))
+        except Exception as exc:
+            logger.warning("a CUDA graph decode step failed, every step runs eager: %r", exc)
+            self.decode_graphs = None
+            return None
 
     def _propose(
         self, reqs: list[CachedRequestState], out: ModelRunnerOutput

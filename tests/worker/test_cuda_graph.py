@@ -16,6 +16,7 @@ from kvserve.config import default_capture_sizes, resolve_capture_sizes
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.ops.triton.paged_attention import interpreted
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.cuda_graph import PAD_TOKEN_ID, StaticDecodeInputs
 from kvserve.worker.model_runner import ModelRunner
@@ -26,6 +27,8 @@ from tests.engine.utils import TINY, random_prompts
 REQUESTS = [(5, 6), (9, 4), (3, 4), (12, 3), (7, 2)]
 SIZES = (1, 2, 4)
 GRAPH_STEPS = 4  # the decode steps of at most 4 rows: 4, 3, 1, 1 rows
+# TRITON_ATTN on a CPU: in Triton's interpreter only (tests/conftest.py sets it without CUDA)
+interpreter = pytest.mark.skipif(not interpreted(), reason="no Triton interpreter (CUDA)")
 
 
 def test_default_capture_sizes_follow_vllm() -> None:
@@ -123,6 +126,7 @@ def _runner(engine: LLMEngine) -> ModelRunner:
     return engine.runner
 
 
+@interpreter
 def test_static_decode_matches_eager_on_cpu(llama_1k: Path) -> None:
     """Padded static steps give the eager tokens, K/V equal in every block the requests
     used, nothing in any other block, and padding only in the scratch block."""
@@ -149,6 +153,7 @@ def test_static_decode_matches_eager_on_cpu(llama_1k: Path) -> None:
         assert k[nb].abs().sum() > 0  # the padding rows wrote their slot there
 
 
+@interpreter
 def test_capture_failure_leaves_the_engine_eager(llama_1k: Path) -> None:
     """A capture that raises (here: no CUDA) is a warning; the runner keeps the eager path."""
     engine = _engine(llama_1k, enforce_eager=True)
@@ -158,6 +163,7 @@ def test_capture_failure_leaves_the_engine_eager(llama_1k: Path) -> None:
     assert _run(engine, [(4, 3)]) == _run(_engine(llama_1k, enforce_eager=True), [(4, 3)])
 
 
+@interpreter
 def test_long_contexts_and_sleep(llama_1k: Path) -> None:
     """Steps past max_seq_len_to_capture run eager (positions 12-15 of 12-18 replay); sleep
     drops the static path and wake-up builds it again over the new KV tensors."""
@@ -178,8 +184,10 @@ def test_long_contexts_and_sleep(llama_1k: Path) -> None:
 def test_graphs_are_off_on_cpu_and_the_decode_loop_unchanged(llama_1k: Path) -> None:
     """enforce_eager=False on a CPU still means the C++ decode loop (where it applies), never
     graphs, and no scratch block."""
-    runner = _runner(_engine(llama_1k, attention_backend="auto"))
+    engine = _engine(llama_1k, attention_backend="auto")
+    runner = _runner(engine)
     assert runner.decode_graphs is None and runner.scratch_block is None
+    assert engine.execution_paths.cuda_graphs == ()
     assert runner.kv_caches[0][0].shape[0] == runner.num_blocks
 
 
@@ -203,7 +211,7 @@ def test_graphs_match_eager_on_cuda(llama_1k: Path, dtype: str) -> None:
     engine = _cuda_engine(llama_1k, dtype=dtype, cuda_graph_sizes=list(SIZES))
     runner = _runner(engine)
     assert runner.decode_graphs is not None and runner.decode_graphs.captured
-    assert runner.decode_graphs.sizes == SIZES
+    assert runner.decode_graphs.sizes == engine.execution_paths.cuda_graphs == SIZES
     assert _run(engine, requests) == want
     assert runner.decode_graphs.steps == (7 if dtype == "bfloat16" else GRAPH_STEPS)
 
