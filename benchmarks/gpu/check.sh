@@ -45,7 +45,8 @@ stage() {  # stage NAME SECONDS CMD...: run, report, go on
 for s in ${CHECK_STAGES:-pytest kernels e2e}; do
   case $s in
     pytest) stage pytest 240 python -m pytest -p no:cacheprovider -m cuda -q -rs \
-      --continue-on-collection-errors tests/ops tests/sample tests/worker tests/attention ;;
+      --continue-on-collection-errors tests/ops tests/sample tests/worker tests/attention \
+      tests/engine/test_preemption.py ;;
     kernels) stage kernels 200 python benchmarks/gpu/check.py --out "$out/gpu_kernels-$day.json" ;;
     e2e) stage e2e 420 python benchmarks/gpu/e2e.py --tokenizer .gpu/tok \
       --out "$out/gpu_e2e-$day.json" ${E2E_ARGS:-} ;;
