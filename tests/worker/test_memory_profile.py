@@ -40,9 +40,11 @@ def test_dummy_prefill_runs_whole_rows_and_the_sampler_rows(tiny_llama: Path) ->
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_default_is_vllms_point_nine_of_the_device() -> None:
-    assert EngineArgs(device="cuda").create_engine_config().cache.gpu_memory_utilization == 0.9
-    cfg = EngineArgs(device="cuda", kv_cache_memory="1GiB").create_engine_config().cache
+def test_cuda_default_is_vllms_point_nine_of_the_device(tiny_llama: Path) -> None:
+    args = EngineArgs(str(tiny_llama), device="cuda")
+    assert args.create_engine_config().cache.gpu_memory_utilization == 0.9
+    sized = EngineArgs(str(tiny_llama), device="cuda", kv_cache_memory="1GiB")
+    cfg = sized.create_engine_config().cache
     assert (cfg.gpu_memory_utilization, cfg.kv_cache_memory) == (None, GiB)
 
 
@@ -59,8 +61,8 @@ def test_cuda_kv_cache_fits_the_share_of_the_device(tiny_llama: Path) -> None:
         per_block = kv_bytes_per_block(runner.model, runner.block_size, torch.float32)
         kv = runner.num_blocks * per_block
         assert kv > 0.02 * total  # most of the 5%: a tiny model and a 512-token step
-        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        out = llm.generate(["hello"] * 4, sp, use_tqdm=False)
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, sp, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in out] == [8] * 4
         torch.cuda.synchronize()
         used = total - torch.cuda.mem_get_info()[0]
