@@ -100,7 +100,9 @@ class MultiprocExecutor(Executor):
         if self._dead is not None or self._stopping.is_set():
             return  # already reported by a call, or an exit we asked for
         proc = self._procs[rank]
-        proc.join(timeout=1.0)
+        # its pipe closed, so it is exiting; the exit code is known once it is reaped (1 s
+        # was too short on a loaded 2-core box: the message said "exit code None")
+        proc.join(timeout=5.0)
         reason = (
             f"worker process rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}); "
             "the engine cannot continue and must be restarted"
@@ -173,7 +175,9 @@ class MultiprocExecutor(Executor):
 
     def _died(self, rank: int, what: str) -> NoReturn:
         proc = self._procs[rank]
-        proc.join(timeout=1.0)
+        # its pipe closed, so it is exiting; the exit code is known once it is reaped (1 s
+        # was too short on a loaded 2-core box: the message said "exit code None")
+        proc.join(timeout=5.0)
         self._fail(
             f"worker process rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}) "
             f"during {what}; the engine cannot continue and must be restarted"
