@@ -267,11 +267,15 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
     """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GemmaTokenizer
 
     # A local folder + gguf_file never touches the hub; transformers converts the GGUF vocab,
     # merges and special tokens into a fast tokenizer and copies the chat template over.
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    arch = read_architecture(reader)
+    # transformers' AutoTokenizer refuses a GGUF whose architecture its model loader lacks
+    # (gemma 1), though its GGUF tokenizer builder takes any: name the class for those.
+    tokenizer_class = GemmaTokenizer if arch == "gemma" else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -279,7 +283,7 @@ def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
         tokenizer.eos_token = tokens[int(eos_id)]
     # Without this the tokenizer reports an effectively infinite max length; the context length
     # is the real limit, and servers use model_max_length to reject over-long prompts.
-    context = _field(reader, f"{read_architecture(reader)}.context_length")
+    context = _field(reader, f"{arch}.context_length")
     if context is not None:
         tokenizer.model_max_length = int(context)
     template = _field(reader, "tokenizer.chat_template")
