@@ -158,7 +158,7 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
     """HF [out, in] shape of every tensor kind, keyed by llama.cpp kind / global name."""
     q_rows = hp.num_attention_heads * hp.head_dim
     kv_rows = hp.num_key_value_heads * hp.head_dim
@@ -222,7 +222,7 @@ def gguf_version() -> str:
     return version("gguf")
 
 
-def _plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[_Planned]:
+def plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[_Planned]:
     """The HF tensors block tensor ``tensor`` becomes (several for phi3's fused ones)."""
     name, arch = tensor.name, hp.architecture
     match = _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name)
@@ -246,14 +246,14 @@ def _plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[_P
 
 def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[_Planned]:
     """Name and shape of every tensor in HF terms, checked before any is converted."""
-    shapes = _expected_shapes(hp)
+    shapes = expected_shapes(hp)
     kinds = {p for k in _ARCH_BLOCK_KINDS[hp.architecture] for p in _hf_kinds(hp.architecture, k)}
     plan = []
     for tensor in reader.tensors:
         name = tensor.name
         _check_dequantizable(tensor)
         if _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name):
-            plan += _plan_block(tensor, hp, shapes)
+            plan += plan_block(tensor, hp, shapes)
             continue
         if name not in _GLOBAL_TENSOR_MAP:
             # Refuse rather than drop: an unknown tensor (biases, MoE experts, ...) means the

@@ -25,8 +25,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from transformers import PretrainedConfig
 
-from kvserve.model.gguf_convert import plan_tensors, read_bytes, unpermute_rotary
-from kvserve.model.gguf_metadata import read_hparams
+from kvserve.model.gguf_convert import expected_shapes, plan_block, read_bytes, unpermute_rotary
+from kvserve.model.gguf_metadata import LlamaHParams, read_architecture
 from kvserve.quantization.fusion import FUSED, fused_modules
 from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES, decode_blocks
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
@@ -85,6 +85,22 @@ class _Tensor:
     heads: int | None  # heads to unpermute the rows over (attn_q, attn_k), else None
 
 
+def _config_hparams(config: PretrainedConfig, arch: str) -> LlamaHParams:
+    """The sizes the projections must have, from the model's config (the file may carry only
+    weights) and the file's architecture (which says how its tensors are named and fused)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return LlamaHParams(
+        vocab_size=int(config.vocab_size), hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size),
+        num_hidden_layers=int(config.num_hidden_layers), num_attention_heads=heads,
+        num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim), max_position_embeddings=0, rms_norm_eps=0.0, rope_theta=0.0,
+        rope_scaling=None, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, architecture=arch,
+    )  # fmt: skip
+
+
 def _fused_name(module: str) -> str:
     """``layers.3.self_attn.q_proj`` -> the kvserve module it is part of (``...qkv_proj``)."""
     prefix, proj = module.rsplit(".", 1)
@@ -101,18 +117,21 @@ class GGUFLinears:
     quantized layer (``dense_types``: the IQ1/IQ2/IQ3 grids, TQ1_0, TQ2_0, MXFP4, ...) is left
     out: it stays an ordinary layer of the serving dtype, its weights the converted folder's
     (gguf's dequantizer's values). phi3's fused q/k/v and gate/up are read a run of rows each
-    (``gguf_convert.plan_tensors``)."""
+    (``gguf_convert.plan_block``)."""
 
     def __init__(self, path: str | Path, config: PretrainedConfig) -> None:
         self.path = Path(path)
         reader = GGUFReader(str(path))  # the header only: tensor data is read in take()
-        hp = read_hparams(reader)
+        hp = _config_hparams(config, read_architecture(reader))
         heads = {"attn_q": hp.num_attention_heads, "attn_k": hp.num_key_value_heads}
         if hp.architecture != "llama":
             heads = {}  # only llama files have permuted q/k rows
+        shapes = expected_shapes(hp)
         parts: dict[str, _Tensor] = {}  # by projection (layers.3.self_attn.q_proj)
         dense: dict[str, str] = {}  # fused module -> a type that keeps it dense
-        for p in plan_tensors(reader, hp):
+        planned = [p for t in reader.tensors if t.name.startswith("blk.")
+                   for p in plan_block(t, hp, shapes)]  # fmt: skip
+        for p in planned:
             module = p.hf_name.removeprefix("model.").removesuffix(".weight")
             if not module.endswith("_proj"):
                 continue  # norms, biases, embeddings
