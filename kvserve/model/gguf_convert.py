@@ -30,20 +30,17 @@ renamed onto ``out_dir`` only once complete, so a crash never leaves a half-writ
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
 from kvserve.model.gguf_metadata import (
@@ -56,6 +53,7 @@ from kvserve.model.gguf_metadata import (
     write_json,
     write_tokenizer,
 )
+from kvserve.model.gguf_names import Planned, plan_tensors
 from kvserve.model.safetensors_stream import save_streaming
 
 logger = logging.getLogger(__name__)
@@ -63,65 +61,6 @@ logger = logging.getLogger(__name__)
 # Bump whenever the converter's output changes (names, config keys, dtype, ...), so caches that
 # key on it (see kvserve.model.builtin) re-convert instead of serving a stale folder.
 CONVERTER_VERSION = 1
-
-# llama.cpp per-block tensor name -> Hugging Face Llama name (`{i}` is the layer index).
-_BLOCK_TENSOR_MAP: dict[str, str] = {
-    "attn_q": "model.layers.{i}.self_attn.q_proj.weight",
-    "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
-    "attn_v": "model.layers.{i}.self_attn.v_proj.weight",
-    "attn_output": "model.layers.{i}.self_attn.o_proj.weight",
-    "ffn_gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "ffn_up": "model.layers.{i}.mlp.up_proj.weight",
-    "ffn_down": "model.layers.{i}.mlp.down_proj.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "attn_q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "attn_k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-}
-# Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm there.
-_GEMMA23_TENSOR_MAP = {
-    **_BLOCK_TENSOR_MAP,
-    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "post_attention_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-_LLAMA_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                "attn_norm", "ffn_norm")  # fmt: skip
-_GEMMA2_KINDS = (*_LLAMA_KINDS, "post_attention_norm", "post_ffw_norm")
-# The per-block tensors each architecture has, all of them required (gguf.constants'
-# MODEL_TENSORS less the optional rope_freqs / rope_factors, which read_hparams refuses).
-# phi3's attn_qkv and ffn_up (gate rows, then up rows) are split into the Llama parts.
-_ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
-    "llama": _LLAMA_KINDS,
-    "qwen2": (*_LLAMA_KINDS, "attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": (*_LLAMA_KINDS, "attn_q_norm", "attn_k_norm"),
-    "gemma": _LLAMA_KINDS,
-    "gemma2": _GEMMA2_KINDS,
-    "gemma3": (*_GEMMA2_KINDS, "attn_q_norm", "attn_k_norm"),
-    "phi3": ("attn_qkv", "attn_output", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"),
-}
-_PHI3_FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}
-_GLOBAL_TENSOR_MAP: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
-_BLOCK_BIAS_RE = re.compile(r"^blk\.(\d+)\.(attn_[qkv])\.bias$")
-
-
-def _block_hf_name(kind: str, layer: int, arch: str = "llama") -> str:
-    """HF name of block tensor ``kind`` (``attn_q``, ``attn_q.bias``, ...) of ``layer``."""
-    names = _GEMMA23_TENSOR_MAP if arch in ("gemma2", "gemma3") else _BLOCK_TENSOR_MAP
-    if kind.endswith(".bias"):
-        weight = names[kind.removesuffix(".bias")].format(i=layer)
-        return weight.removesuffix("weight") + "bias"
-    return names[kind].format(i=layer)
-
-
-def _hf_kinds(arch: str, kind: str) -> tuple[str, ...]:
-    """The Llama kinds GGUF tensor ``kind`` holds, in row order (phi3's fused ones: several)."""
-    return _PHI3_FUSED.get(kind, (kind,)) if arch == "phi3" else (kind,)
 
 
 def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
@@ -158,123 +97,6 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
-    """HF [out, in] shape of every tensor kind, keyed by llama.cpp kind / global name."""
-    q_rows = hp.num_attention_heads * hp.head_dim
-    kv_rows = hp.num_key_value_heads * hp.head_dim
-    return {
-        "attn_q": (q_rows, hp.hidden_size),
-        "attn_k": (kv_rows, hp.hidden_size),
-        "attn_v": (kv_rows, hp.hidden_size),
-        "attn_output": (hp.hidden_size, q_rows),
-        "ffn_gate": (hp.intermediate_size, hp.hidden_size),
-        "ffn_up": (hp.intermediate_size, hp.hidden_size),
-        "ffn_down": (hp.hidden_size, hp.intermediate_size),
-        "attn_norm": (hp.hidden_size,),
-        "ffn_norm": (hp.hidden_size,),
-        "post_attention_norm": (hp.hidden_size,),
-        "post_ffw_norm": (hp.hidden_size,),
-        "attn_q.bias": (q_rows,),
-        "attn_k.bias": (kv_rows,),
-        "attn_v.bias": (kv_rows,),
-        "attn_q_norm": (hp.head_dim,),
-        "attn_k_norm": (hp.head_dim,),
-        "token_embd.weight": (hp.vocab_size, hp.hidden_size),
-        "output.weight": (hp.vocab_size, hp.hidden_size),
-        "output_norm.weight": (hp.hidden_size,),
-    }
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """One Hugging Face tensor's source in the GGUF: a whole tensor, or a run of its rows."""
-
-    tensor: ReaderTensor
-    kind: str  # llama.cpp kind (attn_q, ...) or global name (token_embd.weight, ...)
-    hf_name: str
-    shape: tuple[int, ...]  # HF [out, in] (or [n] for norms)
-    row_start: int = 0  # first row of ``tensor`` it takes (phi3's fused q/k/v, gate/up)
-
-
-@functools.cache
-def dequantizable(qtype: GGMLQuantizationType) -> bool:
-    """Whether the installed ``gguf`` package dequantizes ``qtype`` (tried on one zero block)."""
-    try:
-        _gguf_dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _check_dequantizable(tensor: ReaderTensor) -> None:
-    """Refuse, by name, a tensor type ``gguf`` cannot dequantize (before anything is written)."""
-    qtype = tensor.tensor_type
-    if not dequantizable(qtype):
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} has type {qtype.name}, which kvserve cannot load "
-            f"(the gguf package {gguf_version()} has no dequantizer for it)"
-        ) from None
-
-
-def gguf_version() -> str:
-    from importlib.metadata import version
-
-    return version("gguf")
-
-
-def plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[_Planned]:
-    """The HF tensors block tensor ``tensor`` becomes (several for phi3's fused ones)."""
-    name, arch = tensor.name, hp.architecture
-    match = _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name)
-    assert match is not None
-    layer, kind = int(match.group(1)), match.group(2)
-    kind = kind if name.endswith(".weight") else f"{kind}.bias"
-    if kind not in _ARCH_BLOCK_KINDS[arch] or layer >= hp.num_hidden_layers:
-        raise ValueError(f"unexpected tensor {name!r} in a {arch} GGUF")
-    parts = _hf_kinds(arch, kind)
-    # GGUF stores ggml `ne` order (innermost first), i.e. reversed numpy/HF order.
-    got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    want = (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:])
-    if got != want:
-        raise ValueError(f"tensor {name!r} has shape {got}, expected {want}")
-    plan, start = [], 0
-    for part in parts:
-        plan.append(_Planned(tensor, part, _block_hf_name(part, layer, arch), shapes[part], start))
-        start += shapes[part][0]
-    return plan
-
-
-def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[_Planned]:
-    """Name and shape of every tensor in HF terms, checked before any is converted."""
-    shapes = expected_shapes(hp)
-    kinds = {p for k in _ARCH_BLOCK_KINDS[hp.architecture] for p in _hf_kinds(hp.architecture, k)}
-    plan = []
-    for tensor in reader.tensors:
-        name = tensor.name
-        _check_dequantizable(tensor)
-        if _BLOCK_NAME_RE.match(name) or _BLOCK_BIAS_RE.match(name):
-            plan += plan_block(tensor, hp, shapes)
-            continue
-        if name not in _GLOBAL_TENSOR_MAP:
-            # Refuse rather than drop: an unknown tensor (biases, MoE experts, ...) means the
-            # model is not what the config says and a silently incomplete conversion is wrong.
-            raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
-        got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        if got != shapes[name]:
-            raise ValueError(f"tensor {name!r} has shape {got}, expected {shapes[name]}")
-        plan.append(_Planned(tensor, name, _GLOBAL_TENSOR_MAP[name], got))
-
-    expected = {_block_hf_name(k, i, hp.architecture) for k in kinds
-                for i in range(hp.num_hidden_layers)}  # fmt: skip
-    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
-    if not hp.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    missing = expected - {p.hf_name for p in plan}
-    if missing:
-        raise ValueError(f"GGUF is missing tensors: {sorted(missing)[:5]} ...")
-    return plan
-
-
 def read_bytes(path: str | Path, offset: int, nbytes: int, name: str) -> np.ndarray:
     """``nbytes`` bytes of tensor ``name`` at ``offset`` of the file, with a plain read: going
     through a ``GGUFReader``'s memory map would keep every page read resident in the process
@@ -293,20 +115,21 @@ def read_tensor_data(path: str | Path, tensor: ReaderTensor) -> np.ndarray:
     return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
 
 
-def read_rows(path: str | Path, p: _Planned) -> np.ndarray:
+def read_rows(path: str | Path, p: Planned) -> np.ndarray:
     """The stored rows of ``p`` (all of its tensor's, or its run of them): ``[rows, ...]`` in
     the tensor's storage dtype (blocks as uint8 for quantized types)."""
     t = p.tensor
-    if len(p.shape) == 1 or p.shape[0] == int(t.shape[-1]):
+    rows = int(np.prod(t.shape.tolist()[1:]))  # ggml order: ne[0] values a row, rows after
+    if len(p.shape) == 1 or p.shape[0] >= rows:
         return read_tensor_data(path, t)
-    row_bytes = int(t.n_bytes) // int(t.shape[-1])  # rows are stored one after another
+    row_bytes = int(t.n_bytes) // rows  # rows are stored one after another
     offset = int(t.data_offset) + p.row_start * row_bytes
     raw = read_bytes(path, offset, p.shape[0] * row_bytes, t.name)
     return raw.view(t.data.dtype).reshape(p.shape[0], -1)
 
 
 def iter_tensors(
-    path: str | Path, plan: list[_Planned], hp: LlamaHParams
+    path: str | Path, plan: list[Planned], hp: LlamaHParams
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, reshape and un-permute the planned tensors one at a time:
     ``(hf_name, [out, in] float32 tensor (or [n] for norms))``."""

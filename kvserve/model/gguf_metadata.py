@@ -22,7 +22,8 @@ from gguf import GGUFReader
 # native in kvserve). They use llama.cpp's tensor names (gguf.constants.MODEL_TENSORS); qwen2
 # adds q/k/v biases, qwen3 and gemma3 per-head q/k norms, gemma2/3 sandwich norms, phi3 fuses
 # q/k/v and gate/up (gguf_convert). A phi3 file with a sliding window is written as Mistral
-# (Llama with a window on every layer, as transformers' Phi3 applies it).
+# (Llama with a window on every layer, as transformers' Phi3 applies it); a llama file with
+# experts (`llama.expert_count`) as Mixtral.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -31,6 +32,8 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "LlamaForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's gemma2 / gemma3 27B shapes (by layer count) scale queries by hidden / heads
@@ -115,9 +118,9 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
     n_head = int(_require(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
-    if arch == "qwen2" and head_dim != hidden // n_head:
+    if arch in ("qwen2", "qwen2moe") and head_dim != hidden // n_head:
         # Qwen2Config has no head_dim: it is always hidden / heads.
-        raise ValueError(f"qwen2 GGUF with head dim {head_dim} != {hidden} / {n_head}")
+        raise ValueError(f"{arch} GGUF with head dim {head_dim} != {hidden} / {n_head}")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         # HF Llama rotates the whole head; partial rotary would silently give wrong outputs.
@@ -139,10 +142,14 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         value = _field(reader, key)
         return None if value is None else int(value)
 
+    extra = {**_family_extra(reader, arch, hidden // n_head, head_dim), **_moe_extra(reader, arch)}
+    ffn = _field(reader, f"{arch}.feed_forward_length") or extra.get("moe_intermediate_size")
+    if ffn is None:
+        raise ValueError(f"GGUF metadata is missing required key '{arch}.feed_forward_length'")
     return LlamaHParams(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(ffn),
         num_hidden_layers=int(_require(reader, f"{arch}.block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=n_kv_head,
@@ -157,7 +164,7 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
         pad_token_id=optional_int("tokenizer.ggml.padding_token_id"),
         architecture=arch,
-        extra=_family_extra(reader, arch, hidden // n_head, head_dim),
+        extra=extra,
     )
 
 
@@ -181,10 +188,38 @@ def _family_extra(reader: GGUFReader, arch: str, hidden_per_head: int, head_dim:
     return extra
 
 
+def _moe_extra(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """Expert counts and sizes; top-k renormalisation as llama.cpp's graphs do it (qwen3moe
+    and llama-with-experts renormalise, qwen2moe not) unless ``expert_weights_norm`` says."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF metadata is missing required key '{arch}.expert_count'")
+        return {}
+    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise ValueError(f"{arch} GGUF with experts ({arch}.expert_count) is not supported")
+    used = int(_require(reader, f"{arch}.expert_used_count"))
+    if arch == "llama":  # Mixtral
+        return {"num_local_experts": int(experts), "num_experts_per_tok": used}
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    extra = {
+        "num_experts": int(experts), "num_experts_per_tok": used,
+        "moe_intermediate_size": int(_require(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": arch == "qwen3moe" if norm is None else bool(norm),
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    }  # fmt: skip
+    if arch == "qwen2moe":
+        key = f"{arch}.expert_shared_feed_forward_length"
+        extra["shared_expert_intermediate_size"] = int(_require(reader, key))
+    return extra
+
+
 def hf_architecture(hp: LlamaHParams) -> str:
     """The transformers class ``hp``'s folder is written for."""
     if hp.architecture == "phi3" and hp.extra.get("sliding_window"):
         return "MistralForCausalLM"
+    if hp.architecture == "llama" and hp.extra.get("num_local_experts"):
+        return "MixtralForCausalLM"
     return ARCHITECTURES[hp.architecture]
 
 
@@ -209,8 +244,16 @@ def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
         extra = {"head_dim": hp.head_dim, "hidden_activation": "gelu_pytorch_tanh",
                  "attention_bias": False, **hp.extra}  # fmt: skip
         return classes[arch], extra
+    if arch == "qwen2moe":
+        return transformers.Qwen2MoeConfig, dict(hp.extra)  # q/k/v biases built in
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig, {"head_dim": hp.head_dim, "attention_bias": False,
+                                             **hp.extra}  # fmt: skip
     if hf_architecture(hp) == "MistralForCausalLM":
         return transformers.MistralConfig, {"head_dim": hp.head_dim, **hp.extra}
+    if hf_architecture(hp) == "MixtralForCausalLM":  # no window: llama.cpp's llama graph
+        return transformers.MixtralConfig, {"head_dim": hp.head_dim, "sliding_window": None,
+                                            **hp.extra}  # fmt: skip
     return transformers.LlamaConfig, {"head_dim": hp.head_dim}
 
 

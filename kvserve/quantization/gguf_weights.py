@@ -25,8 +25,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from transformers import PretrainedConfig
 
-from kvserve.model.gguf_convert import expected_shapes, plan_block, read_bytes, unpermute_rotary
+from kvserve.model.gguf_convert import read_bytes, unpermute_rotary
 from kvserve.model.gguf_metadata import LlamaHParams, read_architecture
+from kvserve.model.gguf_names import expected_shapes, plan_block
 from kvserve.quantization.fusion import FUSED, fused_modules
 from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES, decode_blocks
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
@@ -117,7 +118,7 @@ class GGUFLinears:
     quantized layer (``dense_types``: the IQ1/IQ2/IQ3 grids, TQ1_0, TQ2_0, MXFP4, ...) is left
     out: it stays an ordinary layer of the serving dtype, its weights the converted folder's
     (gguf's dequantizer's values). phi3's fused q/k/v and gate/up are read a run of rows each
-    (``gguf_convert.plan_block``)."""
+    (``gguf_names.plan_block``)."""
 
     def __init__(self, path: str | Path, config: PretrainedConfig) -> None:
         self.path = Path(path)
@@ -133,8 +134,8 @@ class GGUFLinears:
                    for p in plan_block(t, hp, shapes)]  # fmt: skip
         for p in planned:
             module = p.hf_name.removeprefix("model.").removesuffix(".weight")
-            if not module.endswith("_proj"):
-                continue  # norms, biases, embeddings
+            if not module.endswith("_proj") or ".experts." in module:
+                continue  # norms, biases, embeddings; experts (MoE + gguf: refused by the class)
             qtype, n, k = p.tensor.tensor_type, p.shape[0], p.shape[1]
             if qtype not in SUPPORTED_TYPES:
                 dense[_fused_name(module)] = qtype.name
