@@ -5,8 +5,9 @@ template). Used by ``gguf_convert``.
 Each GGUF ``general.architecture`` maps to the transformers class kvserve runs natively, with
 the settings llama.cpp's converter drops or its runtime hard-codes filled in as llama.cpp's
 ``src/llama-model.cpp`` fills them: Gemma 2's and 3's window pattern (every 2nd / 6th layer
-global, transformers' default ``layer_types`` too), Gemma 3's local RoPE base (10000) and the
-``query_pre_attn_scalar`` (head_dim, but hidden / heads for the 27B shapes: 46 / 62 layers).
+global, transformers' default ``layer_types`` too), Gemma 3's local RoPE base
+(``rope.freq_base_swa``, else 10000), the ``query_pre_attn_scalar`` (head_dim, but hidden /
+heads for the 27B shapes: 46 / 62 layers).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ARCHITECTURES = {
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's gemma2 / gemma3 27B shapes (by layer count) scale queries by hidden / heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa, not in the file
+# llama.cpp's rope_freq_base_train_swa when the file has no gemma3.rope.freq_base_swa
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 
@@ -185,6 +187,9 @@ def _family_extra(reader: GGUFReader, arch: str, hidden_per_head: int, head_dim:
     }
     if arch == "gemma2":
         extra["attn_logit_softcapping"] = _field(reader, f"{arch}.attn_logit_softcapping")
+    else:  # newer llama.cpp converters write the local base; older files leave it implied
+        base = _field(reader, f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+        extra["rope_local_base_freq"] = float(base)
     return extra
 
 
@@ -241,8 +246,9 @@ def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
         classes = {"gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
                    "gemma3": transformers.Gemma3TextConfig}  # fmt: skip
         # llama.cpp's gemma graphs: GELU (tanh) GeGLU, no attention biases
+        own = {k: v for k, v in hp.extra.items() if k != "rope_local_base_freq"}  # in rope
         extra = {"head_dim": hp.head_dim, "hidden_activation": "gelu_pytorch_tanh",
-                 "attention_bias": False, **hp.extra}  # fmt: skip
+                 "attention_bias": False, **own}  # fmt: skip
         return classes[arch], extra
     if arch == "qwen2moe":
         return transformers.Qwen2MoeConfig, dict(hp.extra)  # q/k/v biases built in
@@ -265,7 +271,7 @@ def _rope_parameters(hp: LlamaHParams) -> dict[str, Any]:
         rope = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
     if hp.architecture != "gemma3":
         return rope
-    local = {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}
+    local = {"rope_type": "default", "rope_theta": hp.extra["rope_local_base_freq"]}
     return {"sliding_attention": local, "full_attention": rope}
 
 

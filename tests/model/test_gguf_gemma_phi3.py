@@ -47,7 +47,7 @@ _GEMMA_BASE = {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM}  # llama
 
 def make_model(arch: str, hidden: int = HIDDEN, ffn: int = FFN) -> PreTrainedModel:
     """A random float32 model of ``arch`` whose windows, soft-caps and Gemma 3's two RoPEs
-    (llama.cpp's fixed local base 10000, linear scaling on the global layers) all bite."""
+    (a local base of their own, linear scaling on the global layers) all bite."""
     common = {
         "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": ffn,
         "num_hidden_layers": LAYERS[arch], "num_attention_heads": HEADS,
@@ -64,7 +64,7 @@ def make_model(arch: str, hidden: int = HIDDEN, ffn: int = FFN) -> PreTrainedMod
         model = Gemma2ForCausalLM(config)
     elif arch == "gemma3":
         rope = {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
         }
         config = Gemma3TextConfig(**common, **_GEMMA_BASE, sliding_window=WINDOW,
@@ -184,6 +184,7 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T
             w.add_final_logit_softcapping(2.0)
         if arch == "gemma3":
             w.add_rope_freq_base(50000.0)
+            w.add_float32("gemma3.rope.freq_base_swa", 20000.0)  # as llama.cpp writes it
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(2.0)
         add_tiny_tokenizer(w)
