@@ -205,7 +205,8 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T
 
 
 _F16_AT = {T.Q5_K: (0, 2), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_XS: (0,), T.IQ4_NL: (0,),
-           T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ2_XXS: (0,), T.Q8_1: (0, 2)}  # fmt: skip
+           T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ2_XXS: (0,), T.Q8_1: (0, 2), T.Q8_0: (0,),
+           T.Q4_0: (0,), T.Q4_1: (0, 2)}  # fmt: skip
 
 
 def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
@@ -286,17 +287,19 @@ def test_converted_folder_equals_original(
     assert saved.encode("at the") == [2, *built.encode("at the", add_special_tokens=False)]
 
 
-def _generate(model: str, quantization: str | None = None) -> list[list[int]]:
+def _generate(model: str, quantization: str | None = None) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``PROMPTS``, and how many layers were kept quantized."""
     from kvserve import LLM, SamplingParams
 
     llm = LLM(model=model, quantization=quantization, **FAST)
     try:
+        report = getattr(llm.engine.runner.model, "quant_report", None)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.close()
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs], 0 if report is None else report.layers
 
 
 @pytest.mark.slow
@@ -305,7 +308,7 @@ def test_greedy_tokens_equal_transformers(
 ) -> None:
     arch, original, path = family
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    got = _generate(str(path))
+    got, _ = _generate(str(path))
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
             want = original.generate(
@@ -317,43 +320,66 @@ def test_greedy_tokens_equal_transformers(
 
 
 # Phi-3 with the types llama.cpp's K-quant mixes use, on its fused tensors (K-quant rows are
-# 256-value super-blocks: hidden and FFN 256)
-MIXED = {"attn_qkv": T.Q5_K, "attn_output": T.Q3_K, "ffn_up": T.Q2_K, "ffn_down": T.IQ4_XS}
+# 256-value super-blocks: hidden and FFN 256); Gemma 2 with the 32-value block types, mixed
+# inside its fused q/k/v and gate/up
+MIXED = {
+    "phi3": {"attn_qkv": T.Q5_K, "attn_output": T.Q3_K, "ffn_up": T.Q2_K, "ffn_down": T.IQ4_XS},
+    "gemma2": {"attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.IQ4_NL, "attn_output": T.Q8_0,
+               "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.Q5_1},
+}  # fmt: skip
+_SIZES = {"phi3": (256, 256), "gemma2": (HIDDEN, FFN)}
 
 
-@pytest.fixture(scope="module")
-def mixed_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("phi3-mixed") / "phi3-mixed.gguf"
-    return write_gguf(make_model("phi3", 256, 256), "phi3", path, MIXED)
+@pytest.fixture(scope="module", params=list(MIXED))
+def mixed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path]:
+    arch = request.param
+    path = tmp_path_factory.mktemp(f"{arch}-mixed") / f"{arch}-mixed.gguf"
+    return arch, write_gguf(make_model(arch, *_SIZES[arch]), arch, path, MIXED[arch])
 
 
-def test_mixed_types_equal_gguf_dequantizer(mixed_phi3: Path) -> None:
-    """Each kept projection holds gguf's values, phi3's fused tensors read a run of rows per
-    part and fused back; the layer with an IQ2_XXS part stays dense."""
-    tensors = {t.name: t for t in gguf.GGUFReader(mixed_phi3).tensors}
+def test_mixed_types_equal_gguf_dequantizer(mixed: tuple[str, Path]) -> None:
+    """Each kept projection holds gguf's values, fused across types (Gemma 2) or read a run of
+    rows per part and fused back (Phi-3's fused tensors); Phi-3's layer with an IQ2_XXS part
+    stays dense."""
+    arch, path = mixed
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
 
-    def want(name: str) -> torch.Tensor:
-        t = tensors[name]
-        return torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
+    def want(*names: str) -> torch.Tensor:
+        parts = [dequantize(tensors[n].data, tensors[n].tensor_type) for n in names]
+        return torch.from_numpy(np.concatenate(parts).astype(np.float32))
 
-    source = GGUFLinears(mixed_phi3, make_model("phi3", 256, 256).config)
-    assert source.dense_types == {"IQ2_XXS"}
-    assert "layers.1.self_attn.qkv_proj" not in source.modules
-    assert "model.layers.1.self_attn.q_proj.weight" not in source.checkpoint_names
-    for module, name in (("layers.0.self_attn.qkv_proj", "blk.0.attn_qkv.weight"),
-                         ("layers.1.self_attn.o_proj", "blk.1.attn_output.weight"),
-                         ("layers.1.mlp.gate_up_proj", "blk.1.ffn_up.weight"),
-                         ("layers.0.mlp.down_proj", "blk.0.ffn_down.weight")):  # fmt: skip
-        assert torch.equal(source.take(module).dequantize(torch.float32), want(name)), module
+    source = GGUFLinears(path, make_model(arch, *_SIZES[arch]).config)
+    if arch == "phi3":
+        assert source.dense_types == {"IQ2_XXS"}
+        assert "layers.1.self_attn.qkv_proj" not in source.modules
+        assert "model.layers.1.self_attn.q_proj.weight" not in source.checkpoint_names
+        cases = {"layers.0.self_attn.qkv_proj": ["blk.0.attn_qkv"],
+                 "layers.1.self_attn.o_proj": ["blk.1.attn_output"],
+                 "layers.1.mlp.gate_up_proj": ["blk.1.ffn_up"],
+                 "layers.0.mlp.down_proj": ["blk.0.ffn_down"]}  # fmt: skip
+    else:
+        assert source.dense_types == set() and len(source.modules) == 4 * LAYERS[arch]
+        cases = {"layers.1.self_attn.qkv_proj": ["blk.1.attn_q", "blk.1.attn_k", "blk.1.attn_v"],
+                 "layers.0.mlp.gate_up_proj": ["blk.0.ffn_gate", "blk.0.ffn_up"],
+                 "layers.1.mlp.down_proj": ["blk.1.ffn_down"],
+                 "layers.0.self_attn.o_proj": ["blk.0.attn_output"]}  # fmt: skip
+    for module, names in cases.items():
+        got = source.take(module).dequantize(torch.float32)
+        assert torch.equal(got, want(*(f"{n}.weight" for n in names))), module
 
 
 @pytest.mark.slow
 def test_mixed_types_kept_quantized_give_the_dequantized_tokens(
-    mixed_phi3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mixed: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    arch, path = mixed
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    dense = _generate(str(mixed_phi3))
-    assert _generate(str(mixed_phi3), "gguf") == dense
+    dense, _ = _generate(str(path))
+    tokens, layers = _generate(str(path), "gguf")
+    assert tokens == dense
+    assert layers == 4 * LAYERS[arch] - (1 if arch == "phi3" else 0)  # phi3: one stays dense
     assert len({t[0] for t in dense}) > 1
 
 
