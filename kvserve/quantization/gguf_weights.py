@@ -98,8 +98,23 @@ def _config_hparams(config: PretrainedConfig, arch: str) -> LlamaHParams:
         num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(head_dim), max_position_embeddings=0, rms_norm_eps=0.0, rope_theta=0.0,
         rope_scaling=None, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, architecture=arch,
+        pad_token_id=None, architecture=arch, extra=_moe_extra(config, arch),
     )  # fmt: skip
+
+
+def _moe_extra(config: PretrainedConfig, arch: str) -> dict[str, int]:
+    """The expert sizes ``gguf_names`` plans stacked expert tensors with (none: dense)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return {}
+    if arch == "llama":  # Mixtral: experts of intermediate_size
+        return {"num_local_experts": int(experts)}
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    return {"num_experts": int(experts), "moe_intermediate_size": int(config.moe_intermediate_size),
+            "shared_expert_intermediate_size": int(shared)}  # fmt: skip
+
+
+_EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 
 def _fused_name(module: str) -> str:
@@ -132,19 +147,31 @@ class GGUFLinears:
         dense: dict[str, str] = {}  # fused module -> a type that keeps it dense
         planned = [p for t in reader.tensors if t.name.startswith("blk.")
                    for p in plan_block(t, hp, shapes)]  # fmt: skip
+        experts: dict[str, dict[tuple[int, str], _Tensor]] = {}  # layers.3.mlp.experts -> parts
         for p in planned:
             module = p.hf_name.removeprefix("model.").removesuffix(".weight")
-            if not module.endswith("_proj") or ".experts." in module:
-                continue  # norms, biases, embeddings; experts (MoE + gguf: refused by the class)
+            is_expert = p.kind in _EXPERT_PARTS
+            if not module.endswith("_proj") and not is_expert:
+                continue  # norms, biases, embeddings, routers
             qtype, n, k = p.tensor.tensor_type, p.shape[0], p.shape[1]
+            if is_expert:
+                layer = int(p.tensor.name.split(".")[1])  # blk.3.ffn_gate_exps.weight
+                module = f"layers.{layer}.mlp.experts"
             if qtype not in SUPPORTED_TYPES:
-                dense[_fused_name(module)] = qtype.name
+                dense[module if is_expert else _fused_name(module)] = qtype.name
                 continue
-            row_bytes = int(p.tensor.n_bytes) // int(p.tensor.shape[-1])
-            parts[module] = _Tensor(
+            # a run of the stored rows: phi3's fused parts, one expert of a stacked tensor
+            row_bytes = int(p.tensor.n_bytes) // (int(np.prod(p.tensor.shape.tolist()[1:])))
+            t = _Tensor(
                 p.tensor.name, qtype, int(p.tensor.data_offset) + p.row_start * row_bytes,
                 n * row_bytes, n, k, heads.get(p.kind),
             )  # fmt: skip
+            if is_expert:
+                experts.setdefault(module, {})[(p.row_start // n, _EXPERT_PARTS[p.kind])] = t
+            else:
+                parts[module] = t
+        # each MoE layer's experts, all kept quantized (a layer with a dense part stays dense)
+        self.experts = {m: e for m, e in experts.items() if m not in dense}
         self.dense_types = {name for name in dense.values() if name not in ("F32", "F16", "BF16")}
         if self.dense_types:
             logger.info("GGUF projections of types %s have no quantized layer in kvserve: %d "
@@ -157,6 +184,13 @@ class GGUFLinears:
     def take(self, module: str) -> QuantizedWeight:
         """``module``'s weight, its parts read, decoded and fused."""
         return concat_rows([self._read(self._tensors[p]) for p in self.modules[module]])
+
+    def take_expert(self, module: str, expert: int, proj: str) -> QuantizedWeight:
+        """Expert ``expert`` of MoE layer ``module`` (``layers.3.mlp.experts``): its
+        ``gate_up_proj`` (gate rows, then up rows) or ``down_proj``."""
+        names = ("gate", "up") if proj == "gate_up_proj" else ("down",)
+        parts = self.experts[module]
+        return concat_rows([self._read(parts[(expert, n)]) for n in names])
 
     def _read(self, t: _Tensor) -> QuantizedWeight:
         raw = read_bytes(self.path, t.offset, t.nbytes, t.name)

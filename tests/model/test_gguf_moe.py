@@ -14,10 +14,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig, PreTrainedModel
 
 from kvserve.model.gguf_convert import convert_gguf
+from kvserve.quantization.gguf_weights import GGUFLinears
 from tests.model.test_gguf import _write_gguf, llama_cpp_permute
 from tests.model.test_gguf_families import FAST
 from tests.model.test_gguf_gemma_phi3 import PROMPTS, add_tiny_tokenizer
@@ -70,7 +73,11 @@ def to_gguf_tensors(state: dict[str, np.ndarray], gguf_arch: str, heads: tuple[i
     return out
 
 
-def write_moe_gguf(folder: Path, gguf_arch: str, path: Path) -> Path:
+def write_moe_gguf(
+    folder: Path, gguf_arch: str, path: Path, types: dict[str, T] | None = None
+) -> Path:
+    """The checkpoint in ``folder`` as llama.cpp writes it; ``types``: llama.cpp kind -> a type
+    gguf-py quantizes to (the rest F32)."""
     c = json.loads((folder / "config.json").read_text())
     state = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
@@ -96,7 +103,12 @@ def write_moe_gguf(folder: Path, gguf_arch: str, path: Path) -> Path:
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
         add_tiny_tokenizer(w)
         for name, t in tensors.items():
-            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+            qtype = (types or {}).get(name.split(".")[-2])
+            t = np.ascontiguousarray(t, dtype=np.float32)
+            if qtype is None:
+                w.add_tensor(name, t)
+            else:  # quantized along the rows' last axis, experts stacked as [E, rows, bytes]
+                w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
 
     return _write_gguf(path, gguf_arch, fill)
 
@@ -136,23 +148,29 @@ def test_converted_folder_equals_the_checkpoint(
         assert torch.equal(tensor, want[name]), name  # q/k unpermuted for the llama file
 
 
+def _generate(path: Path, quantization: str | None = None) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``PROMPTS``, and how many layers were kept quantized."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=str(path), quantization=quantization, **FAST)
+    try:
+        report = getattr(llm.engine.runner.model, "quant_report", None)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    return [list(o.outputs[0].token_ids) for o in outputs], 0 if report is None else report.layers
+
+
 @pytest.mark.slow
 def test_greedy_tokens_equal_transformers(
     moe_family: tuple[str, PreTrainedModel, Path, Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvserve import LLM, SamplingParams
-
     family, original, _, path = moe_family
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(model=str(path), **FAST)
-    try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.engine.close()
-    got = [list(o.outputs[0].token_ids) for o in outputs]
+    got, _ = _generate(path)
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
             want = original.generate(
@@ -161,3 +179,58 @@ def test_greedy_tokens_equal_transformers(
             )[0, len(prompt) :]  # fmt: skip
         assert tokens == want.tolist(), (family, prompt)
     assert len({t[0] for t in got}) > 1  # not one repeated token
+
+
+# experts, attention and the shared expert in the types gguf-py quantizes to, mixed inside the
+# fused gate/up and q/k/v
+TYPES = {"ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q5_0,
+         "attn_q": T.Q5_1, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
+         "ffn_gate_shexp": T.Q8_0, "ffn_up_shexp": T.Q8_0, "ffn_down_shexp": T.Q4_0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized(
+    moe_family: tuple[str, PreTrainedModel, Path, Path],
+) -> tuple[str, PreTrainedModel, Path]:
+    family, model, folder, _ = moe_family
+    path = folder.parent / f"{family}-mixed.gguf"
+    return family, model, write_moe_gguf(folder, ARCHS[family][0], path, TYPES)
+
+
+def test_experts_equal_gguf_dequantizer(quantized: tuple[str, PreTrainedModel, Path]) -> None:
+    """Each expert's gate/up and down hold gguf's values of its rows of the stacked tensors."""
+    family, model, path = quantized
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    source = GGUFLinears(path, model.config)
+    experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
+    assert sorted(source.experts) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    for layer in range(2):
+
+        def stacked(kind: str, e: int, layer: int = layer) -> np.ndarray:
+            t = tensors[f"blk.{layer}.{kind}.weight"]
+            return dequantize(t.data, t.tensor_type)[e]  # [E, rows, cols] -> expert e
+
+        for e in range(experts):
+            gate_up = np.concatenate([stacked("ffn_gate_exps", e), stacked("ffn_up_exps", e)])
+            got = source.take_expert(f"layers.{layer}.mlp.experts", e, "gate_up_proj")
+            assert torch.equal(got.dequantize(torch.float32), torch.from_numpy(gate_up))
+            got = source.take_expert(f"layers.{layer}.mlp.experts", e, "down_proj")
+            want = torch.from_numpy(stacked("ffn_down_exps", e))
+            assert torch.equal(got.dequantize(torch.float32), want)
+
+
+@pytest.mark.slow
+def test_experts_kept_quantized_give_the_dequantized_tokens(
+    quantized: tuple[str, PreTrainedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--quantization gguf`` on an MoE file: attention, the shared expert and every expert
+    on the quantized kernels with the file's own values, the tokens of the dequantized file."""
+    family, model, path = quantized
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    dense, _ = _generate(path)
+    tokens, layers = _generate(path, "gguf")
+    assert tokens == dense
+    experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
+    shared = 2 if family == "qwen2_moe" else 0  # its gate_up and down
+    assert layers == 2 * (2 + 2 * experts + shared)  # per layer: qkv, o, experts' gate_up/down
+    assert len({t[0] for t in dense}) > 1
