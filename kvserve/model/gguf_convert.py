@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
 from kvserve.model.gguf_metadata import (
@@ -53,7 +53,7 @@ from kvserve.model.gguf_metadata import (
     write_json,
     write_tokenizer,
 )
-from kvserve.model.gguf_names import Planned, plan_tensors
+from kvserve.model.gguf_names import GGUFFiles, Planned, plan_tensors
 from kvserve.model.safetensors_stream import save_streaming
 
 logger = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ def read_tensor_data(path: str | Path, tensor: ReaderTensor) -> np.ndarray:
     return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
 
 
-def read_rows(path: str | Path, p: Planned) -> np.ndarray:
+def read_rows(p: Planned) -> np.ndarray:
     """The stored rows of ``p`` (all of its tensor's, or its run of them): ``[rows, ...]`` in
-    the tensor's storage dtype (blocks as uint8 for quantized types)."""
-    t = p.tensor
+    the tensor's storage dtype (blocks as uint8 for quantized types), from its file."""
+    t, path = p.tensor, p.path
     rows = int(np.prod(t.shape.tolist()[1:]))  # ggml order: ne[0] values a row, rows after
     if len(p.shape) == 1 or p.shape[0] >= rows:
         return read_tensor_data(path, t)
@@ -128,9 +128,7 @@ def read_rows(path: str | Path, p: Planned) -> np.ndarray:
     return raw.view(t.data.dtype).reshape(p.shape[0], -1)
 
 
-def iter_tensors(
-    path: str | Path, plan: list[Planned], hp: LlamaHParams
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(plan: list[Planned], hp: LlamaHParams) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, reshape and un-permute the planned tensors one at a time:
     ``(hf_name, [out, in] float32 tensor (or [n] for norms))``."""
     permuted = hp.architecture == "llama"  # llama.cpp permutes the q/k rows of these only
@@ -140,7 +138,7 @@ def iter_tensors(
     for p in plan:
         # gguf already returns quantized rows as [rows, cols]; reshape makes F32/F16 and any
         # flattened layout explicit and fails loudly if the element count is off.
-        weights = dequantize(read_rows(path, p), p.tensor.tensor_type)
+        weights = dequantize(read_rows(p), p.tensor.tensor_type)
         t = torch.from_numpy(np.ascontiguousarray(weights.reshape(p.shape)))
         if permuted and p.kind == "attn_q":
             t = unpermute_rotary(t, hp.num_attention_heads).contiguous()
@@ -153,7 +151,7 @@ def iter_tensors(
 
 def _write_model(gguf_path: Path, work_dir: Path) -> None:
     """Write the whole HF folder into ``work_dir`` (which is not yet the final location)."""
-    reader = GGUFReader(gguf_path)
+    reader = GGUFFiles(gguf_path)  # every shard of a split model
     hp = read_hparams(reader)
     write_json(work_dir / "config.json", build_config_dict(hp))
     generation = {
@@ -169,9 +167,9 @@ def _write_model(gguf_path: Path, work_dir: Path) -> None:
     # One tensor in memory at a time (save_file would take the whole float32 model);
     # "format": "pt" is what transformers' safetensors loader expects in the header.
     specs = [(p.hf_name, torch.float32, p.shape) for p in plan]
-    save_streaming(work_dir / "model.safetensors", specs, iter_tensors(gguf_path, plan, hp),
+    save_streaming(work_dir / "model.safetensors", specs, iter_tensors(plan, hp),
                    metadata={"format": "pt"})  # fmt: skip
-    write_tokenizer(gguf_path, reader, work_dir)
+    write_tokenizer(reader.paths[0], reader, work_dir)  # a split model's metadata: shard 1
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:

@@ -13,11 +13,12 @@ heads for the 27B shapes: 46 / 62 layers).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gguf import GGUFReader
+from gguf import ReaderField, ReaderTensor
 
 # GGUF `general.architecture` -> the transformers architecture its folder is written as (all
 # native in kvserve). They use llama.cpp's tensor names (gguf.constants.MODEL_TENSORS); qwen2
@@ -44,6 +45,13 @@ _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 
+class GGUFLike(Protocol):
+    """What is read here: a ``gguf.GGUFReader``, or ``gguf_names.GGUFFiles`` (shards)."""
+
+    fields: Mapping[str, ReaderField]
+    tensors: list[ReaderTensor]
+
+
 @dataclass(frozen=True)
 class LlamaHParams:
     """The model sizes read from a GGUF's ``{arch}.*`` metadata."""
@@ -68,7 +76,7 @@ class LlamaHParams:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFLike, key: str, default: Any = None) -> Any:
     """A metadata value as a plain Python value (str, int, float, list), or ``default``."""
     field = reader.fields.get(key)
     if field is None:
@@ -76,14 +84,14 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def _require(reader: GGUFReader, key: str) -> Any:
+def _require(reader: GGUFLike, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata is missing required key {key!r}")
     return value
 
 
-def _vocab_size(reader: GGUFReader) -> int:
+def _vocab_size(reader: GGUFLike) -> int:
     """The token count: the tokenizer's, else the embedding's rows (a file of weights only)."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
@@ -94,7 +102,7 @@ def _vocab_size(reader: GGUFReader) -> int:
     raise ValueError("GGUF has no vocab_size, tokenizer.ggml.tokens nor token_embd.weight")
 
 
-def read_architecture(reader: GGUFReader) -> str:
+def read_architecture(reader: GGUFLike) -> str:
     """The GGUF's ``general.architecture``; ValueError if this converter cannot handle it."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -105,7 +113,7 @@ def read_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def read_hparams(reader: GGUFReader) -> LlamaHParams:
+def read_hparams(reader: GGUFLike) -> LlamaHParams:
     """Read the Llama sizes from the GGUF metadata (``{arch}.`` keys) and validate them."""
     arch = read_architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
@@ -170,7 +178,7 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
     )
 
 
-def _family_extra(reader: GGUFReader, arch: str, hidden_per_head: int, head_dim: int) -> dict:
+def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: int) -> dict:
     """The config fields only ``arch``'s family has, from the file or as llama.cpp sets them."""
     window = _field(reader, f"{arch}.attention.sliding_window")
     window = int(window) if window else None
@@ -193,7 +201,7 @@ def _family_extra(reader: GGUFReader, arch: str, hidden_per_head: int, head_dim:
     return extra
 
 
-def _moe_extra(reader: GGUFReader, arch: str) -> dict[str, Any]:
+def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:
     """Expert counts and sizes; top-k renormalisation as llama.cpp's graphs do it (qwen3moe
     and llama-with-experts renormalise, qwen2moe not) unless ``expert_weights_norm`` says."""
     experts = _field(reader, f"{arch}.expert_count")
@@ -314,7 +322,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
+def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
     from transformers import AutoTokenizer, GemmaTokenizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
@@ -86,6 +87,39 @@ GLOBAL_TENSOR_MAP: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# llama.cpp's split files (convert_hf_to_gguf.py --split-max-*, gguf-split): name-00001-of-00003
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """Every file of the model ``path`` is (any shard of) in order; ``[path]`` if unsplit."""
+    m = _SHARD_RE.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    names = (f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
+    paths = [path.with_name(name) for name in names]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path.name} is one of {count} GGUF shards; missing: {missing}")
+    return paths
+
+
+class GGUFFiles:
+    """A GGUF model in one file or split into shards, read as one: the first file's metadata
+    (llama.cpp writes it there only), every file's tensors, and which file holds each."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.paths = shard_paths(Path(path))
+        readers = [GGUFReader(str(p)) for p in self.paths]
+        self.fields = readers[0].fields
+        count = self.fields.get("split.count")
+        if count is not None and int(count.contents()) != len(self.paths):
+            raise ValueError(f"{self.paths[0].name} says split.count {count.contents()}, "
+                             f"found {len(self.paths)} files")  # fmt: skip
+        self.tensors = [t for r in readers for t in r.tensors]
+        self.path_of = {t.name: p for r, p in zip(readers, self.paths, strict=True)
+                        for t in r.tensors}  # fmt: skip
 
 
 def _family(hp: LlamaHParams) -> str:
@@ -153,6 +187,7 @@ class Planned:
     hf_name: str
     shape: tuple[int, ...]  # HF [out, in] (or [n] for norms)
     row_start: int = 0  # first row of ``tensor`` it takes (fused phi3 parts, experts)
+    path: Path = Path()  # the file (shard) holding ``tensor``
 
 
 @functools.cache
@@ -185,7 +220,9 @@ def _parts(hp: LlamaHParams, kind: str, shapes: dict) -> list[tuple[str, int, tu
     return [(kind, 0, shapes[kind])]
 
 
-def plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[Planned]:
+def plan_block(
+    tensor: ReaderTensor, hp: LlamaHParams, shapes: dict, path: Path = Path()
+) -> list[Planned]:
     """The HF tensors block tensor ``tensor`` becomes (several for fused ones and experts)."""
     name = tensor.name
     match = BLOCK_NAME_RE.match(name)
@@ -205,7 +242,8 @@ def plan_block(tensor: ReaderTensor, hp: LlamaHParams, shapes: dict) -> list[Pla
         raise ValueError(f"tensor {name!r} has shape {got}, expected {want}")
     plan, start = [], 0
     for part, expert, shape in parts:
-        plan.append(Planned(tensor, part, block_hf_name(hp, part, layer, expert), shape, start))
+        name = block_hf_name(hp, part, layer, expert)
+        plan.append(Planned(tensor, part, name, shape, start, path))
         start += shape[0]
     return plan
 
@@ -222,15 +260,16 @@ def expected_hf_names(hp: LlamaHParams) -> set[str]:
     return names
 
 
-def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[Planned]:
+def plan_tensors(reader: GGUFFiles, hp: LlamaHParams) -> list[Planned]:
     """Name and shape of every tensor in HF terms, checked before any is converted."""
     shapes = expected_shapes(hp)
     plan = []
     for tensor in reader.tensors:
         name = tensor.name
         _check_dequantizable(tensor)
+        path = reader.path_of[name]
         if name.startswith("blk."):
-            plan += plan_block(tensor, hp, shapes)
+            plan += plan_block(tensor, hp, shapes, path)
             continue
         if name not in GLOBAL_TENSOR_MAP:
             # Refuse rather than drop: an unknown tensor means the model is not what the
@@ -239,7 +278,7 @@ def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[Planned]:
         got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         if got != shapes[name]:
             raise ValueError(f"tensor {name!r} has shape {got}, expected {shapes[name]}")
-        plan.append(Planned(tensor, name, GLOBAL_TENSOR_MAP[name], got))
+        plan.append(Planned(tensor, name, GLOBAL_TENSOR_MAP[name], got, 0, path))
     missing = expected_hf_names(hp) - {p.hf_name for p in plan}
     if missing:
         raise ValueError(f"GGUF is missing tensors: {sorted(missing)[:5]} ...")

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
 
 from kvserve.model.gguf_convert import read_bytes, unpermute_rotary
 from kvserve.model.gguf_metadata import LlamaHParams, read_architecture
-from kvserve.model.gguf_names import expected_shapes, plan_block
+from kvserve.model.gguf_names import GGUFFiles, expected_shapes, plan_block
 from kvserve.quantization.fusion import FUSED, fused_modules
 from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES, decode_blocks
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
@@ -84,6 +84,7 @@ class _Tensor:
     n: int  # rows (output features)
     k: int  # values per row (input features)
     heads: int | None  # heads to unpermute the rows over (attn_q, attn_k), else None
+    path: Path  # the file (shard) holding it
 
 
 def _config_hparams(config: PretrainedConfig, arch: str) -> LlamaHParams:
@@ -137,7 +138,7 @@ class GGUFLinears:
 
     def __init__(self, path: str | Path, config: PretrainedConfig) -> None:
         self.path = Path(path)
-        reader = GGUFReader(str(path))  # the header only: tensor data is read in take()
+        reader = GGUFFiles(path)  # the headers only (every shard's): data is read in take()
         hp = _config_hparams(config, read_architecture(reader))
         heads = {"attn_q": hp.num_attention_heads, "attn_k": hp.num_key_value_heads}
         if hp.architecture != "llama":
@@ -146,7 +147,7 @@ class GGUFLinears:
         parts: dict[str, _Tensor] = {}  # by projection (layers.3.self_attn.q_proj)
         dense: dict[str, str] = {}  # fused module -> a type that keeps it dense
         planned = [p for t in reader.tensors if t.name.startswith("blk.")
-                   for p in plan_block(t, hp, shapes)]  # fmt: skip
+                   for p in plan_block(t, hp, shapes, reader.path_of[t.name])]  # fmt: skip
         experts: dict[str, dict[tuple[int, str], _Tensor]] = {}  # layers.3.mlp.experts -> parts
         for p in planned:
             module = p.hf_name.removeprefix("model.").removesuffix(".weight")
@@ -164,7 +165,7 @@ class GGUFLinears:
             row_bytes = int(p.tensor.n_bytes) // (int(np.prod(p.tensor.shape.tolist()[1:])))
             t = _Tensor(
                 p.tensor.name, qtype, int(p.tensor.data_offset) + p.row_start * row_bytes,
-                n * row_bytes, n, k, heads.get(p.kind),
+                n * row_bytes, n, k, heads.get(p.kind), p.path,
             )  # fmt: skip
             if is_expert:
                 experts.setdefault(module, {})[(p.row_start // n, _EXPERT_PARTS[p.kind])] = t
@@ -193,7 +194,7 @@ class GGUFLinears:
         return concat_rows([self._read(parts[(expert, n)]) for n in names])
 
     def _read(self, t: _Tensor) -> QuantizedWeight:
-        raw = read_bytes(self.path, t.offset, t.nbytes, t.name)
+        raw = read_bytes(t.path, t.offset, t.nbytes, t.name)
         qw = tensor_to_qweight(t.name, t.qtype, raw, t.n, t.k)
         return qw if t.heads is None else _unpermute(qw, t.heads)
 
@@ -202,12 +203,13 @@ def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:
     """The LM head as the GGUF stores it, and its type's name: ``output.weight``, or
     ``token_embd.weight`` where the file ties the two (no ``output.weight``); None when that
     tensor is stored as floats or in a type kvserve has no quantized layer for."""
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    files = GGUFFiles(path)
+    tensors = {t.name: t for t in files.tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if t is None or t.tensor_type not in SUPPORTED_TYPES:
         return None
     k, n = (int(x) for x in t.shape.tolist())  # ggml order: innermost first
-    raw = read_bytes(Path(path), int(t.data_offset), int(t.n_bytes), t.name)
+    raw = read_bytes(files.path_of[t.name], int(t.data_offset), int(t.n_bytes), t.name)
     return tensor_to_qweight(t.name, t.tensor_type, raw, n, k), t.tensor_type.name
 
 

@@ -152,10 +152,12 @@ TEXTS = ["the cat, at the THE", "Hello there!", " two  spaces", "in 1999 a he th
 
 
 def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T] | None = None,
-               seed: int = 0) -> Path:  # fmt: skip
+               seed: int = 0, split: int = 0) -> Path:  # fmt: skip
     """``model`` as llama.cpp's converter writes an ``arch`` GGUF (F32). ``types``: llama.cpp
     kind (``attn_qkv``) -> a quant type whose blocks are random bytes instead (gguf-py cannot
-    quantize to K or IQ types); ``blk.1.attn_qkv`` then takes IQ2_XXS, a type kept dense."""
+    quantize to K or IQ types); ``blk.1.attn_qkv`` then takes IQ2_XXS, a type kept dense.
+    ``split``: at most this many tensors a file, as ``--split-max-tensors`` writes them
+    (``name-00001-of-0000N.gguf``, metadata in the first; the first file is returned)."""
     c = model.config
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if arch != "phi3":
@@ -201,7 +203,15 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T
             else:
                 w.add_tensor(name, random_blocks(rng, qtype, data.shape), raw_dtype=qtype)
 
-    return _write_gguf(path, arch, fill)
+    if not split:
+        return _write_gguf(path, arch, fill)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split)
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
 
 
 _F16_AT = {T.Q5_K: (0, 2), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_XS: (0,), T.IQ4_NL: (0,),
