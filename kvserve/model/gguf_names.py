@@ -91,17 +91,24 @@ BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
+def shard_names(name: str) -> list[str]:
+    """The file names of the split model file ``name`` is a shard of, in order; ``[name]``
+    when it is not a shard."""
+    m = _SHARD_RE.match(name)
+    if m is None:
+        return [name]
+    count = int(m["count"])
+    return [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
 def shard_paths(path: Path) -> list[Path]:
     """Every file of the model ``path`` is (any shard of) in order; ``[path]`` if unsplit."""
-    m = _SHARD_RE.match(path.name)
-    if m is None:
-        return [path]
-    count = int(m["count"])
-    names = (f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
-    paths = [path.with_name(name) for name in names]
+    paths = [path.with_name(name) for name in shard_names(path.name)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"{path.name} is one of {count} GGUF shards; missing: {missing}")
+        raise FileNotFoundError(
+            f"{path.name} is one of {len(paths)} GGUF shards; missing: {missing}"
+        )
     return paths
 
 
