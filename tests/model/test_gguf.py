@@ -51,6 +51,10 @@ PROMPT = "What is the capital of France?"
 # Hand-checked once against the GGUF-loaded SmolLM2 tokenizer; pinned so a tokenizer that
 # drifts (wrong pre-tokenizer, lost merges) fails here rather than only comparing to itself.
 PROMPT_IDS = [1780, 314, 260, 3575, 282, 4649, 47]
+# The tiny GGUFs' vocabulary: SmolLM2's first 8192 tokens (PROMPT_IDS fit). Every read of a
+# GGUF parses its token and merge strings; all 49152 took seconds per read on the loaded
+# 2-core box, with several reads per test (converter, transformers' tokenizer, layer reader).
+TINY_VOCAB = 8192
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -328,10 +332,11 @@ def _write_gguf(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) 
 def tiny_llama(
     gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[LlamaForCausalLM, Path]:
-    """A random, untied, GQA Llama written as llama.cpp would (F32, q/k rows permuted)."""
+    """A random, untied, GQA Llama written as llama.cpp would (F32, q/k rows permuted), with
+    the first ``TINY_VOCAB`` tokens of SmolLM2's tokenizer."""
     # eps and theta are exact in float32 (GGUF stores them as f32), so configs compare equal.
     config = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=TINY_VOCAB,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -365,8 +370,8 @@ def tiny_llama(
         w.add_rope_dimension_count(8)
         w.add_rope_freq_base(50000.0)
         w.add_layer_norm_rms_eps(2.0**-10)
-        w.add_vocab_size(49152)
-        _copy_tokenizer_metadata(w, gguf_path)
+        w.add_vocab_size(TINY_VOCAB)
+        _copy_tokenizer_metadata(w, gguf_path, TINY_VOCAB)
         w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
         w.add_tensor("output_norm.weight", state["model.norm.weight"])
         w.add_tensor("output.weight", state["lm_head.weight"])

@@ -33,16 +33,16 @@ from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
 from kvserve.quantization.gguf_weights import GGUFLinears
 from tests.model.test_gguf import (
     PROMPT_IDS,
+    TINY_VOCAB,
     _copy_tokenizer_metadata,
     _write_gguf,
     llama_cpp_permute,
 )
 
-# The first 8192 of SmolLM2's 49152 tokens (and the merges among them): PROMPT_IDS fit, and
-# every GGUF read (kvserve's converter, transformers' tokenizer, the quantized-layer reader)
-# parses 6x fewer strings: the module took 158 s with the whole vocabulary on the loaded
-# 2-core box.
-VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 32, 64, 2, 4, 2
+# TINY_VOCAB: the first 8192 of SmolLM2's 49152 tokens (and the merges among them), so every
+# GGUF read parses 6x fewer strings: the module took 158 s with the whole vocabulary on the
+# loaded 2-core box, 20 s with this one.
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = TINY_VOCAB, 32, 64, 2, 4, 2
 # Qwen3's head_dim differs from hidden / heads (8), as in the real Qwen3 models, and so does
 # "mistral"'s: a Mistral-Nemo-shaped llama file (llama.cpp writes Mistral as `llama`, with
 # llama.attention.key_length 128 != 5120 / 32).
