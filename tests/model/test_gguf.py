@@ -7,6 +7,7 @@ exactly its logits. Loading the ~100 MB GGUF is slow, so every heavy object is a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -50,6 +51,10 @@ PROMPT = "What is the capital of France?"
 # Hand-checked once against the GGUF-loaded SmolLM2 tokenizer; pinned so a tokenizer that
 # drifts (wrong pre-tokenizer, lost merges) fails here rather than only comparing to itself.
 PROMPT_IDS = [1780, 314, 260, 3575, 282, 4649, 47]
+# The tiny GGUFs' vocabulary: SmolLM2's first 8192 tokens (PROMPT_IDS fit). Every read of a
+# GGUF parses its token and merge strings; all 49152 took seconds per read on the loaded
+# 2-core box, with several reads per test (converter, transformers' tokenizer, layer reader).
+TINY_VOCAB = 8192
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -272,23 +277,45 @@ def test_unpermute_rejects_bad_head_count() -> None:
 # --------------------------------------------------------------------------- synthetic GGUFs
 
 
-def _copy_tokenizer_metadata(writer: gguf.GGUFWriter, source: Path) -> None:
-    """Give a synthetic GGUF the real SmolLM2 tokenizer, so transformers can rebuild it."""
+@functools.cache
+def _tokenizer_metadata(source: Path, vocab: int | None) -> dict[str, Any]:
+    """The tokenizer fields of GGUF ``source``, read once per test process (parsing the
+    built-in file's 49152 tokens and 48900 merges took 9 s on the loaded 2-core box).
+    ``vocab``: its first ``vocab`` tokens only, with the merges among them (a smaller but
+    still valid byte-level BPE: SmolLM2's merged tokens follow its merges' order)."""
     reader = gguf.GGUFReader(source)
+    fields = {
+        key: reader.fields[f"tokenizer.ggml.{key}"].contents()
+        for key in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id",
+                    "eos_token_id", "padding_token_id")
+    }  # fmt: skip
+    fields["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
+    if vocab is not None:
+        tokens = fields["tokens"][:vocab]
+        kept = set(tokens)
+        fields["tokens"], fields["token_type"] = tokens, fields["token_type"][:vocab]
+        fields["merges"] = [
+            m for m in fields["merges"] if {*m.split(" "), m.replace(" ", "")} <= kept
+        ]
+    return fields
 
-    def get(key: str) -> Any:
-        return reader.fields[key].contents()
 
-    writer.add_tokenizer_model(get("tokenizer.ggml.model"))
-    writer.add_tokenizer_pre(get("tokenizer.ggml.pre"))
-    writer.add_token_list(get("tokenizer.ggml.tokens"))
-    writer.add_token_types(get("tokenizer.ggml.token_type"))
-    writer.add_token_merges(get("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(get("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(get("tokenizer.ggml.eos_token_id"))
-    writer.add_pad_token_id(get("tokenizer.ggml.padding_token_id"))
+def _copy_tokenizer_metadata(
+    writer: gguf.GGUFWriter, source: Path, vocab: int | None = None
+) -> None:
+    """Give a synthetic GGUF the real SmolLM2 tokenizer, so transformers can rebuild it
+    (``vocab``: truncated to its first ``vocab`` tokens, see ``_tokenizer_metadata``)."""
+    get = _tokenizer_metadata(Path(source), vocab)
+    writer.add_tokenizer_model(get["model"])
+    writer.add_tokenizer_pre(get["pre"])
+    writer.add_token_list(get["tokens"])
+    writer.add_token_types(get["token_type"])
+    writer.add_token_merges(get["merges"])
+    writer.add_bos_token_id(get["bos_token_id"])
+    writer.add_eos_token_id(get["eos_token_id"])
+    writer.add_pad_token_id(get["padding_token_id"])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(get("tokenizer.chat_template"))
+    writer.add_chat_template(get["chat_template"])
 
 
 def _write_gguf(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) -> Path:
@@ -305,10 +332,11 @@ def _write_gguf(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) 
 def tiny_llama(
     gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[LlamaForCausalLM, Path]:
-    """A random, untied, GQA Llama written as llama.cpp would (F32, q/k rows permuted)."""
+    """A random, untied, GQA Llama written as llama.cpp would (F32, q/k rows permuted), with
+    the first ``TINY_VOCAB`` tokens of SmolLM2's tokenizer."""
     # eps and theta are exact in float32 (GGUF stores them as f32), so configs compare equal.
     config = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=TINY_VOCAB,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -342,8 +370,8 @@ def tiny_llama(
         w.add_rope_dimension_count(8)
         w.add_rope_freq_base(50000.0)
         w.add_layer_norm_rms_eps(2.0**-10)
-        w.add_vocab_size(49152)
-        _copy_tokenizer_metadata(w, gguf_path)
+        w.add_vocab_size(TINY_VOCAB)
+        _copy_tokenizer_metadata(w, gguf_path, TINY_VOCAB)
         w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
         w.add_tensor("output_norm.weight", state["model.norm.weight"])
         w.add_tensor("output.weight", state["lm_head.weight"])

@@ -33,17 +33,21 @@ from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
 from kvserve.quantization.gguf_weights import GGUFLinears
 from tests.model.test_gguf import (
     PROMPT_IDS,
+    TINY_VOCAB,
     _copy_tokenizer_metadata,
     _write_gguf,
     llama_cpp_permute,
 )
 
-VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 49152, 32, 64, 2, 4, 2
+# TINY_VOCAB: the first 8192 of SmolLM2's 49152 tokens (and the merges among them), so every
+# GGUF read parses 6x fewer strings: the module took 158 s with the whole vocabulary on the
+# loaded 2-core box, 20 s with this one.
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = TINY_VOCAB, 32, 64, 2, 4, 2
 # Qwen3's head_dim differs from hidden / heads (8), as in the real Qwen3 models, and so does
 # "mistral"'s: a Mistral-Nemo-shaped llama file (llama.cpp writes Mistral as `llama`, with
 # llama.attention.key_length 128 != 5120 / 32).
 HEAD_DIM = {"qwen2": HIDDEN // HEADS, "qwen3": 16, "mistral": 16}
-PROMPTS = [PROMPT_IDS, [1, 2, 3], [9999, 42, 7, 3000, 12, 5, 49151, 100, 17]]
+PROMPTS = [PROMPT_IDS, [1, 2, 3], [7999, 42, 7, 3000, 12, 5, VOCAB - 1, 100, 17]]
 MAX_TOKENS = 16
 # kvserve's options for a tiny float32 model that builds no C++ kernel (as tests/model/test_hub.py)
 FAST = {
@@ -134,7 +138,7 @@ def write_family_gguf(
     """``model`` as llama.cpp's converter writes an ``arch`` GGUF; 2-D projections in ``qtype``
     (norms, biases and the embedding stay F32, as llama-quantize leaves 1-D tensors).
     ``tokenizer_source``: the GGUF whose tokenizer metadata it carries (None: none, for files
-    only the quantized-layer reader opens; parsing 49152 tokens and merges takes seconds)."""
+    only the quantized-layer reader opens; parsing tokens and merges takes seconds)."""
     gguf_arch = "llama" if arch == "mistral" else arch
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if gguf_arch == "llama":  # LlamaModel.modify_tensors: q/k rows in GGML's rotary order
@@ -158,7 +162,7 @@ def write_family_gguf(
             w.add_key_length(HEAD_DIM[arch])
             w.add_value_length(HEAD_DIM[arch])
         if tokenizer_source is not None:
-            _copy_tokenizer_metadata(w, tokenizer_source)
+            _copy_tokenizer_metadata(w, tokenizer_source, VOCAB)
         for hf, data in state.items():
             name = gguf_name(hf)
             if qtype != T.F32 and data.ndim == 2 and name != "token_embd.weight":
@@ -196,6 +200,19 @@ def family(
     out = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
     path = write_family_gguf(model, arch, out, tokenizer_source)
     return arch, model, path
+
+
+@pytest.fixture(scope="module")
+def q8_0_path(
+    family: tuple[str, PreTrainedModel, Path],
+    tokenizer_source: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    """The family's model as a Q8_0 GGUF (with the tokenizer), written once for both Q8_0
+    tests."""
+    arch, original, _ = family
+    out = tmp_path_factory.mktemp(f"{arch}-q8_0") / f"{arch}-q8_0.gguf"
+    return write_family_gguf(original, arch, out, tokenizer_source, T.Q8_0)
 
 
 def test_converted_folder_equals_original(
@@ -248,12 +265,12 @@ def test_greedy_tokens_equal_transformers(
 
 
 def test_q8_0_projections_equal_gguf_dequantizer(
-    family: tuple[str, PreTrainedModel, Path], tmp_path: Path
+    family: tuple[str, PreTrainedModel, Path], q8_0_path: Path
 ) -> None:
     """``--quantization gguf``'s layers of a Q8_0 file: gguf's dequantized values, fused, rows
     in the file's order for qwen (not unpermuted), q/k rows unpermuted for llama."""
     arch, original, _ = family
-    path = write_family_gguf(original, arch, tmp_path / f"{arch}-q8_0.gguf", None, T.Q8_0)
+    path = q8_0_path
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
 
     def want(name: str) -> torch.Tensor:
@@ -283,20 +300,14 @@ def test_q8_0_projections_equal_gguf_dequantizer(
 
 @pytest.mark.slow
 def test_q8_0_kept_quantized_gives_the_dequantized_tokens(
-    family: tuple[str, PreTrainedModel, Path],
-    tokenizer_source: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    q8_0_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q8_0 file served with ``--quantization gguf`` (its blocks on the quantized
     kernels' packing, Qwen2's biases beside them) gives the greedy tokens of the same file
     dequantized to float32."""
     from kvserve import LLM, SamplingParams
 
-    arch, original, _ = family
-    path = write_family_gguf(
-        original, arch, tmp_path / f"{arch}-q8_0.gguf", tokenizer_source, T.Q8_0
-    )
+    path = q8_0_path
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
