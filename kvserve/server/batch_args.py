@@ -14,6 +14,7 @@ _POSITIVE = (
     ("max_batch_file_bytes", "--max-batch-file-bytes"),
     ("max_batch_file_lines", "--max-batch-file-lines"),
     ("max_batch_jobs", "--max-batch-jobs"),
+    ("batch_completion_window_seconds", "--batch-completion-window-seconds"),
 )
 
 
@@ -40,7 +41,14 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--max-batch-jobs", type=int, default=BatchLimits.max_jobs,
-        help="most batch jobs not yet completed, failed or cancelled; above: 429",
+        help="most batch jobs not yet completed, failed, cancelled or expired; above: 429",
+    )  # fmt: skip
+    g.add_argument(
+        "--batch-completion-window-seconds", type=int,
+        default=BatchLimits.completion_window_seconds,
+        help="how long a job's completion_window (\"24h\", OpenAI's only value) lasts here, "
+             "from its creation; a job not finished by then is expired: its finished lines "
+             "are in the output file, the others in the error file as batch_expired",
     )  # fmt: skip
 
 
@@ -55,6 +63,9 @@ def batch_limits_from_args(args: argparse.Namespace) -> BatchLimits:
         max_file_lines=getattr(args, "max_batch_file_lines", defaults.max_file_lines),
         max_jobs=getattr(args, "max_batch_jobs", defaults.max_jobs),
         max_concurrency=getattr(args, "batch_max_concurrency", defaults.max_concurrency),
+        completion_window_seconds=getattr(
+            args, "batch_completion_window_seconds", defaults.completion_window_seconds
+        ),
     )
 
 

@@ -34,6 +34,9 @@ class BatchLimits:
     max_file_lines: int = 50_000  # --max-batch-file-lines (OpenAI's own limit per batch)
     max_jobs: int = 16  # --max-batch-jobs: jobs not yet completed, failed or cancelled
     max_concurrency: int = 4  # --batch-max-concurrency: batch requests in flight at once
+    # --batch-completion-window-seconds: how long a job's "24h" window lasts here; a job not
+    # finished by then expires (its unfinished lines go to the error file as batch_expired)
+    completion_window_seconds: int = 24 * 3600
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -40,9 +40,15 @@ class Status(str, Enum):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # not finished within its completion window (OpenAI's status)
 
 
-TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED})
+# OpenAI's error for a line its batch's window closed on
+EXPIRED_ERROR = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
 
 
 @dataclass(frozen=True)
@@ -79,9 +85,15 @@ class Job:
 
 
 def new_batch_object(
-    input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None
+    input_file_id: str,
+    endpoint: str,
+    window: str,
+    metadata: dict[str, str] | None,
+    window_seconds: int = 24 * 3600,
 ) -> dict[str, Any]:
-    """OpenAI's batch object of a job just created."""
+    """OpenAI's batch object of a job just created; it expires ``window_seconds`` after its
+    creation (``--batch-completion-window-seconds``; OpenAI's "24h" by default)."""
+    now = int(time.time())
     return {
         "id": f"batch_{uuid.uuid4().hex}",
         "object": "batch",
@@ -92,9 +104,9 @@ def new_batch_object(
         "status": Status.VALIDATING.value,
         "output_file_id": None,
         "error_file_id": None,
-        "created_at": int(time.time()),
+        "created_at": now,
         "in_progress_at": None,
-        "expires_at": None,  # jobs do not expire here (docs/server.md)
+        "expires_at": now + window_seconds,
         "finalizing_at": None,
         "completed_at": None,
         "failed_at": None,
@@ -142,7 +154,7 @@ class JobStore:
             if not state.is_file():  # a crash between mkdir and the first save
                 continue
             job = Job(json.loads(state.read_bytes()), folder)
-            job.done = {r["custom_id"]: r["response"]["status_code"] for r in self.results(job)}
+            job.done = {r["custom_id"]: status_code(r) for r in self.results(job)}
             jobs.append(job)
         return sorted(jobs, key=lambda j: (j.obj["created_at"], j.id))
 
@@ -176,7 +188,19 @@ class JobStore:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
-        job.done[record["custom_id"]] = record["response"]["status_code"]
+        job.done[record["custom_id"]] = status_code(record)
+
+
+def status_code(record: dict[str, Any]) -> int:
+    """A result line's HTTP status; 0 for a line that never ran (its window expired)."""
+    response = record.get("response")
+    return int(response["status_code"]) if response else 0
+
+
+def expired_record(line: BatchLine) -> dict[str, Any]:
+    """The error-file line of a request its batch's window closed on (OpenAI's)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+            "response": None, "error": dict(EXPIRED_ERROR)}  # fmt: skip
 
 
 def parse_lines(text: str, endpoint: str | None) -> tuple[list[BatchLine], list[dict[str, Any]]]:

@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,8 +31,10 @@ from kvserve.server.batch_jobs import (
     Job,
     JobStore,
     Status,
+    expired_record,
     new_batch_object,
     parse_lines,
+    status_code,
 )
 from kvserve.server.batch_runner import LineSender, run_lines
 from kvserve.server.errors import APIError, bad_request
@@ -136,7 +139,9 @@ class BatchService:
                 f"(--max-batch-jobs); wait for one to finish or cancel one",
                 code="batch_limit_exceeded",
             )  # fmt: skip
-        job = self.store.create(new_batch_object(file_id, endpoint, window, metadata))
+        obj = new_batch_object(file_id, endpoint, window, metadata,
+                               self.limits.completion_window_seconds)  # fmt: skip
+        job = self.store.create(obj)
         self.jobs[job.id] = job
         self._poke()
         return job.to_openai()
@@ -240,7 +245,14 @@ class BatchService:
             task = asyncio.create_task(self._run(job, lines, app, state))
             self._active = (job.id, task)
             try:
-                await asyncio.wait({task})
+                await asyncio.wait({task}, timeout=_seconds_left(job))
+                if not task.done():  # the window closed: lines in flight are aborted
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    logger.info("batch %s: its completion window closed", job.id)
+                    self.store.set_status(job, Status.FINALIZING)
+                    return
             finally:
                 self._active = None
                 if not task.done():  # the loop itself was cancelled (shutdown)
@@ -279,10 +291,16 @@ class BatchService:
     def _finalize(self, job: Job) -> None:
         """Write the output (2xx) and error files, in input order; idempotent (fixed ids)."""
         lines, _ = self._lines(job)
+        expired = job.status is Status.FINALIZING and any(
+            line.custom_id not in job.done for line in lines
+        )  # finalizing with lines left: the window closed on them
+        for line in lines if expired else []:
+            if line.custom_id not in job.done:  # committed once, like a result
+                self.store.append_result(job, expired_record(line))
         order = {line.custom_id: line.index for line in lines}
         results = sorted(self.store.results(job), key=lambda r: order.get(r["custom_id"], 0))
-        ok = [r for r in results if r["response"]["status_code"] == 200]
-        bad = [r for r in results if r["response"]["status_code"] != 200]
+        ok = [r for r in results if status_code(r) == 200]
+        bad = [r for r in results if status_code(r) != 200]
         ids: dict[str, str | None] = {}
         for kind, records in (("output", ok), ("error", bad)):
             ids[f"{kind}_file_id"] = None
@@ -293,8 +311,17 @@ class BatchService:
                 self.files.create(data.encode(), name, OUTPUT_PURPOSE, file_id)
                 ids[f"{kind}_file_id"] = file_id
         done = Status.CANCELLED if job.status is Status.CANCELLING else Status.COMPLETED
+        if expired:
+            done = Status.EXPIRED
         self.store.set_status(job, done, **ids)
         logger.info("batch %s %s: %s", job.id, done.value, job.to_openai()["request_counts"])
+
+
+def _seconds_left(job: Job) -> float | None:
+    """Seconds until ``job``'s completion window closes (None: it has none, a job made
+    before windows were kept); 0 when it has closed (a restart after it)."""
+    expires = job.obj.get("expires_at")
+    return None if expires is None else max(0.0, expires - time.time())
 
 
 def spare(state: Any, line: BatchLine) -> bool:

@@ -154,8 +154,13 @@ def zygote_main(control: socket.socket) -> None:
             finally:
                 os._exit(code)
         theirs.close()
-        socket.send_fds(control, [struct.pack("i", pid)], [ours.fileno()])
-        ours.close()
+        try:
+            socket.send_fds(control, [struct.pack("i", pid)], [ours.fileno()])
+        except OSError:  # the server closed control while we forked (it is shutting down)
+            os.kill(pid, signal.SIGKILL)  # the worker nobody will ever talk to
+            return
+        finally:
+            ours.close()
 
 
 def main() -> None:
