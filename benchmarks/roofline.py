@@ -118,9 +118,10 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,64,128")
     ap.add_argument("--context", type=int, default=160, help="tokens per request at decode")
     ap.add_argument(
-        "--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
-        help="weights and matmuls; auto: what kvserve picks here (float32 on AVX2-only CPUs, "
-        "where bf16 is emulated and a 2048^2 bf16 matmul takes seconds)",
+        "--dtype", default="auto", choices=("bfloat16", "float32", "auto"),
+        help="weights and matmuls; auto (default): what kvserve picks here (float32 on "
+        "AVX2-only CPUs, where bf16 is emulated and a 2048^2 bf16 matmul takes seconds, "
+        "which made the bf16 default print a 0.00 TFLOP/s ceiling there)",
     )  # fmt: skip
     ap.add_argument(
         "--quantization",
