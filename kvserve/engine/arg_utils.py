@@ -192,8 +192,10 @@ class EngineArgs:
     seed: int = _opt(0, "seeds the engine's generator for requests without a seed")
     device: str = _opt("cpu", "torch device: cpu, cuda or cuda:N (checked: CUDA must be available)")
     kv_cache_memory: int | str | None = _opt(
-        None, "KV cache size, e.g. 2GiB (a bare number is bytes; default: 1GiB on a CPU, on CUDA "
-        "--gpu-memory-utilization 0.9 sizes it)", type=str
+        None,
+        "KV cache size, e.g. 2GiB (a bare number is bytes; default: 1GiB on a CPU, on CUDA "
+        "--gpu-memory-utilization 0.9 sizes it)",
+        type=str,
     )
     num_kv_blocks: int | None = _opt(
         None, "KV cache size in blocks (wins over --kv-cache-memory)", type=int
