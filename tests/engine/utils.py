@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,11 +72,15 @@ def random_prompts(lengths: list[int], seed: int = 1, vocab: int = 256) -> list[
 
 
 def run_engine_checked(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams | Sequence[SamplingParams],
 ) -> dict[str, list[int]]:
-    """Drive an engine to completion, checking KV integrity after every step."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    """Drive an engine to completion, checking KV integrity after every step (``params``:
+    one for every prompt, or one per prompt)."""
+    each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    for i, (p, sp) in enumerate(zip(prompts, each, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -20,7 +20,7 @@ from kvserve.ops.triton.paged_attention import interpreted
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.cuda_graph import PAD_TOKEN_ID, StaticDecodeInputs
 from kvserve.worker.model_runner import ModelRunner
-from tests.engine.utils import TINY, random_prompts
+from tests.engine.utils import TINY, random_prompts, run_engine_checked
 
 # (prompt length, max_tokens): five rows in the first decode step (more than the largest
 # size, 4: eager), then 4, 3 (padded to 4), 1 and 1 (the padded sizes of the static path)
@@ -107,18 +107,10 @@ def _engine(path: Path, device: str = "cpu", **kw: object) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, requests: list[tuple[int, int]]) -> dict[str, list[int]]:
-    """Every request added at once, run to the end with KV integrity checked each step."""
-    prompts = random_prompts([n for n, _ in requests])
-    for i, (p, (_, m)) in enumerate(zip(prompts, requests, strict=True)):
-        params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.kv.check_integrity()
-    return done
+    """Every (prompt length, max tokens) request added at once, run to the end with KV
+    integrity checked each step."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    return run_engine_checked(engine, random_prompts([n for n, _ in requests]), params)
 
 
 def _runner(engine: LLMEngine) -> ModelRunner:
