@@ -271,7 +271,9 @@ ENGINE_FLAGS: dict[str, VLLMFlag] = {
         "give it in --speculative-config '{\"prompt_lookup_min\": ...}'"
     ),
     "--compilation-config": _i(
-        "kvserve compiles nothing with torch.compile; its C++ kernels are built once", sample="{}"
+        "kvserve compiles nothing with torch.compile; its C++ kernels are built once; CUDA "
+        "graph sizes are --cuda-graph-sizes / --max-cudagraph-capture-size here",
+        sample="{}",
     ),
     "-O": _i(
         "kvserve compiles nothing with torch.compile; its C++ kernels are built once", sample="3"
