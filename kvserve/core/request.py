@@ -55,8 +55,12 @@ class Request:
         structured_output: StructuredOutputRequest | None = None,
         pooling: PoolingSpec | None = None,
         lora_request: LoRARequest | None = None,
+        background: bool = False,
     ) -> None:
         self.request_id = request_id
+        # A Batch API line: it runs only in the room online requests leave (its running rows
+        # sit out any step that prefills an online request; scheduler.py)
+        self.background = background
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.priority = priority  # lower runs first under SchedulingPolicy.PRIORITY
         self.prompt_token_ids = list(prompt_token_ids)

@@ -25,6 +25,11 @@ joins the running batch at once, computed as far as its parent; before a step wr
 request's tokens, any block it shares is copied (``KVCacheManager.copy_on_write``, the pairs
 in ``blocks_to_copy``). Pruning a beam is finishing it (``finish_requests``).
 
+Background work (``Request.background``: Batch API lines) takes only the room online requests
+leave: its running rows sit out every step that computes an online request's prompt (so an
+online request's time to first token does not pay for them), and a background request
+waiting is not admitted while an online one waits or prefills (``core/background.py``).
+
 Multi-LoRA: the running requests never use more than ``max_loras`` distinct adapters (the
 runner's device slots); a waiting request whose adapter would be one too many stays in the
 queue while those behind it go ahead (vLLM v1's rule).
@@ -42,6 +47,7 @@ from kvserve.config import (
     SchedulingPolicy,
     SpeculativeConfig,
 )
+from kvserve.core.background import holds_background_back, online_prefill_scheduled
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.request import Request, RequestStatus
@@ -159,13 +165,17 @@ class Scheduler:
             # A big batch (counted before this step's admissions): verify nothing this step.
             for req in self.running:
                 req.spec_token_ids = []
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, False)
         # Like vLLM: no new admissions in a step that had to preempt; swapped requests are
         # older than anything waiting, so they come back first.
         if not out.preempted_req_ids:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
-                self._schedule_waiting(out, budget)
+                budget = self._schedule_waiting(out, budget)
+        if not online_prefill_scheduled(out):
+            self._schedule_running(out, budget, True)
+        else:
+            self.stats.num_background_rows_held += sum(r.background for r in self.running)
         now = time.monotonic()
         for req in out.scheduled:
             blocks = out.block_tables[req.request_id] = self.kv.block_ids(req.request_id)
@@ -234,11 +244,17 @@ class Scheduler:
             and len(ids) >= self.max_loras
         )  # fmt: skip
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, background: bool) -> int:
+        """Schedule the running requests of one class (online, or background after the
+        admissions) that this step has not scheduled yet; returns the budget left. A request
+        that cannot grow preempts one (never one admitted this step)."""
         idx = 0
-        loras: set[int] = set()  # adapters scheduled this step
+        loras = {r.lora_int_id for r in out.scheduled if r.lora_int_id}  # adapters this step
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
+            if req.background != background or req.request_id in out.num_scheduled_tokens:
+                idx += 1
+                continue
             if self._lora_blocked(req, loras):  # never while admissions keep the cap
                 idx += 1
                 continue
@@ -250,7 +266,7 @@ class Scheduler:
             while not self._grow(out, req, n):
                 if self.config.kv_policy is KVPolicy.RESERVE:
                     raise RuntimeError("reserve policy ran out of reserved blocks")  # a bug
-                victim = pick_victim(self.running, self.policy)
+                victim = pick_victim(self._victims(), self.policy)
                 victim_idx = self.running.index(victim)
                 del self.running[victim_idx]
                 budget += self._unschedule(out, victim)  # scheduled earlier this step
@@ -266,6 +282,13 @@ class Scheduler:
             budget -= n
             idx += 1
         return budget
+
+    def _victims(self) -> list[Request]:
+        """Running requests a request that cannot grow may preempt: not those admitted this
+        step (the background pass runs after the admissions)."""
+        if not self._admitted:
+            return self.running
+        return [r for r in self.running if r.request_id not in self._admitted]
 
     def _grow(self, out: SchedulerOutput, req: Request, n: int) -> bool:
         """Blocks for ``n`` more tokens of a running request, and its own copy of any block
@@ -365,19 +388,22 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Request] = []  # their adapter has no slot this step: they keep places
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in queue order; returns the budget left."""
+        skipped: list[Request] = []  # no adapter slot, or background held back: keep places
         try:
-            self._admit_waiting(out, budget, skipped)
+            return self._admit_waiting(out, budget, skipped)
         finally:
             for req in reversed(skipped):
                 self.waiting.prepend(req)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> int:
         loras = self._running_loras()
         while self.waiting and budget > 0:
             req = self.waiting.peek()  # waiting requests hold no blocks: nothing is computed
-            if self._lora_blocked(req, loras):
+            if self._lora_blocked(req, loras) or (
+                req.background and holds_background_back(out, self.waiting)
+            ):
                 skipped.append(self.waiting.pop())
                 continue
             skip = req.skips_prefix_cache  # prompt logprobs need the logits of every position
@@ -404,6 +430,7 @@ class Scheduler:
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             budget -= n
+        return budget
 
     def _allocate_new(self, req: Request, num_tokens: int, computed: list[int]) -> bool:
         """Blocks for a request leaving the waiting queue, on top of its cache-hit blocks

@@ -164,6 +164,8 @@ class SchedulerStats:
     num_swapped: int = 0  # requests whose KV sits in CPU swap space
     kv_usage: float = 0.0  # fraction of device KV blocks in use
     num_preemptions: int = 0  # total preemptions since start
+    # background (Batch API) rows held out of steps that computed an online prompt, total
+    num_background_rows_held: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests, total
     num_generation_tokens: int = 0  # tokens sampled, total
     num_steps: int = 0  # engine steps that computed anything

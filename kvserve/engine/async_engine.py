@@ -23,6 +23,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -255,6 +256,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        background: bool = False,
     ) -> RequestStream:
         """Submit a request and return its output stream: ``async for out in generate(...)``.
 
@@ -264,12 +266,13 @@ class AsyncLLMEngine:
         a running event loop, which is where the outputs are delivered. ``priority`` orders
         admission under the ``priority`` scheduling policy (lower first, as in vLLM).
         ``lora_request``: the adapter it runs with (registered with ``LLMEngine.add_lora``
-        first, through ``call``; the server does so when it loads one).
+        first, through ``call``; the server does so when it loads one). ``background``: a
+        Batch API line, run only in the room online requests leave (``Request.background``).
         """
         params = params or self.engine.get_default_sampling_params()
         if lora_request is not None and self.engine.config.lora is None:
             raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
-        return self._submit(prompt, params, request_id, priority, lora_request)
+        return self._submit(prompt, params, request_id, priority, lora_request, background)
 
     def encode(
         self,
@@ -277,11 +280,13 @@ class AsyncLLMEngine:
         pooling_params: PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        background: bool = False,
     ) -> RequestStream:
         """Submit an embedding request (vLLM's ``encode``): its stream yields one
         ``EmbeddingRequestOutput``, when its prefill is done. Validation, queue caps and
         aborts are ``generate``'s."""
-        return self._submit(prompt, pooling_params or PoolingParams(), request_id, priority)
+        params = pooling_params or PoolingParams()
+        return self._submit(prompt, params, request_id, priority, background=background)
 
     def beam_search(
         self,
@@ -290,6 +295,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         num_outputs: int | None = None,
         priority: int = 0,
+        background: bool = False,
     ) -> RequestStream:
         """Submit a beam search (``LLM.beam_search``'s, for the server's ``use_beam_search``):
         its stream yields one ``RequestOutput`` when it finishes, with the best
@@ -298,6 +304,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
         text, ids = self.processor.tokenize_prompt(prompt)
         request = self.processor.validate_beam_search(ids, params, text, num_outputs, priority)
+        if background:
+            request = dataclasses.replace(request, background=True)
         return self._enqueue(request, request_id)
 
     def _submit(
@@ -307,6 +315,7 @@ class AsyncLLMEngine:
         request_id: str | None,
         priority: int,
         lora_request: LoRARequest | None = None,
+        background: bool = False,
     ) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
@@ -318,6 +327,8 @@ class AsyncLLMEngine:
             )
         # Tokenized and checked once, here: the engine thread neither tokenizes nor checks again.
         request = self.processor.process(prompt, params, priority)
+        if background:
+            request = dataclasses.replace(request, background=True)
         return self._enqueue(request, request_id, lora_request)
 
     def _enqueue(

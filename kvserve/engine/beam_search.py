@@ -69,6 +69,7 @@ class BeamGroup:
         lora_request: LoRARequest | None = None,
         num_outputs: int | None = None,
         priority: int = 0,
+        background: bool = False,
     ) -> None:
         self.request_id = request_id
         self.num_outputs = num_outputs or params.beam_width  # hypotheses returned
@@ -86,6 +87,7 @@ class BeamGroup:
         )  # fmt: skip
         self._num_children = 0
         self.priority = priority  # every beam's (the priority scheduling policy)
+        self.background = background  # every beam's (Request.background)
         first = self._new_request(prompt_token_ids, [], arrival_time, lora_request)
         self.beams: list[_Beam] = [_Beam(first)]
         self.completed: list[BeamSearchSequence] = []
@@ -103,7 +105,8 @@ class BeamGroup:
         rid = f"{self.request_id}#beam{self._num_children}"
         self._num_children += 1
         req = Request(rid, prompt_ids, self.sampling, self.max_tokens, [], arrival_time,
-                      self.priority, lora_request=lora_request)  # fmt: skip
+                      self.priority, lora_request=lora_request,
+                      background=self.background)  # fmt: skip
         req.output_token_ids = list(output_ids)
         req.all_token_ids = [*prompt_ids, *output_ids]
         return req

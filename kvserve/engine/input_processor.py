@@ -39,6 +39,7 @@ class ValidatedRequest:
     # beam search (params: its placeholder); num_outputs: the best hypotheses returned
     beam_search: BeamSearchParams | None = None
     num_outputs: int = 1
+    background: bool = False  # a Batch API line (Request.background)
 
 
 class InputProcessor:

@@ -236,7 +236,9 @@ class LLMEngine:
                 raise ValueError("embedding requests run the base model: no lora_request")
             self.add_lora(lora_request)
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, text, ids, params, arrival_time, priority)
+            self._add_pooling_request(
+                request_id, text, ids, params, arrival_time, priority, request.background
+            )
             return
         parent = ParentRequest(request_id, text, ids, params)
         for i in range(params.n):
@@ -249,7 +251,7 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid, ids, child_params, max_tokens, self.eos_token_ids, arrival_time, priority,
-                grammar, lora_request=lora_request,
+                grammar, lora_request=lora_request, background=request.background,
             )  # fmt: skip
             stream = None
             if self.tokenizer is not None and params.detokenize:
@@ -278,7 +280,7 @@ class LLMEngine:
         group = BeamGroup(
             request_id, request.prompt, request.prompt_token_ids, request.beam_search,
             request.max_tokens, self.eos_token_ids, arrival_time, lora_request,
-            request.num_outputs, request.priority,
+            request.num_outputs, request.priority, request.background,
         )  # fmt: skip
         self._beam_groups[request_id] = group
         self.scheduler.add_request(group.beams[0].request)
@@ -291,6 +293,7 @@ class LLMEngine:
         params: PoolingParams,
         arrival_time: float | None,
         priority: int,
+        background: bool = False,
     ) -> None:
         """One prompt-only child that finishes after its prefill (max_tokens 0: it never
         samples; its SamplingParams are inert placeholders)."""
@@ -299,7 +302,7 @@ class LLMEngine:
             spec = PoolingSpec(PoolingType.LAST, False, params.logit_token_ids)
         req = Request(
             request_id, ids, _NO_SAMPLING, 0, self.eos_token_ids, arrival_time, priority,
-            pooling=spec,
+            pooling=spec, background=background,
         )  # fmt: skip
         parent = ParentRequest(request_id, text, ids, _NO_SAMPLING, pooling=params)
         state = CompletionState(0, req, None)

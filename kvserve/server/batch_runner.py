@@ -28,6 +28,9 @@ from starlette.types import ASGIApp, Message
 
 from kvserve.server.batch_jobs import BatchLine
 
+# The ASGI scope key that marks a request as a batch line (set only here, in-process: no client
+# can put a key in a scope), read by the routes (``serving.is_batch_line``).
+BATCH_SCOPE_KEY = "kvserve.batch_line"
 # below any online request's priority (lower runs first); int64, as the field is
 BATCH_PRIORITY = 1 << 62
 RETRY_STATUSES = frozenset({429, 499, 503})
@@ -43,7 +46,7 @@ async def call_app(
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0),
-        "server": ("kvserve-batch", 0),
+        "server": ("kvserve-batch", 0), BATCH_SCOPE_KEY: True,
         "headers": [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()), *headers],
     }  # fmt: skip

@@ -30,6 +30,7 @@ from kvserve.server.serving import (
     check_fan_out,
     engine_error,
     final_outputs,
+    is_batch_line,
     new_id,
     resolve_max_tokens,
     run_watching_disconnect,
@@ -104,14 +105,18 @@ def start_beam_streams(
     num_outputs: int,
     base_id: str,
     priority: int = 0,
+    background: bool = False,
 ) -> list[RequestStream]:
-    """One beam search per prompt; all or nothing (an error is a 400 naming its field)."""
+    """One beam search per prompt; all or nothing (an error is a 400 naming its field).
+    ``background``: batch lines (``Request.background``)."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
-            streams.append(engine.beam_search(prompt, params, rid, num_outputs, priority))
+            streams.append(
+                engine.beam_search(prompt, params, rid, num_outputs, priority, background)
+            )
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -134,7 +139,9 @@ def submit_beam_search(
     already checked by ``check_beam_fields``); the request metrics see it as ``n`` greedy
     completions of ``max_tokens``."""
     params = beam_params(req, max_tokens, best_of)
-    streams = start_beam_streams(engine, prompts, params, req.n, request_id, req.priority)
+    streams = start_beam_streams(
+        engine, prompts, params, req.n, request_id, req.priority, is_batch_line(raw)
+    )
     shadow = SamplingParams(n=req.n, temperature=0.0, max_tokens=max_tokens)
     raw.app.state.kvserve.observe_streams(engine, shadow, streams, raw.headers)
     return streams

@@ -39,6 +39,7 @@ from kvserve.server.serving import (
     PromptInfo,
     check_fan_out,
     check_grammar,
+    is_batch_line,
     make_params,
     new_id,
     resolve_max_tokens,
@@ -196,7 +197,9 @@ async def start_chat(
     check_request_cost(limits, engine, params, req, "top_logprobs")
     await check_grammar(raw, engine, params)
     request_id = request_id or new_id("chatcmpl")
-    streams = start_streams(engine, [plan.prompt], params, request_id, req.priority)
+    streams = start_streams(
+        engine, [plan.prompt], params, request_id, req.priority, is_batch_line(raw)
+    )
     raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)
     return ChatRun(request_id, plan, params, streams, top_k)
 

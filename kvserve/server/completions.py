@@ -30,6 +30,7 @@ from kvserve.server.serving import (
     check_fan_out,
     check_grammar,
     final_outputs,
+    is_batch_line,
     logprob_text,
     make_params,
     merge_streams,
@@ -170,7 +171,7 @@ async def create_completion(
         return await create_beam_completion(req, raw, engine, limits)
     prompts, params = await prepare_completion(req, engine, limits, raw)
     request_id = new_id("cmpl")
-    streams = start_streams(engine, prompts, params, request_id, req.priority)
+    streams = start_streams(engine, prompts, params, request_id, req.priority, is_batch_line(raw))
     raw.app.state.kvserve.observe_streams(engine, params, streams, raw.headers)
     if req.stream:
         return StreamingResponse(

@@ -27,6 +27,7 @@ from kvserve.server.serving import (
     Limits,
     PromptInfo,
     final_outputs,
+    is_batch_line,
     make_params,
     new_id,
     run_watching_disconnect,
@@ -114,7 +115,7 @@ async def create_embedding(
         else:
             prompts.append(PromptInfo(None, list(item)))
     request_id = new_id("embd")
-    streams = start_streams(engine, prompts, params, request_id, req.priority)
+    streams = start_streams(engine, prompts, params, request_id, req.priority, is_batch_line(raw))
     outputs = await run_watching_disconnect(raw, final_outputs(streams))
     data: list[EmbeddingData] = []
     num_tokens = 0

@@ -28,6 +28,7 @@ from kvserve.server.serving import (
     Limits,
     PromptInfo,
     final_outputs,
+    is_batch_line,
     new_id,
     run_watching_disconnect,
     start_streams,
@@ -147,7 +148,9 @@ async def run_scores(
                 "documents",
             )
         prompts.append(PromptInfo(text, ids))
-    streams = start_streams(engine, prompts, params, new_id("score"), opts.priority)
+    streams = start_streams(
+        engine, prompts, params, new_id("score"), opts.priority, is_batch_line(raw)
+    )
     outputs = await run_watching_disconnect(raw, final_outputs(streams))
     vectors = []
     for out in outputs:

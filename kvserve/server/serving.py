@@ -28,6 +28,7 @@ from kvserve.outputs import Logprob, PromptLogprobs, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sample.sampler import NO_TOKEN_ALLOWED
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.batch_runner import BATCH_SCOPE_KEY
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.offload import SMALL_JOB_CHARS, run_cpu
 from kvserve.server.protocol import (
@@ -239,24 +240,33 @@ async def check_grammar(
         raise bad_request(str(e), getattr(e, "param", None)) from e
 
 
+def is_batch_line(raw: Request | None) -> bool:
+    """Whether ``raw`` is a Batch API line sent by the server's own batch runner: the
+    engine runs it as background work (``Request.background``)."""
+    return raw is not None and bool(raw.scope.get(BATCH_SCOPE_KEY))
+
+
 def start_streams(
     engine: AsyncLLMEngine,
     prompts: Sequence[PromptInfo],
     params: SamplingParams | PoolingParams,
     base_id: str,
     priority: int = 0,
+    background: bool = False,
 ) -> list[RequestStream]:
     """Submit one request per prompt (embedding requests with ``PoolingParams``); all or
-    nothing (a failure aborts those already in)."""
+    nothing (a failure aborts those already in). ``background``: batch lines."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
             if isinstance(params, PoolingParams):
-                streams.append(engine.encode(prompt, params, rid, priority=priority))
+                streams.append(engine.encode(prompt, params, rid, priority, background))
             else:
-                streams.append(engine.generate(prompt, params, rid, priority=priority))
+                streams.append(
+                    engine.generate(prompt, params, rid, priority, background=background)
+                )
     except BaseException as e:
         for s in streams:
             s.abort()

@@ -232,6 +232,14 @@ def test_cancel_and_job_limit(holder: Holder) -> None:
     with pytest.raises(openai.RateLimitError, match="--max-batch-jobs"):
         _submit(client, _long_lines(2, "c"))
     _wait(client, a.id, lambda x: x.request_counts.completed >= 1)
+    # Online requests while a runs: each one-chunk prompt's step holds a's one running row
+    # out (or none, between two lines); their answers are unchanged.
+    held = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"]
+    for _ in range(3):
+        r = client.completions.create(model=MODEL, prompt="online", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+    held = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"] - held
+    assert 1 <= held <= 3
     assert client.batches.cancel(b.id).status == "cancelling"
     assert client.batches.cancel(a.id).status == "cancelling"
     a = _wait(client, a.id, _finished)
