@@ -18,13 +18,12 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kvserve.config import ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
+from kvserve.model.architectures import architecture_name, remote_code_error
 from kvserve.model.base import CausalLM
-from kvserve.model.registry import num_routed_experts, resolve_model_class
-from kvserve.model.transformers_backend import (
-    TransformersForCausalLM,
-    architecture_name,
-    load_transformers_model,
-    remote_code_error,
+from kvserve.model.registry import (
+    num_routed_experts,
+    on_transformers_backend,
+    resolve_model_class,
 )
 from kvserve.model.wide_linear import resolve_weight_dtype, widen_linears
 from kvserve.ops.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
@@ -126,7 +125,7 @@ def load_model(
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
     report: QuantReport | None = None  # what quantization did, once it has
-    if cls is TransformersForCausalLM:
+    if on_transformers_backend(cls):
         if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
             raise ValueError(
                 f"{path}: pre-quantized weights (GGUF, compressed-tensors, AWQ, GPTQ) load into "
@@ -138,6 +137,8 @@ def load_model(
                 f"{path}: quantization_lm_head (--quantization-lm-head) needs one of kvserve's "
                 "native model classes, not the transformers backend"
             )
+        from kvserve.model.transformers_backend import load_transformers_model
+
         model = load_transformers_model(path, config, dtype, device, max_positions)
     elif scheme is not None:
         # the checkpoint's own codes, one fused module at a time (checkpoint_linears.py)
@@ -166,7 +167,7 @@ def load_model(
         model.quant_report = report  # type: ignore[attr-defined]
     wide = resolve_weight_dtype(
         weight_dtype, dtype, torch.device(device), getattr(config, "dtype", None),
-        native=cls is not TransformersForCausalLM,
+        native=not on_transformers_backend(cls),
         quantized=quant is not None and quant.method is not None,
         tp=tp.world_size if tp is not None else 1,
     )  # fmt: skip
@@ -215,7 +216,7 @@ def _check_moe_quant(
         return
     check = getattr(cls, "quantization_refusal", None)
     refusal = check(method) if check is not None else None
-    if cls is TransformersForCausalLM and num_routed_experts(config):
+    if on_transformers_backend(cls) and num_routed_experts(config):
         refusal = ("its experts are not nn.Linear layers in transformers and would stay in the "
                    "model dtype")  # fmt: skip
     if refusal:
@@ -234,7 +235,7 @@ def check_shardable(
     quantized layers and native classes that do not take a ``TPGroup``."""
     if size == 1:
         return
-    if cls is TransformersForCausalLM:
+    if on_transformers_backend(cls):
         raise ValueError(
             f"{path}: tensor_parallel_size {size} needs a native kvserve model; the "
             "transformers backend runs unsharded (tensor_parallel_size 1)"

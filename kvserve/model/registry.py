@@ -9,18 +9,16 @@ class, ``transformers`` always takes the backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from transformers import PretrainedConfig
 
 from kvserve.config import ModelImpl
+from kvserve.model.architectures import architecture_name
 from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.moe import MoEForCausalLM
-from kvserve.model.transformers_backend import (
-    TransformersForCausalLM,
-    architecture_name,
-    check_supported,
-)
 
 NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
     arch: cls
@@ -80,5 +78,13 @@ def resolve_model_class(
         )
     if native is not None and impl is not ModelImpl.TRANSFORMERS:
         return native
+    # imported here: transformers' modeling code costs ~3 s of CPU per process (architectures.py)
+    from kvserve.model.transformers_backend import TransformersForCausalLM, check_supported
+
     check_supported(hf_config)
     return TransformersForCausalLM
+
+
+def on_transformers_backend(cls: type[Any]) -> bool:
+    """Whether ``resolve_model_class`` chose the transformers backend (without importing it)."""
+    return bool(getattr(cls, "transformers_backend", False))

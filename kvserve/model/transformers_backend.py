@@ -23,10 +23,9 @@ architecture and the reason), never run wrongly: see :func:`check_supported` and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import transformers
@@ -36,15 +35,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from kvserve.attention.paged import AttentionMetadata
 from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.model.architectures import REMOTE_CODE, architecture_name, backend_refusal
 from kvserve.model.base import ForwardBatch
 
 ATTN_IMPLEMENTATION = "kvserve"  # the name registered in transformers' AttentionInterface
 STEP_KWARG = "kvserve_step"  # the forward keyword argument carrying the PagedStep
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-REMOTE_CODE = (
-    "its config has an auto_map (trust_remote_code model); kvserve never runs a model's own "
-    "Python code"
-)
 
 
 @dataclass
@@ -57,37 +53,26 @@ class PagedStep:
     seen: list[int] = field(default_factory=list)  # layers that attended, in call order
 
 
-def architecture_name(config: PretrainedConfig) -> str:
-    archs = getattr(config, "architectures", None) or []
-    if archs:
-        return str(archs[0])
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
-
-
-def _refuse(arch: str, reason: str) -> ValueError:
-    return ValueError(f"cannot run {arch} through the transformers backend: {reason}")
-
-
 def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
     """The transformers class that runs ``config`` on kvserve's paged attention, or a
     ``ValueError`` naming the architecture and why it cannot (checks that need no weights)."""
     arch = architecture_name(config)
     if getattr(config, "auto_map", None):
-        raise _refuse(arch, REMOTE_CODE)
+        raise backend_refusal(arch, REMOTE_CODE)
     if getattr(config, "is_encoder_decoder", False):
-        raise _refuse(
+        raise backend_refusal(
             arch, "it is an encoder-decoder model; kvserve runs decoder-only causal language models"
         )
     cls = getattr(transformers, arch, None)
     if cls is None or arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        raise _refuse(
+        raise backend_refusal(
             arch,
             f"it is not a causal language model class of transformers {transformers.__version__}",
         )
     types = set(getattr(config, "layer_types", None) or ())
     if not getattr(config, "num_attention_heads", None) or not types <= ATTENTION_LAYER_TYPES:
         other = sorted(types - ATTENTION_LAYER_TYPES) or ["no attention heads"]
-        raise _refuse(
+        raise backend_refusal(
             arch,
             f"it has layers without attention ({', '.join(other)}); kvserve's "
             "KV cache holds attention K/V only",
@@ -95,21 +80,12 @@ def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
     if not getattr(cls, "_supports_attention_backend", False):
         # vLLM's check too: only these classes promise that every attention goes through
         # the interface (and nothing depends on the mask transformers would have built).
-        raise _refuse(
+        raise backend_refusal(
             arch,
             "its attention does not go through transformers' attention "
             "interface (_supports_attention_backend is False)",
         )
     return cls
-
-
-def remote_code_error(path: Path) -> ValueError | None:
-    """A clear refusal for a folder whose config.json asks for remote code, else None."""
-    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    if not raw.get("auto_map"):
-        return None
-    arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-    return _refuse(arch, REMOTE_CODE)
 
 
 def _layer_window(config: PretrainedConfig, layer: int) -> int | None:
@@ -132,9 +108,9 @@ def _attention_options(module: nn.Module, kwargs: dict[str, Any], step: PagedSte
     """
     arch, layer = architecture_name(step.config), module.layer_idx
     if kwargs.get("s_aux") is not None:
-        raise _refuse(arch, f"layer {layer} uses attention sinks, which kvserve lacks")
+        raise backend_refusal(arch, f"layer {layer} uses attention sinks, which kvserve lacks")
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
-        raise _refuse(arch, f"layer {layer} attends bidirectionally (is_causal=False)")
+        raise backend_refusal(arch, f"layer {layer} attends bidirectionally (is_causal=False)")
     window = kwargs.get("sliding_window", _layer_window(step.config, layer))
     if window is not None and int(window) >= step.max_positions:
         window = None
@@ -169,7 +145,7 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     if k.shape[1:] != (k_cache.shape[1], k_cache.shape[3]) or v.shape != k.shape:
-        raise _refuse(
+        raise backend_refusal(
             architecture_name(step.config),
             f"layer {layer}'s K/V heads are {tuple(k.shape[1:])} and {tuple(v.shape[1:])}, "
             f"the KV cache's (from the config) {(k_cache.shape[1], k_cache.shape[3])}",
@@ -194,6 +170,9 @@ class TransformersForCausalLM(nn.Module):
     post-processing of the class's own ``forward``, which the load-time probe checks.
     """
 
+    # what ``registry.on_transformers_backend`` reads (that module never imports this one)
+    transformers_backend: ClassVar[bool] = True
+
     def __init__(self, hf: PreTrainedModel, max_positions: int) -> None:
         super().__init__()
         self.hf = hf
@@ -202,7 +181,7 @@ class TransformersForCausalLM(nn.Module):
         self.max_positions = max_positions
         body = hf.base_model
         if body is hf or hf.get_output_embeddings() is None:
-            raise _refuse(self.arch, "it has no separate decoder body and LM head")
+            raise backend_refusal(self.arch, "it has no separate decoder body and LM head")
         self.body: nn.Module = body
         cfg = self.config
         heads = int(cfg.num_attention_heads)
@@ -275,7 +254,7 @@ class TransformersForCausalLM(nn.Module):
         steps = [self._scratch_step(ids, pos) for _ in range(2)]
         hidden = self._body(steps[0])
         if steps[0].seen != list(range(self.num_layers)):
-            raise _refuse(
+            raise backend_refusal(
                 self.arch,
                 f"its layers attended through kvserve as {steps[0].seen}, "
                 f"not once each of its {self.num_layers} layers",
@@ -285,7 +264,7 @@ class TransformersForCausalLM(nn.Module):
         ).logits[0]  # [T, V]
         ours = self.compute_logits(hidden)
         if not torch.allclose(ours.float(), theirs.float(), rtol=1e-2, atol=1e-3):
-            raise _refuse(
+            raise backend_refusal(
                 self.arch,
                 "its forward post-processes the logits in a way kvserve does not reproduce",
             )

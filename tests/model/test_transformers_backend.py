@@ -4,6 +4,8 @@ reason, exact messages), the interface both kinds of model offer, the load-time 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,15 @@ def test_attention_function_needs_the_engine_step(tmp_path: Path) -> None:
     q = torch.zeros(1, 4, 3, 16)
     with pytest.raises(RuntimeError, match="runs inside kvserve's engine only"):
         paged_attention_forward(model.hf.model.layers[0].self_attn, q, q, q, None)
+
+
+def test_importing_kvserve_leaves_transformers_modeling_code_out() -> None:
+    """The registry imports the backend only for a model that runs on it: transformers'
+    modeling code costs every server, rank and CLI start ~3 s of CPU (architectures.py)."""
+    code = (
+        "import sys, kvserve, kvserve.cli, kvserve.server.app, kvserve.model.loader; "
+        "print(sorted(m for m in ('transformers.modeling_utils', "
+        "'kvserve.model.transformers_backend') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
