@@ -1,26 +1,39 @@
 """Online TTFT with and without a Batch API job running (issue 36).
 
-Starts ``kvserve serve`` (the built-in model unless --model), measures the time to the first
-streamed token of ``--requests`` sequential online chat requests on an idle server, then again
-while a batch job of ``--lines`` long completions runs (``--batch-max-concurrency``), then
-cancels the job. Prints the medians and the ratio.
+Starts ``kvserve serve`` (the built-in model unless --model) and, ``--rounds`` times, measures
+the time to the first streamed token of ``--requests`` sequential online chat requests on an
+idle server, then again while a batch job of ``--lines`` long completions runs
+(``--batch-max-concurrency`` lines in flight), then cancels the job and waits for the engine to
+be idle. Alternating the two conditions puts the slow spells of a shared machine on both.
+Prints the medians and their ratio, the server's ``num_background_rows_held_total`` (batch rows
+that sat out a step computing an online prompt), and writes JSON with ``--out``.
 
-    python benchmarks/batch_ttft.py --requests 20 --lines 400 --batch-max-concurrency 4
+    python benchmarks/batch_ttft.py --rounds 3 --requests 10 --batch-max-concurrency 4 \
+        --out benchmarks/results/batch_ttft.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import machine_info  # noqa: E402
+
+MODEL = "m"
 
 
 def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -28,7 +41,7 @@ def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[byt
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--batch-dir", str(folder / "batch"),
            "--batch-max-concurrency", str(args.batch_max_concurrency),
-           "--served-model-name", "m"]  # fmt: skip
+           "--served-model-name", MODEL]  # fmt: skip
     log = (folder / "server.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -43,12 +56,12 @@ def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[byt
         time.sleep(0.5)
 
 
-def _ttfts(client: openai.OpenAI, n: int) -> list[float]:
+def _ttfts(client: openai.OpenAI, n: int, offset: int) -> list[float]:
     out = []
-    for i in range(n):
+    for i in range(offset, offset + n):
         start = time.perf_counter()
         stream = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"Tell me about the number {i}"}],
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me about the number {i}"}],
             max_tokens=8, temperature=0, stream=True,
         )  # fmt: skip
         for chunk in stream:
@@ -59,39 +72,83 @@ def _ttfts(client: openai.OpenAI, n: int) -> list[float]:
     return out
 
 
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and f'model_name="{MODEL}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_idle(url: str) -> None:
+    while _metric(url, "kvserve:num_requests_running") or _metric(
+        url, "kvserve:num_requests_waiting"
+    ):
+        time.sleep(0.2)
+
+
+def _batch_round(client: openai.OpenAI, url: str, args: argparse.Namespace, r: int) -> dict:
+    """TTFTs while a job runs (from its second finished line on), then cancel it."""
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+              "body": {**body, "prompt": f"Batch line {i} of round {r} says"}}
+             for i in range(args.lines)]  # fmt: skip
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = client.files.create(file=("in.jsonl", data), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                              completion_window="24h")  # fmt: skip
+    while client.batches.retrieve(b.id).request_counts.completed < 2:
+        time.sleep(0.2)
+    held = _metric(url, "kvserve:num_background_rows_held_total")
+    busy = _ttfts(client, args.requests, 1000 * r + 500)
+    held = _metric(url, "kvserve:num_background_rows_held_total") - held
+    done = client.batches.retrieve(b.id).request_counts.completed
+    client.batches.cancel(b.id)
+    while client.batches.retrieve(b.id).status not in ("cancelled", "completed"):
+        time.sleep(0.2)
+    _wait_idle(url)
+    return {"ttft": busy, "rows_held": held, "lines_done": done}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
-    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=10)
     p.add_argument("--lines", type=int, default=400)
     p.add_argument("--batch-max-concurrency", type=int, default=4)
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    alone: list[float] = []
+    busy: list[float] = []
+    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start(args, Path(tmp))
         try:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
-            _ttfts(client, 3)  # warm
-            alone = _ttfts(client, args.requests)
-            body = {"model": "m", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-            lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-                      "body": {**body, "prompt": f"Batch line {i} says"}}
-                     for i in range(args.lines)]  # fmt: skip
-            data = "".join(json.dumps(x) + "\n" for x in lines).encode()
-            f = client.files.create(file=("in.jsonl", data), purpose="batch")
-            b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
-                                      completion_window="24h")  # fmt: skip
-            while client.batches.retrieve(b.id).request_counts.completed < 2:
-                time.sleep(0.2)
-            busy = _ttfts(client, args.requests)
-            during = client.batches.retrieve(b.id)
-            client.batches.cancel(b.id)
+            _ttfts(client, 3, 0)  # warm
+            for r in range(args.rounds):
+                a = _ttfts(client, args.requests, 1000 * r)
+                b = _batch_round(client, url, args, r)
+                alone += a
+                busy += b["ttft"]
+                rounds.append({"alone": a, **b})
+                print(f"round {r}: alone {statistics.median(a) * 1000:.1f} ms, "
+                      f"batch {statistics.median(b['ttft']) * 1000:.1f} ms, "
+                      f"rows held {b['rows_held']:.0f}", flush=True)  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(30)
     a, m = statistics.median(alone), statistics.median(busy)
     print(f"online TTFT median: alone {a * 1000:.1f} ms, during a batch {m * 1000:.1f} ms "
-          f"({m / a:.2f}x); batch lines done meanwhile: {during.request_counts.completed}, "
-          f"status {during.status}")  # fmt: skip
+          f"({m / a:.2f}x)")  # fmt: skip
+    if args.out is not None:
+        result = {
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+            "ttft_alone_median_s": a, "ttft_batch_median_s": m, "ratio": m / a,
+            "rounds": rounds,
+        }  # fmt: skip
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
