@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from kvserve.config import ModelImpl
 from kvserve.model.gemma import GemmaForCausalLM
+from kvserve.model.gpt_oss import GptOssForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.moe import MoEForCausalLM
 from kvserve.model.transformers_backend import (
@@ -24,7 +25,7 @@ from kvserve.model.transformers_backend import (
 
 NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
     arch: cls
-    for cls in (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM)
+    for cls in (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM, GptOssForCausalLM)
     for arch in cls.architectures
 }
 
