@@ -53,6 +53,30 @@ _EXPERTS = re.compile(
 _SINKS = re.compile(r"^layers\.\d+\.self_attn\.sinks$")
 
 
+def load_stacked_experts(experts: FusedExperts, name: str, tensor: torch.Tensor) -> None:
+    """Copy one of gpt-oss's stacked expert tensors, as transformers' ``GptOssExperts`` holds
+    them, into ``experts`` (this rank's slices): ``gate_up_proj [E, H, 2I]`` (``x @ W``, gate
+    and up columns interleaved), ``gate_up_proj_bias [E, 2I]`` (interleaved), ``down_proj
+    [E, I, H]``, ``down_proj_bias [E, H]``."""
+    e = experts.num_experts
+    if tensor.dim() < 2 or tensor.shape[0] != e:
+        raise ValueError(f"experts.{name} has shape {tuple(tensor.shape)}, expected [{e}, ...]")
+    if name == "gate_up_proj_bias":
+        experts.load_bias("gate", tensor[:, ::2])
+        experts.load_bias("up", tensor[:, 1::2])
+    elif name == "down_proj_bias":
+        experts.load_bias("down", tensor)
+    elif name == "gate_up_proj":
+        for i in range(e):
+            experts.load_expert(i, "gate", tensor[i, :, ::2].T)
+            experts.load_expert(i, "up", tensor[i, :, 1::2].T)
+    elif name == "down_proj":
+        for i in range(e):
+            experts.load_expert(i, "down", tensor[i].T)
+    else:
+        raise ValueError(f"unexpected expert tensor experts.{name}")
+
+
 class GptOssMoeBlock(nn.Module):
     """A gpt-oss layer's MLP: the biased router, top-k then softmax, the biased experts with
     the clamped SwiGLU. Parameter names as the checkpoint's (``mlp.router``, ``mlp.experts``)."""
@@ -148,28 +172,13 @@ class GptOssForCausalLM(MoEForCausalLM):
         """One of the checkpoint's stacked expert tensors (dense orientation, ``x @ W``)."""
         experts = self.get_submodule(module)
         assert isinstance(experts, FusedExperts)
-        e = experts.num_experts
-        if tensor.dim() < 2 or tensor.shape[0] != e:
-            raise ValueError(f"{module}.{name} has shape {tuple(tensor.shape)}, expected "
-                             f"[{e}, ...]")  # fmt: skip
-        if name == "gate_up_proj_bias":  # [E, 2I] interleaved
-            experts.load_bias("gate", tensor[:, ::2])
-            experts.load_bias("up", tensor[:, 1::2])
-        elif name == "down_proj_bias":
-            experts.load_bias("down", tensor)
-        elif name == "gate_up_proj":  # [E, H, 2I] interleaved columns
-            for i in range(e):
-                experts.load_expert(i, "gate", tensor[i, :, ::2].T)
-                experts.load_expert(i, "up", tensor[i, :, 1::2].T)
-        else:  # down_proj [E, I, H]
-            for i in range(e):
-                experts.load_expert(i, "down", tensor[i].T)
+        load_stacked_experts(experts, name, tensor)
         if name.endswith("_bias"):
             self._extra_loaded.add(f"{module}.{name.replace('_proj_', '_')}")
         else:
             parts = ("gate", "up") if name == "gate_up_proj" else ("down",)
             done = self._experts_loaded.setdefault(module, set())
-            done |= {(i, p) for i in range(e) for p in parts}
+            done |= {(i, p) for i in range(experts.num_experts) for p in parts}
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         super()._check_all_loaded(params, loaded | self._extra_loaded)
