@@ -71,7 +71,7 @@ def make_moe_model(arch: str, path: Path, **overrides: object) -> PreTrainedMode
             elif arch == GPT_OSS and name.endswith(("router.weight", "router.bias", "sinks")):
                 param.copy_(torch.randn_like(param) * 0.5)  # sinks of ~1 weigh like a key
             elif arch == GPT_OSS and name.endswith(("_bias", "proj.bias")):  # zeros at init
-                param.copy_(torch.randn_like(param) * 0.1)
+                param.copy_(torch.randn_like(param) * 0.02)  # as small as the hidden states
     model.eval()
     model.save_pretrained(path)
     return model
