@@ -1,7 +1,8 @@
 """Native gpt-oss through the whole engine (C++ decode kernel with sinks, the default on a
 CPU): greedy tokens equal transformers' ``generate`` (float32) with chunked prefills, forced
-preemption and prefix-cache hits in one run (KV integrity checked every step); bf16 with the
-fused C++ ops gives the plain path's tokens, and the C++ decode loop stays off."""
+preemption and prefix-cache hits in one run (KV integrity checked every step), and with n-gram
+speculative decoding; bf16 with the fused C++ ops gives the plain path's tokens, and the C++
+decode loop stays off."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def test_greedy_matches_transformers(gpt_oss: Native) -> None:
     assert stats["prefix_cache_hits"] >= 7 * 4 * 2
     assert stats["num_preemptions"] > 0 and stats["max_num_running"] > 1
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == 16
+
+
+def test_ngram_speculative_decoding(gpt_oss: Native) -> None:
+    """Verification rows (several queries per request) attend with the sinks and run the
+    experts too: tokens equal transformers' with proposals accepted."""
+    prompts = [PROMPTS[3][:9] * 3, *PROMPTS[:2]]  # the first repeats itself: n-gram matches
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = build_engine_config(str(gpt_oss.path), dtype="float32", block_size=4,
+                                 num_kv_blocks=100, speculative_config=spec)  # fmt: skip
+    e = LLMEngine(config)
+    assert run_engine_checked(e, prompts, params) == gpt_oss.expected(prompts, MAX_TOKENS)
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_bf16_fused_ops_keep_outputs(gpt_oss: Native) -> None:
