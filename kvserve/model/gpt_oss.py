@@ -42,6 +42,7 @@ from kvserve.model.llama import Attention, DecoderLayer, layer_window
 from kvserve.model.moe import MoEForCausalLM, RouterLinear
 from kvserve.moe.experts import FusedExperts, GluActivation, GluKind, act_and_mul_for
 from kvserve.moe.router import RouterConfig, Scoring, route
+from kvserve.quantization.apply import RTN_METHODS
 from kvserve.quantization.mxfp4 import dequantize_mxfp4
 
 GPT_OSS = "GptOssForCausalLM"
@@ -106,12 +107,14 @@ class GptOssForCausalLM(MoEForCausalLM):
 
     @staticmethod
     def quantization_refusal(method: Quantization | None) -> str | None:
-        if method is None:
+        """int8/int4 round-to-nearest run (the experts' matrices as the other families', their
+        biases kept in the model dtype); GGUF and pre-quantized checkpoints do not."""
+        if method is None or method in RTN_METHODS:
             return None
         return (
-            "int8/int4 round-to-nearest, GGUF and pre-quantized (compressed-tensors, AWQ, GPTQ) "
-            "experts are not implemented for gpt-oss's biased, clamped-SwiGLU experts; its "
-            "MXFP4 checkpoints load dequantized to the model dtype"
+            "only int8/int4 round-to-nearest at load is implemented for gpt-oss's experts, not "
+            "GGUF or pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints; its MXFP4 "
+            "checkpoints load dequantized to the model dtype"
         )
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
@@ -179,6 +182,8 @@ class GptOssForCausalLM(MoEForCausalLM):
             parts = ("gate", "up") if name == "gate_up_proj" else ("down",)
             done = self._experts_loaded.setdefault(module, set())
             done |= {(i, p) for i in range(experts.num_experts) for p in parts}
+            if len(done) == 3 * experts.num_experts and self._streaming is not None:
+                self._quantize_experts(module, experts)  # int8/int4: this layer's, now
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         super()._check_all_loaded(params, loaded | self._extra_loaded)

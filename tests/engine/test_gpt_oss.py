@@ -1,18 +1,23 @@
 """Native gpt-oss through the whole engine (C++ decode kernel with sinks, the default on a
 CPU): greedy tokens equal transformers' ``generate`` (float32) with chunked prefills, forced
 preemption and prefix-cache hits in one run (KV integrity checked every step), and with n-gram
-speculative decoding; bf16 with the fused C++ ops gives the plain path's tokens, and the C++
-decode loop stays off."""
+speculative decoding; int8/int4 experts give the tokens of their dequantized weights; bf16
+with the fused C++ ops gives the plain path's tokens, and the C++ decode loop stays off."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import Quantization
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.gpt_oss import GptOssForCausalLM
+from kvserve.quantization.apply import rtn_weight
 from tests.engine.test_moe_families import MAX_TOKENS, PROMPTS
 from tests.engine.test_native_families import Native
 from tests.engine.utils import run_engine_checked
@@ -55,6 +60,47 @@ def test_ngram_speculative_decoding(gpt_oss: Native) -> None:
     e = LLMEngine(config)
     assert run_engine_checked(e, prompts, params) == gpt_oss.expected(prompts, MAX_TOKENS)
     assert e.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def dequantized_copy(src: Path, dst: Path, method: Quantization) -> None:
+    """``src`` with every projection (attention, each expert's gate/up and down) rounded to
+    nearest and dequantized as the loader rounds them: per row of the ``[out, in]`` weight,
+    which for the checkpoint's ``x @ W`` expert layout is per column (biases stay)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    for name, t in state.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            state[name] = rtn_weight(t, method, None, name)[0].dequantize(torch.float32)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            state[name] = torch.stack([
+                rtn_weight(w.T.contiguous(), method, None, name)[0].dequantize(torch.float32).T
+                for w in t
+            ])  # fmt: skip
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_quantized_experts_equal_dequantized(gpt_oss: Native, tmp_path: Path) -> None:
+    """int4 experts (and attention; int8 takes the same path, tests/engine/test_moe_quant.py
+    runs both kernels) give exactly the tokens of the same model with every
+    quantized weight replaced by its dequantized value, under preemption; the expert biases
+    stay in the model dtype, added after each quantized matmul."""
+    method = Quantization.INT4
+    dequantized_copy(gpt_oss.path, tmp_path / "dense", method)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = []
+    for path, quant in ((gpt_oss.path, method.value), (tmp_path / "dense", None)):
+        config = build_engine_config(str(path), dtype="float32", block_size=4, num_kv_blocks=12,
+                                     quantization=quant)  # fmt: skip
+        e = LLMEngine(config)
+        outs.append(run_engine_checked(e, PROMPTS, params))
+        assert e.stats()["num_preemptions"] > 0
+        experts = e.runner.model.layers[1].mlp.experts
+        assert (experts.q_gate_up is not None) == (quant is not None)
+    assert experts.down_bias is not None
+    assert outs[0] == outs[1]
 
 
 def test_bf16_fused_ops_keep_outputs(gpt_oss: Native) -> None:
