@@ -160,16 +160,29 @@ class GptOssForCausalLM(MoEForCausalLM):
         self._extra_loaded.add(name)
 
     def _take_mxfp4(self, module: str, proj: str, part: str, tensor: torch.Tensor) -> None:
+        """Hold a ``*_blocks`` or ``*_scales`` tensor until its pair arrives, then dequantize
+        the pair one expert at a time (a whole gpt-oss-20b ``gate_up_proj`` in float32 would
+        be 2 GB at once) into this rank's slices."""
         other = f"{module}.{proj}{'_scales' if part == '_blocks' else '_blocks'}"
         if other not in self._mxfp4:
             self._mxfp4[f"{module}.{proj}{part}"] = tensor
             return
         pair = self._mxfp4.pop(other)
         blocks, scales = (tensor, pair) if part == "_blocks" else (pair, tensor)
+        experts = self.get_submodule(module)
+        assert isinstance(experts, FusedExperts)
+        if blocks.dim() != 4 or blocks.shape[0] != experts.num_experts:
+            raise ValueError(f"{module}.{proj}_blocks has shape {tuple(blocks.shape)}, "
+                             f"expected [{experts.num_experts}, rows, cols / 32, 16]")  # fmt: skip
         dtype = self.embed_tokens.weight.dtype
-        w = dequantize_mxfp4(blocks, scales, dtype)  # [E, rows, cols]: linear weights
-        # to the checkpoint's dense orientation: gate_up [E, H, 2I], down [E, I, H]
-        self._load_experts(module, proj, w.transpose(1, 2))
+        for e in range(experts.num_experts):
+            w = dequantize_mxfp4(blocks[e], scales[e], dtype)  # [rows, cols]: a linear weight
+            if proj == "gate_up_proj":  # [2I, H], gate and up rows interleaved
+                experts.load_expert(e, "gate", w[::2])
+                experts.load_expert(e, "up", w[1::2])
+            else:  # [H, I]
+                experts.load_expert(e, "down", w)
+        self._experts_done(module, experts, proj)
 
     def _load_experts(self, module: str, name: str, tensor: torch.Tensor) -> None:
         """One of the checkpoint's stacked expert tensors (dense orientation, ``x @ W``)."""
@@ -179,11 +192,16 @@ class GptOssForCausalLM(MoEForCausalLM):
         if name.endswith("_bias"):
             self._extra_loaded.add(f"{module}.{name.replace('_proj_', '_')}")
         else:
-            parts = ("gate", "up") if name == "gate_up_proj" else ("down",)
-            done = self._experts_loaded.setdefault(module, set())
-            done |= {(i, p) for i in range(experts.num_experts) for p in parts}
-            if len(done) == 3 * experts.num_experts and self._streaming is not None:
-                self._quantize_experts(module, experts)  # int8/int4: this layer's, now
+            self._experts_done(module, experts, name)
+
+    def _experts_done(self, module: str, experts: FusedExperts, proj: str) -> None:
+        """Count ``proj`` of every expert of ``module`` as loaded; once all are, int8/int4
+        quantize the layer's experts (``quantize_experts_with``) right away."""
+        parts = ("gate", "up") if proj == "gate_up_proj" else ("down",)
+        done = self._experts_loaded.setdefault(module, set())
+        done |= {(i, p) for i in range(experts.num_experts) for p in parts}
+        if len(done) == 3 * experts.num_experts and self._streaming is not None:
+            self._quantize_experts(module, experts)
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         super()._check_all_loaded(params, loaded | self._extra_loaded)
