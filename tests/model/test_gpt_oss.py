@@ -21,6 +21,7 @@ from kvserve.model.gpt_oss import GptOssForCausalLM, GptOssMoeBlock
 from kvserve.model.llama import RotaryEmbedding
 from kvserve.model.loader import load_model
 from kvserve.ops import cpu_kernels
+from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.mxfp4 import dequantize_mxfp4, fp4_e2m1_values
 from tests.model.tiny_moe import GPT_OSS, WINDOW, make_moe_model, moe_config
 from tests.model.tiny_native import kvserve_logits
@@ -134,6 +135,13 @@ def test_mxfp4_checkpoint_loads_dequantized(
     model = load_model(tmp_path, torch.float32, "cpu", max_positions=64)
     got = kvserve_logits(model, IDS, 9, False)
     torch.testing.assert_close(got, reference_logits(reference), atol=2e-5, rtol=1e-5)
+    # int4 on top (how gpt-oss-20b's experts would fit in memory): the same RTN of the same
+    # dequantized values as from the dense checkpoint, so the same logits bit for bit
+    reference.save_pretrained(tmp_path / "dense")
+    int4 = QuantOptions(Quantization.INT4)
+    runs = [kvserve_logits(load_model(p, torch.float32, "cpu", 64, quant=int4), IDS, 9, False)
+            for p in (tmp_path, tmp_path / "dense")]  # fmt: skip
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], got)
 
 
 def test_quantization_refused() -> None:
