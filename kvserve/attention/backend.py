@@ -38,6 +38,7 @@ class AttentionBackend(ABC):
     dtypes: ClassVar[frozenset[torch.dtype]]  # query / KV cache dtypes it computes
     supports_sliding_window: ClassVar[bool] = True
     supports_soft_cap: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = True  # gpt-oss's per-head attention sinks
     # attends a decode-only step from device tensors alone (``static_decode_metadata``): what
     # a step replayed as a CUDA graph needs (``worker/cuda_graph.py``)
     supports_static_decode: ClassVar[bool] = False
@@ -55,6 +56,7 @@ class AttentionBackend(ABC):
         *,
         sliding_window: bool = False,
         soft_cap: bool = False,
+        sinks: bool = False,
     ) -> str | None:
         """None when this backend runs a model with these properties, else why not (a
         sentence for the error). Cheap checks first: ``available`` (which may build a
@@ -71,6 +73,8 @@ class AttentionBackend(ABC):
             return "the model has sliding-window layers, which it does not support"
         if soft_cap and not cls.supports_soft_cap:
             return "the model soft-caps its attention scores, which it does not support"
+        if sinks and not cls.supports_sinks:
+            return "the model has attention sinks (gpt-oss), which it does not support"
         return cls.available()
 
     @classmethod
@@ -129,9 +133,11 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every row of the step over its context; returns ``[T, H, D]``.
-        ``sliding_window``/``soft_cap`` per layer, as ``reference_paged_attention``."""
+        ``sliding_window``/``soft_cap``/``sinks`` per layer, as
+        ``reference_paged_attention``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"

@@ -3,7 +3,8 @@ in place through the block tables; prefill rows as ``TORCH_SDPA``.
 
 The kernel is the default on a CPU: with gather + SDPA a decode step copies every row's
 context per layer. Supports float32 and bfloat16, head sizes that are a multiple of 16 (one
-AVX-512 vector, the widest it is compiled for), sliding windows and soft-caps. Decode-only
+AVX-512 vector, the widest it is compiled for), sliding windows, soft-caps and attention sinks
+(gpt-oss). Decode-only
 steps of native Llama-family models may run all their layers in one C++ call
 (``model/decode_loop.py``), which calls this same kernel: only with this backend.
 """
@@ -27,12 +28,13 @@ def kernel_decode(
     out: torch.Tensor,  # [T, H, D]
     sliding_window: int | None,
     soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """All one-token rows in one kernel call, written into their rows of ``out``."""
     rows = dec.token_idx if dec.token_idx is not None else dec.seq_lens[:0]  # empty: row i = i
     cpu_kernels.paged_decode_attention(
         out, q, k_cache, v_cache, dec.block_tables, dec.seq_lens, rows, scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -63,8 +65,9 @@ class CpuKernelBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             q, k_cache, v_cache, md, scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, decode=kernel_decode,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, decode=kernel_decode,
         )  # fmt: skip

@@ -24,11 +24,13 @@ its block table lists, in order; token ``p`` of the request sits in block
 Backends (``backend.py``) call these; models call the backend they are handed, never these.
 
 Both take ``sliding_window`` (query at position ``i`` sees keys ``i - window < j <= i``, Hugging
-Face's ``sliding_window_overlay``) and ``soft_cap`` (scores ``cap * tanh(s / cap)`` after the
-scale, before mask and softmax, as Gemma 2's ``attn_logit_softcapping``), per call since they
-vary by layer. The cache keeps every block; only the reads are windowed: the kernel starts at
-the window's first token, the SDPA paths add the window to their masks (built once per step and
-window), and a soft-cap takes an explicit float32 path instead of SDPA (which has none).
+Face's ``sliding_window_overlay``), ``soft_cap`` (scores ``cap * tanh(s / cap)`` after the
+scale, before mask and softmax, as Gemma 2's ``attn_logit_softcapping``) and ``sinks``
+(gpt-oss's attention sinks: a float logit per query head, ``[H]``, that joins each query's
+softmax denominator and contributes no value), per call since they vary by layer. The cache
+keeps every block; only the reads are windowed: the kernel starts at the window's first token,
+the SDPA paths add the window to their masks (built once per step and window), and a soft-cap
+or sinks take an explicit float32 path instead of SDPA (which has neither).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ def _attend_one(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (the last ``Lq`` positions) over ``L`` context tokens."""
     lq, lk = q.shape[0], k_ctx.shape[0]
@@ -232,6 +235,7 @@ def _attend_one(
         mask,
         scale,
         soft_cap,
+        sinks,
     )  # [1, H, Lq, D]
     return out.squeeze(0).transpose(0, 1)  # [Lq, H, D]
 
@@ -247,29 +251,33 @@ def reference_paged_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for each request (or only ``rows``), reading K/V through its block table.
 
     q: ``[T, H, D]`` queries of the flat batch (their K/V must already be written).
-    ``sliding_window``/``soft_cap``: see the module docstring (None: unset). With a soft-cap
-    the scores are computed in float32 whatever q's dtype. Returns ``[T, H, D]``.
+    ``sliding_window``/``soft_cap``/``sinks``: see the module docstring (None: unset). With a
+    soft-cap or sinks the scores are computed in float32 whatever q's dtype. Returns
+    ``[T, H, D]``.
     """
-    check_attention_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap, sinks, q.shape[1])
     if out is None:
         out = torch.empty_like(q)
     for i in range(md.num_rows) if rows is None else rows:
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         k_ctx = _context(k_cache, md.block_tables[i], md.seq_lens[i])  # [L, Hkv, D]
         v_ctx = _context(v_cache, md.block_tables[i], md.seq_lens[i])
-        out[start:end] = _attend_one(q[start:end], k_ctx, v_ctx, scale, sliding_window, soft_cap)
+        out[start:end] = _attend_one(
+            q[start:end], k_ctx, v_ctx, scale, sliding_window, soft_cap, sinks
+        )
     return out
 
 
 # A backend's decode path: (q [T, H, D], k_cache, v_cache, the decode batch, scale, out
-# [T, H, D] to fill at the batch's rows, sliding_window, soft_cap).
+# [T, H, D] to fill at the batch's rows, sliding_window, soft_cap, sinks [H] or None).
 DecodeFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, float, torch.Tensor, int | None,
-     float | None],
+     float | None, torch.Tensor | None],
     None,
 ]  # fmt: skip
 
@@ -283,6 +291,7 @@ def sdpa_decode(
     out: torch.Tensor,
     sliding_window: int | None,
     soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """All one-token rows at once: one SDPA over their gathered contexts (any device)."""
     # Gather whole blocks: [Bd * nb, Hkv, bs, D] -> [Bd, Hkv, nb * bs, D]. index_select on the
@@ -310,7 +319,7 @@ def sdpa_decode(
     v = v_blocks.view(bd, nb, hkv, bs, d).transpose(1, 2).reshape(bd, hkv, nb * bs, d)
     qd = (q if dec.token_idx is None else q[dec.token_idx]).unsqueeze(2)  # [Bd, H, 1, D]
     mask = cached_window_mask(dec._windowed, dec.key_mask(), sliding_window)  # [Bd, 1, 1, nb * bs]
-    o = attend(qd, k, v, mask, scale, soft_cap).squeeze(2)  # [Bd, H, D]
+    o = attend(qd, k, v, mask, scale, soft_cap, sinks).squeeze(2)  # [Bd, H, D]
     if dec.token_idx is None:
         out.copy_(o)
     else:
@@ -326,19 +335,20 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     decode: DecodeFn = sdpa_decode,
 ) -> torch.Tensor:
     """Every row of the step with the reference's results: the decode rows by ``decode``,
     the prefill rows batched (``md.split_rows`` ran, or runs here without a workspace).
 
-    ``sliding_window``/``soft_cap`` as ``reference_paged_attention`` (None: unset, and then
-    every path runs exactly as without them).
+    ``sliding_window``/``soft_cap``/``sinks`` as ``reference_paged_attention`` (None: unset,
+    and then every path runs exactly as without them).
     """
-    check_attention_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap, sinks, q.shape[1])
     if md.prefill_rows is None:
         md.split_rows()
     out = torch.empty_like(q)
-    opts = (sliding_window, soft_cap)
+    opts = (sliding_window, soft_cap, sinks)
     if md.decode is not None:
         decode(q, k_cache, v_cache, md.decode, scale, out, *opts)
     for group in md.prefill_groups:
@@ -356,5 +366,6 @@ def paged_attention(
             out=out,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            sinks=sinks,
         )
     return out

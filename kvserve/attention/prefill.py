@@ -15,8 +15,9 @@ by every layer:
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2/3 with ``use_sliding_window``) and soft-capped
 scores (Gemma 2's ``attn_logit_softcapping``) vary by layer while these batches are shared by
 every layer, so each batch keeps its causal mask and derives a windowed one on first use per
-window (``window_mask``). SDPA has no soft-cap: with one set, ``attend`` takes an explicit
-float32 path (scores, cap, mask, softmax); without, it is the SDPA call it always was.
+window (``window_mask``). SDPA has no soft-cap and no attention sinks (gpt-oss): with either
+set, ``attend`` takes an explicit float32 path (scores, cap, mask, softmax with the sink's
+column); without, it is the SDPA call it always was.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
 # with budgets 0 / 1024 / 4096 / 16384 (32 / 23 / 9 / 1 calls); the per-row loop 18.6 ms.
 MERGE_BUDGET_PAIRS = 1024
 
-# The soft-cap path materialises float32 scores; queries go in chunks so that one chunk's
-# scores stay under this many bytes (a 4096-token chunk over 8192 keys x 8 heads is 1 GiB).
+# The explicit path (soft-caps, sinks) materialises float32 scores; queries go in chunks so
+# that one chunk's scores stay under this many bytes (a 4096-token chunk over 8192 keys x 8
+# heads is 1 GiB).
 SOFTCAP_CHUNK_BYTES = 64 << 20
 
 
@@ -69,15 +71,24 @@ def cached_window_mask(cache: dict[int, Tensor], mask: Tensor, window: int | Non
     return cache[window]
 
 
-def softcap_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float
+def explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Attention with soft-capped scores, in float32: Gemma 2's order (transformers'
-    ``eager_attention_forward``): ``s = q.k * scale``, ``s = cap * tanh(s / cap)``, then the
-    mask, softmax and ``p @ v``.
+    """Attention written out in float32, for what SDPA has no argument for: soft-capped
+    scores (Gemma 2's order, transformers' ``eager_attention_forward``: ``s = q.k * scale``,
+    ``s = cap * tanh(s / cap)``, then the mask, softmax and ``p @ v``) and attention sinks
+    (gpt-oss: a learned logit per query head joins each query's softmax as one more column,
+    ``softmax([s, sink])``, and is dropped before ``p @ v``: it takes weight, gives no value).
 
     q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, mask bool ``[B or 1, 1, Lq or 1, Lk]`` or
-    ``[Lq, Lk]`` (as SDPA takes it; no empty row). Returns ``[B, H, Lq, D]`` in q's dtype.
+    ``[Lq, Lk]`` (as SDPA takes it; no empty row), ``sinks [H]``. Returns ``[B, H, Lq, D]`` in
+    q's dtype.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -85,23 +96,36 @@ def softcap_attention(
     vf = v.float().unsqueeze(2)  # [B, Hkv, 1, Lk, D]
     qf = q.float().reshape(b, hkv, h // hkv, lq, d)  # [B, Hkv, G, Lq, D]: GQA groups
     m = mask.reshape(-1, 1, 1, *mask.shape[-2:])  # [B or 1, 1, 1, Lq or 1, Lk]
+    sink = None if sinks is None else sinks.float().view(1, hkv, h // hkv, 1, 1)
     out = torch.empty(b, hkv, h // hkv, lq, d, dtype=q.dtype, device=q.device)
     step = max(1, SOFTCAP_CHUNK_BYTES // (4 * b * h * lk))
     for i in range(0, lq, step):
         s = torch.matmul(qf[:, :, :, i : i + step], kf) * scale  # [B, Hkv, G, c, Lk]
-        s = torch.tanh(s / soft_cap) * soft_cap
+        if soft_cap is not None:
+            s = torch.tanh(s / soft_cap) * soft_cap
         s = s.masked_fill(~m[..., i : i + step, :], float("-inf"))
-        out[:, :, :, i : i + step] = torch.matmul(torch.softmax(s, dim=-1), vf)
+        if sink is None:
+            p = torch.softmax(s, dim=-1)
+        else:  # [B, Hkv, G, c, Lk + 1] -> drop the sink's column
+            p = torch.softmax(torch.cat([s, sink.expand(*s.shape[:-1], 1)], dim=-1), -1)
+            p = p[..., :-1]
+        out[:, :, :, i : i + step] = torch.matmul(p, vf)
     return out.view(b, h, lq, d)
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """SDPA over the bool ``mask`` or, with a soft-cap, the explicit path. Shapes as
-    ``softcap_attention``."""
-    if soft_cap is not None:
-        return softcap_attention(q, k, v, mask, scale, soft_cap)
+    """SDPA over the bool ``mask`` or, with a soft-cap or sinks, the explicit path. Shapes as
+    ``explicit_attention``."""
+    if soft_cap is not None or sinks is not None:
+        return explicit_attention(q, k, v, mask, scale, soft_cap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -281,16 +305,18 @@ def batched_prefill(
     out: torch.Tensor,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One SDPA over n fresh prompts of length L, with the mask the reference uses (with a
-    window, the reference's windowed mask; with a soft-cap, the explicit path)."""
+    window, the reference's windowed mask; with a soft-cap or sinks, the explicit path)."""
     length, (h, d) = group.length, q.shape[1:]
     hkv = k_cache.shape[1]
     # This step's K/V, read back from their slots: [n * L, Hkv, D] -> [n, Hkv, L, D].
     k = k_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
     v = v_cache[group.blocks, :, group.offsets].view(-1, length, hkv, d).transpose(1, 2)
     qg = q[group.tokens].view(-1, length, h, d).transpose(1, 2)  # [n, H, L, D]
-    o = attend(qg, k, v, group.window_mask(sliding_window), scale, soft_cap)  # [n, H, L, D]
+    mask = group.window_mask(sliding_window)
+    o = attend(qg, k, v, mask, scale, soft_cap, sinks)  # [n, H, L, D]
     out[group.tokens] = o.transpose(1, 2).reshape(-1, h, d)
 
 
@@ -334,6 +360,7 @@ def batched_context(
     out: torch.Tensor,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One SDPA over the group's rows: padded queries against their padded gathered contexts.
 
@@ -344,13 +371,14 @@ def batched_context(
     k = _gather_context(k_cache, group, 0, q)  # [n, Hkv, Lk, D]
     v = _gather_context(v_cache, group, 1, q)
     qg = q[group.query_index].view(n, lq, h, d).transpose(1, 2)  # [n, H, Lq, D]
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         additive = group.additive_mask(q.dtype, sliding_window)
         o = F.scaled_dot_product_attention(
             qg, k, v, attn_mask=additive, scale=scale, enable_gqa=True
         )  # [n, H, Lq, D]
     else:
-        o = softcap_attention(qg, k, v, group.window_mask(sliding_window), scale, soft_cap)
+        mask = group.window_mask(sliding_window)
+        o = explicit_attention(qg, k, v, mask, scale, soft_cap, sinks)
     # [n * Lq, H, D]: a copy (SDPA's output is [n, H, Lq, D]); 6.5 MB for 32 rows of 100
     # queries in bf16, <1% of the call.
     o = o.transpose(1, 2).reshape(n * lq, h, d)

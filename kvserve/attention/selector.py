@@ -49,15 +49,17 @@ def backend_class(name: AttentionBackendEnum) -> type[AttentionBackend]:
     return cls  # type: ignore[no-any-return]
 
 
-def model_attention_features(config: PretrainedConfig) -> tuple[bool, bool]:
-    """(has sliding-window layers, soft-caps scores) as the model's config declares them."""
+def model_attention_features(config: PretrainedConfig) -> tuple[bool, bool, bool]:
+    """(has sliding-window layers, soft-caps scores, has attention sinks) as the model's
+    config declares them (sinks: gpt-oss, every layer)."""
     window = bool(getattr(config, "sliding_window", None))
     if getattr(config, "use_sliding_window", True) is False:  # Qwen2/3: off unless asked
         window = False
     types = getattr(config, "layer_types", None)
     if types is not None:
         window = window and "sliding_attention" in types
-    return window, bool(getattr(config, "attn_logit_softcapping", None))
+    sinks = getattr(config, "model_type", None) == "gpt_oss"
+    return window, bool(getattr(config, "attn_logit_softcapping", None)), sinks
 
 
 def select_attention_backend(
@@ -68,11 +70,12 @@ def select_attention_backend(
     *,
     sliding_window: bool = False,
     soft_cap: bool = False,
+    sinks: bool = False,
 ) -> AttentionBackend:
     """An instance of the chosen backend, or with ``AUTO`` of the first in ``AUTO_ORDER``
     that supports these properties. ValueError naming the reason when an explicit choice
     does not support them (or is not installed)."""
-    features = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    features = {"sliding_window": sliding_window, "soft_cap": soft_cap, "sinks": sinks}
     if choice is not AttentionBackendEnum.AUTO:
         try:
             cls = backend_class(choice)
@@ -111,10 +114,11 @@ def select_for_model(
     device: torch.device,
     dtype: torch.dtype,
 ) -> AttentionBackend:
-    """``select_attention_backend`` for a model: its window and soft-cap from its config."""
-    window, cap = model_attention_features(config)
+    """``select_attention_backend`` for a model: its window, soft-cap and sinks from its
+    config."""
+    window, cap, sinks = model_attention_features(config)
     return select_attention_backend(
-        choice, device, dtype, head_size, sliding_window=window, soft_cap=cap
+        choice, device, dtype, head_size, sliding_window=window, soft_cap=cap, sinks=sinks
     )
 
 

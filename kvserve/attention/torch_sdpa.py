@@ -30,8 +30,9 @@ class TorchSDPABackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             q, k_cache, v_cache, md, scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, decode=sdpa_decode,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, decode=sdpa_decode,
         )  # fmt: skip

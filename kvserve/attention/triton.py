@@ -44,10 +44,12 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sliding_window: bool = False,
         soft_cap: bool = False,
+        sinks: bool = False,
     ) -> str | None:
         reason = super().supports(
-            device, dtype, head_size, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+            device, dtype, head_size, sliding_window=sliding_window, soft_cap=soft_cap,
+            sinks=sinks,
+        )  # fmt: skip
         if reason is not None or device.type != "cpu":
             return reason
         from kvserve.ops.triton.paged_attention import interpreted
@@ -103,6 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from kvserve.ops.triton.paged_attention import plan_attention, run_attention
 
@@ -118,6 +121,6 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)  # [T, H, D]
         run_attention(
             plan, q, k_cache, v_cache, scale, out,  # type: ignore[arg-type]
-            sliding_window=sliding_window, soft_cap=soft_cap,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         )  # fmt: skip
         return out

@@ -72,7 +72,7 @@ using RopeWriteKv = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
                          double, bool);
 using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                         int64_t, double);
+                         int64_t, double, const std::optional<at::Tensor>&);
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, bool, bool);
 using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -166,7 +166,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                            num_kv_heads_, l.q_norm, l.k_norm, l.qk_eps, false);
       at::Tensor attn = at::empty_like(q);
       o.paged_decode.call(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens, no_rows,
-                          l.scale, l.window, l.soft_cap);
+                          l.scale, l.window, l.soft_cap, std::nullopt);
       at::Tensor out = linear(l.o, attn.view({t, num_heads_ * head_dim_}));
       h = at::empty_like(out);
       o.add_rms_norm.call(h, residual, out, l.post_norm, l.post_eps, false);

@@ -18,6 +18,9 @@
 // - soft_cap > 0: each scaled score s becomes soft_cap * tanh(s / soft_cap) before the
 //   softmax (Gemma 2's attn_logit_softcapping). The bf16 path takes it as a template
 //   parameter, so without a soft-cap its inner loop is the one it always was.
+// - sinks (float32 [H], gpt-oss's attention sinks): query head h's softmax denominator gains
+//   exp(sinks[h] - max), the max taken over its scores and the sink; the sink has no value.
+//   Items with sinks take the generic path (the bf16 one has no sinks).
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/core/Tensor.h>
@@ -28,6 +31,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__)
@@ -56,6 +60,7 @@ struct HeadTask {
   int64_t block_stride;   // elements from one block to the next (hkv * block_size * d)
   float scale;            // softmax scale
   float cap;              // soft-cap of the scores (0 = none)
+  const float* sinks;     // the group's sink logits, [group] (nullptr = none)
 };
 
 // Asks the CPU to start loading this head's first `n` vectors of block `blk` (one
@@ -97,10 +102,12 @@ inline void soft_cap_scores(float* s, int64_t n, float cap) {
 }
 
 // In place over each of the group's score rows: s[p] = exp(s[p] - max); inv[g] = 1 / sum.
-inline void softmax_numerators(float* scores, int64_t group, int64_t len, float* inv) {
+// With sinks, sink g joins the max and the sum as one more score (and gets no slot in s).
+inline void softmax_numerators(float* scores, int64_t group, int64_t len, float* inv,
+                               const float* sinks) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
-    float mx = -std::numeric_limits<float>::infinity();
+    float mx = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
     const Vec mxv(mx);
     Vec sumv(0.f);
@@ -111,6 +118,7 @@ inline void softmax_numerators(float* scores, int64_t group, int64_t len, float*
       sumv = sumv + e;
     }
     float sum = reduce_sum(sumv);
+    if (sinks) sum += std::exp(sinks[g] - mx);
     for (; p < len; ++p) {
       s[p] = std::exp(s[p] - mx);
       sum += s[p];
@@ -161,7 +169,7 @@ void head_generic(const HeadTask<T>& t, Scratch& w) {
   });
   if (t.cap > 0.f) soft_cap_scores(scores, t.group * len, t.cap);
   float inv[kMaxGroup];
-  softmax_numerators(scores, t.group, len, inv);
+  softmax_numerators(scores, t.group, len, inv, t.sinks);
   for_each_token(t, t.v, [&](int64_t p, const T* v) {  // acc[g] = sum_p w[g, p] * v_p
     load_row(v, row, d);
     for (int64_t g = 0; g < t.group; ++g) {
@@ -299,6 +307,7 @@ template <typename T>
 void run_head(const HeadTask<T>& t, Scratch& w) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (t.sinks) return head_generic(t, w);
     const bool cap = t.cap > 0.f;
     if (t.d == 64) return cap ? head_bf16<64, true>(t) : head_bf16<64, false>(t);
     if (t.d == 128) return cap ? head_bf16<128, true>(t) : head_bf16<128, false>(t);
@@ -311,7 +320,7 @@ template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
-                   int64_t window, double soft_cap) {
+                   int64_t window, double soft_cap, const float* sinks) {
   const int64_t num_rows = block_tables.size(0), table_stride = block_tables.stride(0);
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
   const int64_t group = q.size(1) / hkv;
@@ -340,6 +349,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / hkv, kh = item % hkv;
       const int64_t tok = row_idx ? row_idx[r] : r;
+      t.sinks = sinks ? sinks + kh * group : nullptr;
       for (int64_t g = 0; g < group; ++g) {
         t.q[g] = qp + tok * q.stride(0) + (kh * group + g) * q.stride(1);
         t.out[g] = op + tok * out.stride(0) + (kh * group + g) * out.stride(1);
@@ -357,7 +367,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
-                            int64_t window, double soft_cap) {
+                            int64_t window, double soft_cap,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
@@ -379,12 +390,19 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               "q, cache and out must share a dtype");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "sinks must be a contiguous float32 tensor of one logit per query head");
+    sink_ptr = sinks->const_data_ptr<float>();
+  }
   if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window,
-                         soft_cap);
+                         soft_cap, sink_ptr);
   } else if (q.scalar_type() == at::kBFloat16) {
     decode_kernel<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, rows, scale,
-                                 window, soft_cap);
+                                 window, soft_cap, sink_ptr);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
@@ -396,7 +414,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor rows, float scale, int window, "
-      "float soft_cap) -> ()");
+      "float soft_cap, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

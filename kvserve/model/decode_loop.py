@@ -171,6 +171,8 @@ def _unsupported(model: nn.Module) -> str | None:
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if type(attn) is not Attention or any(type(n) is not RMSNorm for n in norms):
             return f"layer {i} has attention or norms of its own"
+        if attn.sinks is not None:
+            return f"layer {i} has attention sinks (the loop's kernel call passes none)"
         if not (attn.fused and mlp.fused and all(n.fused for n in norms)):
             return "the fused C++ ops are off"
         if mlp.act_and_mul is not cpu_kernels.silu_and_mul:

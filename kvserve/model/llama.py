@@ -181,12 +181,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: bool = False,
         tp: TPGroup = SINGLE,
     ) -> None:
         """``qk_norm``: a per-head norm on q and k before RoPE (Qwen3, Gemma3); ``scale``:
         the softmax scale (default head_dim ** -0.5); ``sliding_window``: this layer attends
         to its last ``sliding_window`` keys; ``soft_cap``: scores -> cap * tanh(scores / cap);
-        ``tp``: this rank's share of the heads."""
+        ``sinks``: a learned logit per query head in every softmax (gpt-oss; this rank's
+        heads); ``tp``: this rank's share of the heads."""
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -207,6 +209,7 @@ class Attention(nn.Module):
             self.attn_kwargs["sliding_window"] = sliding_window
         if soft_cap is not None:
             self.attn_kwargs["soft_cap"] = soft_cap
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None  # [H]
         self.fused = False  # (q/k norm +) RoPE + KV write as one kernel
         self.kernels: ModuleType = cpu_kernels  # C++ on the CPU, Triton on CUDA (when fused)
         # q_norm/k_norm act per head before RoPE (Qwen3, Gemma 3); OLMoE's are over the
@@ -245,7 +248,12 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(rope, q, k)
             backend.write_kv(k, v, kv_cache[0], kv_cache[1], md)
-        o = backend.forward(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
+        if self.sinks is None:
+            o = backend.forward(q, kv_cache[0], kv_cache[1], md, self.scale, **self.attn_kwargs)
+        else:
+            o = backend.forward(
+                q, kv_cache[0], kv_cache[1], md, self.scale, sinks=self.sinks, **self.attn_kwargs
+            )
         o = o.reshape(t, self.q_size)  # [T, H * D]
         out = self.o_proj(o)  # [T, hidden]
         if batch.lora is not None and self.lora_o is not None:

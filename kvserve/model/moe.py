@@ -62,16 +62,17 @@ _PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
 
 
 class RouterLinear(nn.Module):
-    """A bias-free projection kept out of the linear-layer machinery (prepacking,
-    quantization): the router's ``[E, H]`` logits and Qwen2-MoE's ``[1, H]`` shared-expert
-    gate, both small and read in the model dtype as transformers reads them."""
+    """A projection kept out of the linear-layer machinery (prepacking, quantization): the
+    router's ``[E, H]`` logits (with a bias for gpt-oss) and Qwen2-MoE's ``[1, H]``
+    shared-expert gate, both small and read in the model dtype as transformers reads them."""
 
-    def __init__(self, hidden: int, out: int) -> None:
+    def __init__(self, hidden: int, out: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, hidden))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _act_and_mul(act: Callable[[torch.Tensor], torch.Tensor]) -> ActAndMul:

@@ -17,12 +17,13 @@ from transformers import PretrainedConfig
 from kvserve.config import ModelImpl
 from kvserve.model.architectures import architecture_name
 from kvserve.model.gemma import GemmaForCausalLM
+from kvserve.model.gpt_oss import GptOssForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.moe import MoEForCausalLM
 
 NATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
     arch: cls
-    for cls in (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM)
+    for cls in (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM, GptOssForCausalLM)
     for arch in cls.architectures
 }
 

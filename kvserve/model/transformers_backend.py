@@ -107,18 +107,19 @@ def _attention_options(module: nn.Module, kwargs: dict[str, Any], step: PagedSte
     config field is ignored by transformers too).
     """
     arch, layer = architecture_name(step.config), module.layer_idx
-    if kwargs.get("s_aux") is not None:
-        raise backend_refusal(arch, f"layer {layer} uses attention sinks, which kvserve lacks")
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         raise backend_refusal(arch, f"layer {layer} attends bidirectionally (is_causal=False)")
     window = kwargs.get("sliding_window", _layer_window(step.config, layer))
     if window is not None and int(window) >= step.max_positions:
         window = None
     soft_cap = kwargs.get("softcap")
-    return {
+    options: dict[str, Any] = {
         "sliding_window": None if window is None else int(window),
         "soft_cap": None if soft_cap is None else float(soft_cap),
     }
+    if kwargs.get("s_aux") is not None:  # gpt-oss's attention sinks, [H]
+        options["sinks"] = kwargs["s_aux"]
+    return options
 
 
 def paged_attention_forward(

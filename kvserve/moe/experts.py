@@ -13,11 +13,18 @@ Rounding follows transformers' ``*Experts.forward`` so bf16 runs round where it 
 expert's output is in the model dtype, multiplied by its weight (in the model dtype, or in
 float32 for Mixtral, then rounded once), and the contributions are summed into zeros of the
 model dtype in expert order.
+
+Experts may carry biases (gpt-oss: ``gate_up_bias [E, 2I]`` added after the gate/up matmul,
+``down_bias [E, H]`` after the down matmul, before the routing weight), and the activation
+between the two matmuls is a policy (``GluActivation``): SiLU(gate) * up, or gpt-oss's
+clamped SwiGLU.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,6 +51,47 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation (transformers' ``GptOssExperts._apply_gate``), on ``gate_up
+    [N, 2I]`` with the gate half first (kvserve de-interleaves the checkpoint's alternating
+    gate/up columns at load): ``gate`` clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)`` -> ``[N, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GluKind(enum.Enum):
+    SILU = "silu"  # silu(gate) * up (Qwen, Mixtral, OLMoE)
+    CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss: clamped, sigmoid(alpha * gate), (up + 1)
+
+
+@dataclass(frozen=True)
+class GluActivation:
+    """The experts' act(gate, up) policy; ``alpha``/``limit`` only for ``CLAMPED_SWIGLU``
+    (gpt-oss's ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0)."""
+
+    kind: GluKind = GluKind.SILU
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def act_and_mul_for(act: GluActivation) -> ActAndMul:
+    """The PyTorch function computing ``act``: ``gate_up [N, 2I]`` -> ``[N, I]``."""
+    if act.kind is GluKind.SILU:
+        return silu_and_mul
+    return lambda gate_up: clamped_swiglu_and_mul(gate_up, act.alpha, act.limit)
+
+
+def _biased(fn: ExpertLinear, bias: torch.Tensor | None) -> ExpertLinear:
+    """``fn(e, rows) + bias[e]`` (None: ``fn``): the matmul, then the bias, as transformers'
+    ``x @ W + b`` rounds."""
+    if bias is None:
+        return fn
+    return lambda e, rows: fn(e, rows) + bias[e]
+
+
 def grouped_experts(
     x: torch.Tensor,
     gate_up: ExpertWeights,
@@ -51,13 +99,17 @@ def grouped_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     act_and_mul: ActAndMul = silu_and_mul,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [T, H]``; ``gate_up [E, 2I, H]`` (gate rows, then up rows); ``down [E, H, I]``;
     ``weights [T, k]`` and ``ids [T, k]`` from ``router.route`` -> ``[T, H]``, the weighted
     sum of each token's k experts' outputs. ``gate_up``/``down`` may be functions of
-    ``(expert, rows)`` instead (quantized experts: ``FusedExperts.set_quantized``)."""
+    ``(expert, rows)`` instead (quantized experts: ``FusedExperts.set_quantized``).
+    ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``: added to each expert's projections."""
     k = ids.shape[1]
-    gate_up_fn, down_fn = _linear(gate_up), _linear(down)
+    gate_up_fn = _biased(_linear(gate_up), gate_up_bias)
+    down_fn = _biased(_linear(down), down_bias)
     flat = ids.reshape(-1)  # [T * k] expert of each (token, slot) pair
     order = torch.argsort(flat, stable=True)  # [T * k] pairs sorted by expert
     tokens = torch.div(order, k, rounding_mode="floor")  # [T * k] each sorted pair's token
@@ -83,6 +135,8 @@ def reference_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     act_and_mul: ActAndMul = silu_and_mul,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``grouped_experts``' result computed one token and one routed expert at a time."""
     out = torch.zeros_like(x)  # [T, H]
@@ -90,11 +144,16 @@ def reference_experts(
         for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):  # expert order
             e = int(ids[t, j])
             if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
-                h = act_and_mul((gate_up[e] @ x[t]).unsqueeze(0))[0]  # [I] matrix-vector
+                g = gate_up[e] @ x[t]  # [2I] matrix-vector
+                if gate_up_bias is not None:
+                    g = g + gate_up_bias[e]
+                h = act_and_mul(g.unsqueeze(0))[0]  # [I]
                 y = down[e] @ h  # [H]
+                if down_bias is not None:
+                    y = y + down_bias[e]
             else:  # the expert's own layers, one row
-                h = act_and_mul(_linear(gate_up)(e, x[t : t + 1]))  # [1, I]
-                y = _linear(down)(e, h)[0]
+                h = act_and_mul(_biased(_linear(gate_up), gate_up_bias)(e, x[t : t + 1]))
+                y = _biased(_linear(down), down_bias)(e, h)[0]  # [H]
             out[t] += (y * weights[t, j]).to(x.dtype)
     return out
 
@@ -110,8 +169,16 @@ class FusedExperts(nn.Module):
     rank's experts give partial sums, and ``forward`` all-reduces them once per layer."""
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup = SINGLE
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        tp: TPGroup = SINGLE,
+        bias: bool = False,
     ) -> None:
+        """``bias``: each expert's projections carry biases (gpt-oss): ``gate_up_bias
+        [E, 2I/N]`` (this rank's slice, as the rows) and ``down_bias [E, H]`` (whole on every
+        rank, added by rank 0 only: the all-reduce sums the ranks' partial outputs)."""
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
@@ -119,6 +186,11 @@ class FusedExperts(nn.Module):
         local = self.intermediate  # this rank's features of each expert
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+        self.gate_up_bias: nn.Parameter | None = None
+        self.down_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.act_and_mul: ActAndMul = silu_and_mul
         self.use_reference = False  # one token at a time (tests)
         # per-expert quantized layers (set_quantized); None: the stacked dense weights
@@ -155,6 +227,25 @@ class FusedExperts(nn.Module):
         dst.copy_(tensor.narrow(dim, r * i, i))
 
     @torch.no_grad()
+    def load_bias(self, part: str, tensor: torch.Tensor) -> None:
+        """Copy all experts' full ``gate`` or ``up`` bias ``[E, I]`` (this rank's slice) or
+        ``down`` bias ``[E, H]`` (whole)."""
+        if self.gate_up_bias is None or self.down_bias is None:
+            raise ValueError("these experts have no biases (the checkpoint has some)")
+        i, r = self.intermediate, self.tp.rank
+        want = (
+            self.num_experts,
+            self.down_bias.shape[1] if part == "down" else i * self.tp.world_size,
+        )
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{part} bias has shape {tuple(tensor.shape)}, expected {want}")
+        if part == "down":
+            self.down_bias.copy_(tensor)
+        else:
+            lo = 0 if part == "gate" else i
+            self.gate_up_bias[:, lo : lo + i].copy_(tensor.narrow(1, r * i, i))
+
+    @torch.no_grad()
     def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
         """Copy all experts' ``gate_up_proj [E, 2I, H]`` or ``down_proj [E, H, I]`` (full)."""
         if tensor.dim() != 3 or tensor.shape[0] != self.num_experts:
@@ -179,4 +270,6 @@ class FusedExperts(nn.Module):
             q_gate_up, q_down = self.q_gate_up, self.q_down
             gate_up = lambda e, rows: q_gate_up[e](rows)  # noqa: E731
             down = lambda e, rows: q_down[e](rows)  # noqa: E731
-        return all_reduce(run(x, gate_up, down, weights, ids, self.act_and_mul), self.tp)
+        down_bias = self.down_bias if self.tp.rank == 0 else None  # added once over the ranks
+        out = run(x, gate_up, down, weights, ids, self.act_and_mul, self.gate_up_bias, down_bias)
+        return all_reduce(out, self.tp)

@@ -12,6 +12,9 @@ The families differ in small ways that change the numbers, so each is one ``Rout
   ``Scoring.TOPK_SOFTMAX`` is Mixtral's original formulation (softmax over the k largest
   logits, as mistral-inference and vLLM's fused kernel compute it): equal to softmax -> top-k
   -> renormalise up to float32 rounding (tested), and cheaper (k exponentials, not E).
+- gpt-oss: ``Scoring.TOPK_SOFTMAX`` on logits from a router WITH a bias (the router's own
+  ``F.linear``; ``kvserve/model/gpt_oss.py``), weights in the model dtype. transformers takes
+  the softmax in the logits' dtype; here it is float32 then rounded, the same in float32.
 """
 
 from __future__ import annotations

@@ -165,6 +165,7 @@ def paged_decode_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention reading K/V in place through the block tables, written into ``out``.
 
@@ -172,7 +173,8 @@ def paged_decode_attention(
     ``[Bd, nb]`` int64 (rows may be a strided view); seq_lens ``[Bd]`` int64; rows ``[Bd]``
     int64 token rows of q/out for each decode row, or empty when row i is token i.
     ``sliding_window``: a row of length L reads only tokens ``max(0, L - window)..L - 1``;
-    ``soft_cap``: scores ``cap * tanh(s / cap)`` before the softmax (None: unset each).
+    ``soft_cap``: scores ``cap * tanh(s / cap)`` before the softmax; ``sinks``: ``[H]``
+    logits joining each query head's softmax denominator (gpt-oss; None: unset each).
     """
     torch.ops.kvserve.paged_decode_attention(
         out,
@@ -185,6 +187,7 @@ def paged_decode_attention(
         scale,
         0 if sliding_window is None else sliding_window,  # 0: the kernel's "no window"
         0.0 if soft_cap is None else soft_cap,  # 0: no soft-cap
+        None if sinks is None else sinks.float().contiguous(),
     )
 
 

@@ -63,6 +63,10 @@ def checkpoint_scheme(config: PretrainedConfig) -> WeightScheme | None:
         return _awq_scheme(raw)
     if method == "gptq":
         return WeightScheme(*gptq.gptq_config(raw))
+    if method == "mxfp4" and getattr(config, "model_type", None) == "gpt_oss":
+        # gpt-oss's MXFP4 experts are dequantized to the model dtype as they load
+        # (kvserve/model/gpt_oss.py); the rest of the checkpoint is unquantized
+        return None
     if method != "compressed-tensors":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}; kvserve loads pre-quantized weights "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+from transformers import Gemma2Config, GptOssConfig, LlamaConfig, Qwen2Config
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.cpu_kernel import CpuKernelBackend
@@ -104,6 +104,18 @@ def test_a_backend_without_windows_or_soft_caps_is_refused_for_such_models() -> 
     assert "soft-caps" in str(NoFeatures.supports(CPU, torch.float32, 64, soft_cap=True))
 
 
+def test_a_backend_without_sinks_is_refused_for_gpt_oss() -> None:
+    """Every built-in backend computes sinks; one that declares it does not is refused for
+    a gpt-oss config, by name."""
+
+    class NoSinks(TorchSDPABackend):
+        supports_sinks = False
+
+    assert NoSinks.supports(CPU, torch.float32, 64) is None
+    assert "attention sinks (gpt-oss)" in str(NoSinks.supports(CPU, torch.float32, 64, sinks=True))
+    assert model_attention_features(GptOssConfig(sliding_window=8)) == (True, False, True)
+
+
 def test_unavailable_triton_backend_is_a_clear_error() -> None:
     try:
         backend_class(Name.TRITON_ATTN)
@@ -137,8 +149,8 @@ def test_unknown_name_lists_the_choices() -> None:
 
 
 def test_model_features_from_the_config() -> None:
-    assert model_attention_features(LlamaConfig()) == (False, False)
+    assert model_attention_features(LlamaConfig()) == (False, False, False)
     gemma2 = Gemma2Config(sliding_window=16, attn_logit_softcapping=50.0)
-    assert model_attention_features(gemma2) == (True, True)
-    assert model_attention_features(Qwen2Config(sliding_window=32)) == (False, False)
+    assert model_attention_features(gemma2) == (True, True, False)
+    assert model_attention_features(Qwen2Config(sliding_window=32)) == (False, False, False)
     assert model_attention_features(Qwen2Config(sliding_window=32, use_sliding_window=True))[0]

@@ -1,7 +1,8 @@
 """MoE classes through the transformers backend (its attention on kvserve's paged KV cache,
-the experts in transformers' code): Qwen3-MoE forced onto it and GraniteMoE (no native class)
-give transformers' greedy tokens under preemption; DeepSeek-V2/V3 (MLA, group-limited
-routing) are refused by name, whatever the model_impl, and quantizing a backend MoE too."""
+the experts in transformers' code): Qwen3-MoE and gpt-oss (its attention sinks) forced onto it
+and GraniteMoE (no native class) give transformers' greedy tokens under preemption;
+DeepSeek-V2/V3 (MLA, group-limited routing) are refused by name, whatever the model_impl, and
+quantizing a backend MoE too."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvserve.quantization.apply import QuantOptions
 from tests.engine.test_native_families import Native
 from tests.engine.utils import random_prompts, run_engine_checked
 from tests.model.tiny_hf import COMMON, save_model
-from tests.model.tiny_moe import make_moe_model
+from tests.model.tiny_moe import GPT_OSS, make_moe_model
 
 PROMPTS = random_prompts([5, 12, 20, 9])
 MAX_TOKENS = 8
@@ -38,14 +39,17 @@ def backend_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Nat
     """name -> (model folder and its transformers twin, the model_impl to load it with)."""
     qwen = tmp_path_factory.mktemp("qwen3_moe")
     granite = tmp_path_factory.mktemp("granitemoe")
+    gpt_oss = tmp_path_factory.mktemp("gpt_oss")
     cfg = transformers.GraniteMoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
     return {
         "qwen3_moe": (Native(qwen, make_moe_model("qwen3_moe", qwen)), "transformers"),
         "granitemoe": (Native(granite, save_model(cfg, granite)), "auto"),
+        # the attention sinks reach kvserve's backend as ``sinks`` (s_aux in transformers)
+        "gpt_oss": (Native(gpt_oss, make_moe_model(GPT_OSS, gpt_oss)), "transformers"),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "granitemoe", "gpt_oss"])
 def test_backend_greedy_under_preemption(
     backend_moe: dict[str, tuple[Native, str]], name: str
 ) -> None:

@@ -41,7 +41,8 @@ def test_resolve_model_class() -> None:
         resolve_model_class(phi3, "kvserve")
     assert str(e.value) == (
         "model_impl='kvserve': Phi3ForCausalLM has no native kvserve implementation (native: "
-        "Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
+        "Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, GptOssForCausalLM, "
+        "LlamaForCausalLM, "
         "MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, "
         "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM); use model_impl='auto' "
         "or 'transformers' to run it through the transformers backend"
@@ -99,9 +100,10 @@ def test_windows_and_soft_caps_reach_paged_attention() -> None:
     assert options == {"sliding_window": None, "soft_cap": None}
 
 
-def test_refuses_attention_sinks_and_bidirectional_layers() -> None:
-    """What paged attention lacks is refused at the layer that asks for it (the load-time
-    probe runs every layer once): gpt-oss's sinks, an encoder-style non-causal layer."""
+def test_passes_attention_sinks_and_refuses_bidirectional_layers() -> None:
+    """gpt-oss's sinks (``s_aux``) go to the backend as ``sinks``; what paged attention lacks
+    is refused at the layer that asks for it (the load-time probe runs every layer once): an
+    encoder-style non-causal layer."""
     from types import SimpleNamespace
 
     import torch
@@ -113,9 +115,9 @@ def test_refuses_attention_sinks_and_bidirectional_layers() -> None:
     step = PagedStep(None, cfg, 512)  # type: ignore[arg-type]
     prefix = "cannot run LlamaForCausalLM through the transformers backend: layer 1 "
     causal = SimpleNamespace(layer_idx=1, is_causal=True)
-    with pytest.raises(ValueError) as e:
-        _attention_options(causal, {"s_aux": torch.zeros(4)}, step)  # type: ignore[arg-type]
-    assert str(e.value) == prefix + "uses attention sinks, which kvserve lacks"
+    sinks = torch.zeros(4)
+    options = _attention_options(causal, {"s_aux": sinks}, step)  # type: ignore[arg-type]
+    assert options["sinks"] is sinks
     for layer, kw in (
         (SimpleNamespace(layer_idx=1, is_causal=False), {}),
         (causal, {"is_causal": False}),

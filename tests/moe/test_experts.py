@@ -1,14 +1,27 @@
 """The grouped experts path equals the one-token-at-a-time reference on skewed routings
 (every token to one expert, experts with no tokens, tied router scores, 1 token, many
-tokens), in float32 and bf16; the routers match transformers' formulas."""
+tokens), in float32 and bf16; the routers match transformers' formulas; gpt-oss's biased,
+clamped-SwiGLU experts and its router equal transformers' modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
-from kvserve.moe.experts import FusedExperts, grouped_experts, reference_experts
+from kvserve.model.gpt_oss import load_stacked_experts
+from kvserve.moe.experts import (
+    FusedExperts,
+    GluActivation,
+    GluKind,
+    act_and_mul_for,
+    clamped_swiglu_and_mul,
+    grouped_experts,
+    reference_experts,
+    silu_and_mul,
+)
 from kvserve.moe.router import RouterConfig, Scoring, route
 from kvserve.ops import cpu_kernels
 
@@ -133,3 +146,69 @@ def test_load_expert_checks_shapes() -> None:
         layer.load_expert(2, "down", torch.ones(INTER, H))
     with pytest.raises(ValueError, match="expert 8 out of range"):
         layer.load_expert(8, "gate", torch.ones(INTER, H))
+
+
+def gpt_oss_experts(limit: float) -> tuple[GptOssExperts, FusedExperts]:
+    """transformers' ``GptOssExperts`` (random weights and biases, ``swiglu_limit``) and
+    kvserve's ``FusedExperts`` loaded from its parameters as a checkpoint holds them."""
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E,
+                       swiglu_limit=limit)  # fmt: skip
+    torch.manual_seed(6)
+    hf = GptOssExperts(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours = FusedExperts(E, H, INTER, bias=True)
+    ours.act_and_mul = act_and_mul_for(GluActivation(GluKind.CLAMPED_SWIGLU, 1.702, limit))
+    for name, p in hf.named_parameters():
+        load_stacked_experts(ours, name, p.detach())
+    return hf, ours
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.5])
+def test_gpt_oss_experts_equal_transformers(limit: float) -> None:
+    """gpt-oss's biased experts with the clamped SwiGLU, from the checkpoint's interleaved
+    layout, give transformers' ``GptOssExperts`` output for its router's choices (top-4 of
+    the logits, softmax over the 4); a limit of 0.5 clamps most gates and ups."""
+    hf, ours = gpt_oss_experts(limit)
+    x = tokens(33, torch.float32)
+    router = GptOssTopKRouter(GptOssConfig(hidden_size=H, num_local_experts=E,
+                                           num_experts_per_tok=4))  # fmt: skip
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H) * 0.5)
+        router.bias.copy_(torch.randn(E))
+        _, hf_w, hf_ids = router(x)
+        want = hf(x, hf_ids, hf_w)
+        weights, ids = route(F.linear(x, router.weight, router.bias),
+                             RouterConfig(E, 4, scoring=Scoring.TOPK_SOFTMAX))  # fmt: skip
+        assert torch.equal(ids, hf_ids)
+        torch.testing.assert_close(weights, hf_w, atol=1e-7, rtol=1e-6)
+        got = ours(x, weights, ids)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        ours.use_reference = True
+        torch.testing.assert_close(ours(x, weights, ids), want, atol=1e-5, rtol=1e-5)
+    h = hf.gate_up_proj.detach()[0].T @ x[0]  # [2I] interleaved, expert 0
+    assert (h[::2] > limit).any() == (limit < 1)  # the small limit really clamps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_biased_clamped_experts_on_skewed_routing(dtype: torch.dtype) -> None:
+    """Biases and the clamped SwiGLU in the grouped path equal the reference on the skewed
+    routings (every token to one expert, idle experts)."""
+    act = act_and_mul_for(GluActivation(GluKind.CLAMPED_SWIGLU, 1.702, 0.3))
+    g = torch.Generator().manual_seed(9)
+    bias = {"gate_up_bias": torch.randn(E, 2 * INTER, generator=g).to(dtype),
+            "down_bias": torch.randn(E, H, generator=g).to(dtype)}  # fmt: skip
+    check(tokens(17, dtype), *fixed_routing([[5]] * 17, dtype), act_and_mul=act, **bias)
+    ids = [[0, 3], [3, 0], [7, 0], [3, 7]] * 3
+    check(tokens(len(ids), dtype), *fixed_routing(ids, dtype), act_and_mul=act, **bias)
+
+
+def test_clamped_swiglu_formula() -> None:
+    """The policy's function on hand-picked values: gate clamped above only, up both ways."""
+    gate_up = torch.tensor([[10.0, -10.0, 0.5, 10.0, -10.0, 0.5]])  # gate | up
+    out = clamped_swiglu_and_mul(gate_up, 1.702, 7.0)
+    gate = torch.tensor([7.0, -10.0, 0.5])
+    want = (torch.tensor([7.0, -7.0, 0.5]) + 1) * gate * torch.sigmoid(gate * 1.702)
+    torch.testing.assert_close(out[0], want)
+    assert act_and_mul_for(GluActivation()) is silu_and_mul

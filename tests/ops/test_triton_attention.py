@@ -113,7 +113,7 @@ def check(
     v: torch.Tensor,
     md: AttentionMetadata,
     tuning: KernelTuning = SMALL,
-    **opts: float | int | None,
+    **opts: float | int | torch.Tensor | None,
 ) -> torch.Tensor:
     """The kernels' output equals the reference's within the dtype's tolerance."""
     scale = q.shape[-1] ** -0.5
@@ -169,6 +169,20 @@ def test_mixed_batch_windows_soft_caps(
     plain = reference_paged_attention(q, k, v, md, q.shape[-1] ** -0.5)
     if window != 200:  # the option mattered: the outputs differ from plain attention
         assert not torch.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+def test_mixed_batch_sinks(window: int | None, dev: torch.device) -> None:
+    """gpt-oss's attention sinks in both kernels: a split-K decode row (70 tokens, three
+    partitions: only partition 0 starts from the sink), a chunk after cached context, a fresh
+    prompt and a verification row, 8 heads over 2 KV heads (each GQA group reads its own
+    sinks), against the reference; a sink of 6 outweighs every key of its head."""
+    q, k, v, md = make_batch([70, 45, 12, 33], [1, 9, 12, 4], (8, 2), torch.float32, dev,
+                             head_dim=16)  # fmt: skip
+    sinks = torch.tensor([-3.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0], device=dev)
+    got = check(q, k, v, md, sliding_window=window, sinks=sinks)  # type: ignore[arg-type]
+    plain = reference_paged_attention(q, k, v, md, q.shape[-1] ** -0.5, sliding_window=window)
+    assert not torch.allclose(got, plain, atol=1e-3)
 
 
 @pytest.mark.parametrize("spec", [True, False], ids=["decode-kernel", "prefill-kernel"])

@@ -16,6 +16,11 @@ the online softmax (running max ``m``, sum ``l``, unnormalised output ``acc``) i
   at position ``L - Lq + j`` and sees keys ``<=`` its position (causal with the cached context
   as offset), no padding tensors and no mask tensors.
 
+Attention sinks (gpt-oss, ``HAS_SINKS``): head ``h``'s sink logit starts the online softmax
+(``m = sink``, ``l = 1``, ``acc = 0``), so it joins every query's denominator and adds no
+value; in a split decode only partition 0 starts from it, and the reduce merges it with the
+others like any partition.
+
 Only Triton APIs present in both 3.6 and 3.7 are used (there is no ``tl.tanh`` in either:
 the soft-cap uses ``exp``). Masked-out scores are ``-inf``; a row whose keys in a tile are
 all masked keeps ``m = -inf`` and the subtraction uses 0 instead, so no ``-inf - -inf`` NaN.
@@ -124,6 +129,7 @@ def decode_kernel(
     entry_len,  # [E] int32: its context length (the query sits at entry_len - 1)
     part_acc,  # [E, H, P, Dp] float32 (split only)
     part_ml,  # [2, E, H, P] float32: max and sum (split only)
+    sinks_ptr,  # [H] sink logits (HAS_SINKS; else any tensor, never read)
     num_parts,
     scale,
     cap,
@@ -149,6 +155,7 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     e = tl.program_id(0)
@@ -176,6 +183,11 @@ def decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:  # partition 0 starts from the sink: m = sink, l = e^0
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32)
+        first = g_mask & (part == 0)
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     kvh64 = kvh.to(tl.int64)
     acc, m_i, l_i = _attend_range(
         acc,
@@ -272,6 +284,7 @@ def prefill_kernel(
     seq_lens,  # [B] int32
     tile_row,  # [n] int32: the row of each query tile
     tile_q0,  # [n] int32: its first query, counted from the row's first query
+    sinks_ptr,  # [H] sink logits (HAS_SINKS; else any tensor, never read)
     scale,
     cap,
     window,
@@ -295,6 +308,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -327,6 +341,10 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:  # every query starts from its head's sink: m = sink, l = e^0
+        sink = tl.load(sinks_ptr + heads, mask=m_mask, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(m_mask, sink, m_i)
+        l_i = tl.where(m_mask, 1.0, l_i)
     kvh64 = kvh.to(tl.int64)
     acc, m_i, l_i = _attend_range(
         acc,

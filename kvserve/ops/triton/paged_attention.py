@@ -183,6 +183,7 @@ def paged_decode_attention(
     max_len: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
     max_parts: int | None = None,
 ) -> None:
@@ -193,8 +194,9 @@ def paged_decode_attention(
     ``max_len`` (a host int, at least every entry's length) sizes the split-K partitions
     without reading the device. ``max_parts``: at most this many partitions (longer ones
     instead), for a static plan whose ``max_len`` is the model's limit (None: no cap).
+    ``sinks``: ``[H]`` attention-sink logits (gpt-oss; None: none).
     """
-    check_attention_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap, sinks, q.shape[1])
     group, d = _check_tensors(out, q, k_cache, v_cache)
     e, hkv, bs = entry_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
     if e == 0:
@@ -211,14 +213,16 @@ def paged_decode_attention(
     part_ml = torch.empty(2, e, q.shape[1], parts, **f32) if split else part_acc
     decode_kernel[(e, hkv, parts)](
         out, q, k_cache, v_cache, block_tables, entry_rows, entry_tokens, entry_lens,
-        part_acc, part_ml, parts, float(scale), float(soft_cap or 0.0), sliding_window or 0, size,
+        part_acc, part_ml, _sinks_arg(sinks, q), parts, float(scale), float(soft_cap or 0.0),
+        sliding_window or 0, size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=bs,
         GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=d, HEAD_DIM_PAD=d_pad,
         BLOCK_N=tile_keys(tuning.decode_block_n, d, q.dtype, tuning), SPLIT=split,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
+        HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=tuning.num_warps,
     )  # fmt: skip
     if split:
         reduce_kernel[(e, q.shape[1])](
@@ -260,15 +264,17 @@ def paged_prefill_attention(
     block_q: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> None:
     """Multi-token rows in one launch, causal with the cached context as offset.
 
     query_start_loc ``[B + 1]`` / seq_lens ``[B]`` int32 as ``AttentionMetadata``'s lists;
     tile_rows/tile_q0 ``[n]`` int32 from ``prefill_tiles(..., block_q)`` with ``block_q`` from
-    ``prefill_block_q`` (the tiles must be cut with the launch's ``block_q``).
+    ``prefill_block_q`` (the tiles must be cut with the launch's ``block_q``). ``sinks``:
+    ``[H]`` attention-sink logits (gpt-oss; None: none).
     """
-    check_attention_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap, sinks, q.shape[1])
     group, d = _check_tensors(out, q, k_cache, v_cache)
     n, hkv = tile_rows.shape[0], k_cache.shape[1]
     block_g = _pow2(group)
@@ -278,15 +284,24 @@ def paged_prefill_attention(
         return
     prefill_kernel[(n, hkv)](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tile_rows, tile_q0,
-        float(scale), float(soft_cap or 0.0), sliding_window or 0,
+        _sinks_arg(sinks, q), float(scale), float(soft_cap or 0.0), sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), BLOCK_SIZE=k_cache.shape[2],
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_DIM_PAD=_pow2(d, 16),
         BLOCK_N=tile_keys(tuning.prefill_block_n, d, q.dtype, tuning),
         HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tuning.num_warps,
+        HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=tuning.num_warps,
     )  # fmt: skip
+
+
+def _sinks_arg(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' sink pointer: the ``[H]`` logits as contiguous float32 on q's device, or
+    (no sinks) q itself, which the kernel never reads."""
+    if sinks is None:
+        return q
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -395,10 +410,11 @@ def run_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> None:
     """One layer: the decode launch (and its reduce) and the prefill launch of ``plan``."""
-    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, tuning=tuning)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, tuning=tuning)
     if plan.entry_rows.numel():
         paged_decode_attention(
             out, q, k_cache, v_cache, plan.block_tables, plan.entry_rows, plan.entry_tokens,
@@ -423,17 +439,18 @@ def triton_paged_attention(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``reference_paged_attention``'s contract on the Triton kernels: attention for each row
     (or only ``rows``; other tokens of ``out`` are left as they are). Returns ``[T, H, D]``.
     Plans the step on every call; a backend plans once per step (``plan_attention``) and
     calls ``run_attention`` per layer."""
-    check_attention_options(sliding_window, soft_cap)
+    check_attention_options(sliding_window, soft_cap, sinks, q.shape[1])
     if out is None:
         out = torch.empty_like(q)
     group = q.shape[1] // max(1, k_cache.shape[1])
     plan = plan_attention(md, group, q.device, rows, tuning)
     run_attention(plan, q, k_cache, v_cache, scale, out, sliding_window=sliding_window,
-                  soft_cap=soft_cap, tuning=tuning)  # fmt: skip
+                  soft_cap=soft_cap, sinks=sinks, tuning=tuning)  # fmt: skip
     return out

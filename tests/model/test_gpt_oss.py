@@ -1,0 +1,155 @@
+"""Native gpt-oss: logits equal transformers' (float32, prefill then decode, both CPU attention
+backends) with its sinks, alternating sliding/full layers, YaRN RoPE and biased clamped-SwiGLU
+experts; MXFP4 experts dequantize as the format defines (a hand-made block) and load into the
+model; quantizations other than int8/int4 RTN are refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+from kvserve.config import Quantization
+from kvserve.model.gpt_oss import GptOssForCausalLM, GptOssMoeBlock
+from kvserve.model.llama import RotaryEmbedding
+from kvserve.model.loader import load_model
+from kvserve.ops import cpu_kernels
+from kvserve.quantization.apply import QuantOptions
+from kvserve.quantization.mxfp4 import dequantize_mxfp4, fp4_e2m1_values
+from tests.model.tiny_moe import GPT_OSS, WINDOW, make_moe_model, moe_config
+from tests.model.tiny_native import kvserve_logits
+
+IDS = torch.randint(2, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return path, make_moe_model(GPT_OSS, path)
+
+
+def reference_logits(hf: PreTrainedModel) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([IDS]), use_cache=False).logits[0, 8:]  # [12, V]
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_logits_match_transformers(gpt_oss: tuple[Path, PreTrainedModel], use_kernel: bool) -> None:
+    """A 9-token prefill then 11 decode steps (past the 8-token window of layer 0) on the SDPA
+    backend or the C++ decode kernel; without the sinks the logits differ."""
+    path, hf = gpt_oss
+    if use_kernel and not cpu_kernels.available():
+        pytest.skip("no C++ kernels")
+    assert len(IDS) > WINDOW and hf.config.layer_types == ["sliding_attention", "full_attention"]
+    model = load_model(path, torch.float32, "cpu", max_positions=64)
+    assert isinstance(model, GptOssForCausalLM)
+    assert all(isinstance(layer.mlp, GptOssMoeBlock) for layer in model.layers)
+    windows = [layer.self_attn.attn_kwargs.get("sliding_window") for layer in model.layers]
+    assert windows == [WINDOW, None]
+    want = reference_logits(hf)
+    torch.testing.assert_close(kvserve_logits(model, IDS, 9, use_kernel), want, atol=2e-5,
+                               rtol=1e-5)  # fmt: skip
+    for layer in model.layers:
+        layer.self_attn.sinks = None
+    assert not torch.allclose(kvserve_logits(model, IDS, 9, use_kernel), want, atol=1e-3)
+
+
+def test_yarn_rope_equals_transformers() -> None:
+    """kvserve's cos/sin tables for the tiny config's YaRN (x8 over 64 positions, attention
+    factor folded in) equal transformers' gpt-oss rotary embedding at every position."""
+    cfg = moe_config(GPT_OSS)
+    assert cfg.rope_parameters["rope_type"] == "yarn"
+    ours = RotaryEmbedding(cfg, cfg.head_dim, 300)
+    pos = torch.arange(300)
+    cos, sin = GptOssRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos[None])
+    half = cfg.head_dim // 2  # transformers' tables are [P, D/2]; kvserve's repeat them
+    torch.testing.assert_close(ours.cos[:, :half], cos[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours.sin[:, half:], sin[0], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(ours.cos[:, :half].abs().amax(), torch.tensor(1.0))  # scaled
+
+
+def test_mxfp4_hand_made_block() -> None:
+    """One block of 32 codes with scale 2^(129 - 127) = 4, and one with 2^-1: each byte's
+    low nibble is the even element (E2M1: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives)."""
+    assert fp4_e2m1_values().tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6,
+                                          -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # fmt: skip
+    codes = list(range(16)) * 2  # element i has code i % 16
+    packed = [codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]
+    blocks = torch.tensor([packed, packed], dtype=torch.uint8)  # [G=2, 16]
+    scales = torch.tensor([129, 126], dtype=torch.uint8)
+    out = dequantize_mxfp4(blocks, scales, torch.float32)  # [64]
+    lut = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert out[:32].tolist() == [4 * lut[c] for c in codes]
+    assert out[32:].tolist() == [0.5 * lut[c] for c in codes]
+    assert out[1].item() == 2.0 and out[15].item() == -24.0
+    with pytest.raises(ValueError, match="NaN"):
+        dequantize_mxfp4(blocks, torch.tensor([255, 1], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[:1])
+
+
+def _mxfp4_codes(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random MXFP4 blocks ``[E, rows, cols / 32, 16]`` and scales around 2^-4."""
+    e, rows, cols = shape
+    blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(122, 126, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_checkpoint_loads_dequantized(
+    gpt_oss: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """A checkpoint whose experts are MXFP4 blocks and scales (``quant_method: mxfp4``, as
+    OpenAI's) gives the logits of transformers' model holding the same experts dequantized by
+    transformers' own converter (which also checks this dequantizer against it)."""
+    src, hf = gpt_oss
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(11)
+    e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    dense = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            blocks, scales = _mxfp4_codes((e, rows, cols), gen)
+            del state[name]
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+            dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            ours = dequantize_mxfp4(blocks, scales).transpose(1, 2)
+            assert torch.equal(ours, dense[name])
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reference = type(hf)(hf.config).eval()
+    reference.load_state_dict({**hf.state_dict(), **dense})
+    model = load_model(tmp_path, torch.float32, "cpu", max_positions=64)
+    got = kvserve_logits(model, IDS, 9, False)
+    torch.testing.assert_close(got, reference_logits(reference), atol=2e-5, rtol=1e-5)
+    # int4 on top (how gpt-oss-20b's experts would fit in memory): the same RTN of the same
+    # dequantized values as from the dense checkpoint, so the same logits bit for bit
+    reference.save_pretrained(tmp_path / "dense")
+    int4 = QuantOptions(Quantization.INT4)
+    runs = [kvserve_logits(load_model(p, torch.float32, "cpu", 64, quant=int4), IDS, 9, False)
+            for p in (tmp_path, tmp_path / "dense")]  # fmt: skip
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], got)
+
+
+def test_quantization_refused() -> None:
+    """int8/int4 RTN run (tests/engine/test_gpt_oss.py); the others are refused by name."""
+    for method in Quantization:
+        reason = GptOssForCausalLM.quantization_refusal(method)
+        if method in (Quantization.INT8, Quantization.INT4):
+            assert reason is None
+        else:
+            assert reason is not None and "gpt-oss" in reason and "MXFP4" in reason
+    assert GptOssForCausalLM.quantization_refusal(None) is None
