@@ -12,6 +12,10 @@
 // Up to kDirectRows rows (decode, short prefill chunks) this kernel reads W once per block of 4
 // output channels and applies it to every row; above, a widened float32 copy of W goes to
 // at::linear, whose GEMM beats a weight-stationary loop once the copy is shared by enough rows.
+//
+// Batch-invariant mode (kvserve/ops/batch_invariant.py) calls it with direct_rows 0 and float32
+// or bf16 weights too: every row through the kernel, whose per-output order never depends on
+// the number of rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
