@@ -626,7 +626,4 @@ def batch_invariant_refusal(config: EngineConfig) -> str | None:
     if config.lora is not None:
         return ("is not supported with LoRA adapters: their deltas are matmuls over the rows "
                 "that share an adapter")  # fmt: skip
-    if mc.quantization is not None:
-        return (f"is not supported with quantization {mc.quantization.value!r}: the quantized "
-                "kernels choose their path by the number of rows")  # fmt: skip
     return None

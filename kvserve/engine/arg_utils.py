@@ -368,7 +368,7 @@ class EngineArgs:
         "batched with (vLLM's batch-invariant mode, also $VLLM_BATCH_INVARIANT=1): linears, "
         "attention, norms and sampling compute each row in a fixed order; CPU only, "
         "CPU_KERNEL attention, dense native models, no tensor parallelism, speculative "
-        "decoding, LoRA or quantization (docs/server.md)",
+        "decoding or LoRA (docs/server.md)",
     )  # fmt: skip
     cuda_graph_sizes: list[int] | None = _opt(  # noqa: RUF009 (_opt is a field())
         None, "vLLM's flag: the decode batch sizes captured as CUDA graphs: one value is the "

@@ -4,11 +4,13 @@ layer of a loaded model computes each row in a fixed order (``ops/batch_invarian
 The loader runs such a model without oneDNN prepacking and without the C++ decode loop (both
 call oneDNN/MKL GEMMs whose summation order depends on the number of rows); afterwards
 ``make_batch_invariant`` swaps every plain linear for a ``BatchInvariantLinear`` over the same
-weight tensor (a tied LM head stays tied) and lets widened layers (``WideLinear``) take every
-row through their kernel instead of a float32 GEMM above 256 rows. The other per-token ops are
-row-wise already: embeddings, RoPE, the fused RMSNorm / SiLU*up kernels (one row's reduction
-in one thread, in a fixed order), and attention runs every query through the C++ decode kernel
-(the runner marks every row a per-query row, ``worker/model_runner.py``).
+weight tensor (a tied LM head stays tied), lets widened layers (``WideLinear``) take every
+row through their kernel instead of a float32 GEMM above 256 rows, and quantized layers
+(``QuantLinear``) every row through their direct kernel path instead of the tiled one. The
+other per-token ops are row-wise already: embeddings, RoPE, the fused RMSNorm / SiLU*up
+kernels (one row's reduction in one thread, in a fixed order), and attention runs every query
+through the C++ decode kernel (the runner marks every row a per-query row,
+``worker/model_runner.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from torch import nn
 
 from kvserve.model.wide_linear import _PLAIN, WideLinear
 from kvserve.ops.batch_invariant import invariant_linear
+from kvserve.quantization.qlinear import QuantLinear
+
+UNLIMITED_ROWS = 2**62  # a quantized layer's direct_rows that no batch reaches
 
 
 class BatchInvariantLinear(nn.Module):
@@ -49,12 +54,24 @@ def batch_invariant_refusal(model: nn.Module) -> str | None:
             "backend)")  # fmt: skip
 
 
+def _fix_quantized(name: str, layer: QuantLinear) -> None:
+    """Quantized layers: the direct kernel path for every row count (float32 / bf16
+    activations; the tiled path above 4 rows sums in another order: measured, a row changed
+    with its batch), or the int8-activation kernel as it is (rows four at a time, each in
+    the same order; exact int32 block sums). The dequantizing reference path has none."""
+    if layer.path == "kernel":
+        layer.direct_rows = UNLIMITED_ROWS
+    elif layer.path != "a8":
+        raise ValueError(f"batch-invariant mode has no fixed-order path for {name}: "
+                         "its quantized layer has no kernel here (it dequantizes per "
+                         "call)")  # fmt: skip
+
+
 def make_batch_invariant(model: nn.Module) -> int:
     """Swap every plain linear of ``model`` for a ``BatchInvariantLinear`` and give widened
     layers no row limit; returns how many layers changed, and marks the model
     (``batch_invariant``, read back by ``worker/execution_paths.py``). A ValueError names a
-    layer kind that has no fixed-order path (prepacked or quantized: the loader keeps them
-    out)."""
+    layer kind that has no fixed-order path (prepacked: the loader keeps them out)."""
     count = _swap_linears(model)
     model.batch_invariant = True  # type: ignore[assignment]
     return count
@@ -68,6 +85,9 @@ def _swap_linears(model: nn.Module) -> int:
             count += 1
         elif isinstance(child, WideLinear):
             child.direct_rows = 0  # the kernel for every row count
+            count += 1
+        elif isinstance(child, QuantLinear):
+            _fix_quantized(name, child)
             count += 1
         elif "Linear" in type(child).__name__ and not isinstance(child, BatchInvariantLinear):
             raise ValueError(f"batch-invariant mode has no fixed-order path for {name} "

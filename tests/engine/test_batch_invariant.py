@@ -2,7 +2,8 @@
 run alone, then in shuffled batches of 3, 7 and 22 under two chunked-prefill budgets (so
 their prompts are split differently), give bitwise the same token ids, logprobs and prompt
 logprobs, greedy and seeded, in bfloat16 and float32; without the mode they do not; the
-combinations that cannot hold it are refused by name."""
+combinations that cannot hold it are refused by name (quantized models hold it:
+``tests/model/test_batch_invariant.py``)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,6 @@ def test_without_the_mode_outputs_depend_on_the_batch(
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "speculative decoding"),
         ({"enable_lora": True}, "LoRA adapters"),
-        ({"quantization": "int8"}, "quantization 'int8'"),
     ],
 )  # fmt: skip
 def test_refused_combinations(tiny_llama: Path, kwargs: dict[str, Any], match: str) -> None:

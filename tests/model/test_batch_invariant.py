@@ -13,6 +13,7 @@ from torch import nn
 
 from kvserve.engine.llm import LLM
 from kvserve.model.batch_invariant import (
+    UNLIMITED_ROWS,
     BatchInvariantLinear,
     batch_invariant_refusal,
     make_batch_invariant,
@@ -21,8 +22,9 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.moe import MoEForCausalLM
 from kvserve.model.wide_linear import WideLinear, widen_linears
 from kvserve.ops import cpu_kernels
+from kvserve.quantization.qlinear import QuantLinear
 from kvserve.sampling_params import SamplingParams
-from tests.engine.utils import random_prompts
+from tests.engine.utils import make_tiny_model, random_prompts
 from tests.model.tiny_native import make_native_model, native_config
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
@@ -66,11 +68,8 @@ def test_moe_and_foreign_classes_are_refused() -> None:
     assert batch_invariant_refusal(_tiny_llama(tied=False)) is None
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3"])
-def test_windowed_soft_capped_families_alone_equal_batched(arch: str, tmp_path: Path) -> None:
-    make_native_model(arch, tmp_path)
-    llm = LLM(str(tmp_path), dtype="bfloat16", batch_invariant=True, num_kv_blocks=64,
-              block_size=4, max_num_batched_tokens=24)  # fmt: skip
+def _alone_equal_batched(llm: LLM) -> None:
+    """Six requests (greedy and seeded) alone, then in one batch: same tokens and logprobs."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 30, 9, 23, 12], seed=9)]
     params = [
         SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, seed=i,
@@ -89,3 +88,32 @@ def test_windowed_soft_capped_families_alone_equal_batched(arch: str, tmp_path: 
         alone += result(llm.generate([p], sp, use_tqdm=False))
     llm.reset_prefix_cache()
     assert result(llm.generate(prompts, params, use_tqdm=False)) == alone
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3"])
+def test_windowed_soft_capped_families_alone_equal_batched(arch: str, tmp_path: Path) -> None:
+    make_native_model(arch, tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", batch_invariant=True, num_kv_blocks=64,
+              block_size=4, max_num_batched_tokens=24)  # fmt: skip
+    _alone_equal_batched(llm)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quant"),
+    [
+        ("float32", {"quantization": "int8", "quantization_lm_head": True}),
+        ("bfloat16", {"quantization": "int4"}),
+        ("float32", {"quantization": "int4", "quantization_activations": "int8"}),
+    ],
+)
+def test_quantized_models_alone_equal_batched(
+    dtype: str, quant: dict[str, object], tmp_path: Path
+) -> None:
+    """Quantized layers take their direct kernel path for every row count (the tiled path,
+    above 4 rows by default, made a row depend on its batch) or the int8-activation kernel."""
+    make_tiny_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), dtype=dtype, batch_invariant=True, num_kv_blocks=64,
+              block_size=4, max_num_batched_tokens=24, **quant)  # fmt: skip
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.path == "a8" or m.direct_rows == UNLIMITED_ROWS for m in layers)
+    _alone_equal_batched(llm)
