@@ -93,8 +93,9 @@ def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) 
     """The served model: with ``tp`` of several ranks, this rank's shard of it."""
     mc = config.model
     quant = QuantOptions.of(mc)
-    # batch-invariant mode: no oneDNN packing and no C++ decode loop (GEMMs blocked by the
-    # number of rows); every linear then sums each row in a fixed order (model/batch_invariant.py)
+    # batch-invariant mode: no oneDNN packing (GEMMs blocked by the number of rows); every
+    # linear then sums each row in a fixed order (model/batch_invariant.py), and the C++
+    # decode loop is built after that swap, so that it calls the fixed-order kernels too
     invariant = mc.batch_invariant
     model = load_model(
         mc.path, mc.dtype, torch.device(config.device), max_model_len,
@@ -107,6 +108,8 @@ def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) 
         if refusal is not None:
             raise ValueError(f"batch-invariant mode (--batch-invariant): {refusal}")
         make_batch_invariant(model)  # type: ignore[arg-type]
+        if mc.fused_ops and not mc.enforce_eager and model.fused_ops_enabled:  # type: ignore[attr-defined]
+            model.enable_decode_loop()  # type: ignore[attr-defined]
     return model
 
 
