@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine: dict[str, Any] = {}
     for dtype in args.dtypes.split(","):
         for invariant in (False, True):
+            blocks = max(levels) * (-(-(args.prompt_len + args.tokens) // 16) + 1)
             llm = LLM(dtype=dtype, batch_invariant=invariant, max_num_seqs=max(levels),
-                      num_kv_blocks=max(levels) * 8)  # fmt: skip
+                      num_kv_blocks=blocks, block_size=16)  # fmt: skip
             machine = machine_info(llm)
             for c in levels:
                 tps = measure(llm, c, args.prompt_len, args.tokens, args.repeats)
