@@ -34,7 +34,8 @@ Result = tuple[list[int], list[dict[int, float]], list[dict[int, float] | None] 
 
 def _params(i: int) -> SamplingParams:
     """Even requests greedy, odd ones seeded sampling; every fourth asks prompt logprobs."""
-    kw: dict[str, Any] = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 3}
+    # top-n of 1..5: a row's top-n must not depend on the n its neighbours ask
+    kw: dict[str, Any] = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 1 + i % 5}
     if i % 4 == 0:
         kw["prompt_logprobs"] = 2
     if i % 2:
