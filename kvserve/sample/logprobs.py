@@ -25,7 +25,9 @@ class DeviceLogprobs:
 
     sampled: torch.Tensor  # float32 [B]: raw logprob of each row's sampled token
     ranks: torch.Tensor  # long [B]: vLLM's rank, the number of tokens at least as likely
-    top_values: torch.Tensor  # float32 [A, k]: the asking rows' k most likely logprobs
+    # float32 [A, k]: the asking rows' most likely logprobs, k the largest n asked (a row
+    # asking fewer is padded with -inf past its own n)
+    top_values: torch.Tensor
     top_ids: torch.Tensor  # long [A, k]: and their token ids
     ask_rows: list[int]  # the A rows that asked for logprobs (host)
 
