@@ -243,6 +243,9 @@ class ModelConfig:
     # a folder with the tokenizer files when they are not the model folder's (--tokenizer);
     # None: the model folder's
     tokenizer: str | None = None
+    # --batch-invariant (or $VLLM_BATCH_INVARIANT=1): every row is computed in a fixed order,
+    # so a request's tokens and logprobs do not depend on its batch (model/batch_invariant.py)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_beam_width < 1:
@@ -596,3 +599,31 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
+        if self.model.batch_invariant:
+            reason = batch_invariant_refusal(self)
+            if reason is not None:
+                raise ValueError(f"batch-invariant mode (--batch-invariant) {reason}")
+
+
+def batch_invariant_refusal(config: EngineConfig) -> str | None:
+    """Why batch-invariant mode cannot hold under ``config`` (the end of a sentence), or
+    None. Each refused part reduces in an order that depends on the batch and has no
+    fixed-order path in kvserve (docs/server.md, "Batch-invariant mode")."""
+    mc = config.model
+    device = torch.device(config.device)
+    if device.type != "cpu":
+        return (f"runs on the CPU only, not on {device.type}: kvserve's GPU matmuls (cuBLAS) "
+                "and TRITON_ATTN kernels sum in an order chosen by the batch's shape")  # fmt: skip
+    if mc.attention_backend not in (AttentionBackendEnum.AUTO, AttentionBackendEnum.CPU_KERNEL):
+        return (f"needs the CPU_KERNEL attention backend, not {mc.attention_backend.value}: "
+                "its SDPA calls sum over batches padded to their longest row")  # fmt: skip
+    if config.parallel.tensor_parallel_size != 1:
+        return ("needs tensor_parallel_size 1: the all-reduce adds the ranks' partial sums in "
+                "an order kvserve does not fix")  # fmt: skip
+    if config.speculative is not None:
+        return ("is not supported with speculative decoding: a verified token is sampled by "
+                "the rejection sampler, a plain step's by the sampler")  # fmt: skip
+    if config.lora is not None:
+        return ("is not supported with LoRA adapters: their deltas are matmuls over the rows "
+                "that share an adapter")  # fmt: skip
+    return None

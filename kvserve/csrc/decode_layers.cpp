@@ -31,13 +31,14 @@
 
 namespace {
 
-enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide = 4 };
+enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide = 4, kInvariant = 5 };
 
 // One linear layer's weights as its Python module holds them (see add_linear).
 struct Linear {
   LinearKind kind;
   at::Tensor w;  // a8: pack_a8's buffer; quant: pack_codes' codes; packed: oneDNN weight;
-                // dense: the [N, K] weight; wide: the [N, K] bf16/fp16 weight
+                // dense: the [N, K] weight; wide: the [N, K] bf16/fp16 weight;
+                // invariant: the [N, K] weight (float32/bf16/fp16), bias float32
   at::Tensor scales;  // quant only: [K / g, N] (else undefined)
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
@@ -111,13 +112,16 @@ class DecodeLayers : public torch::CustomClassHolder {
   // One linear layer, appended; add_layer takes the last four (qkv, o, gate_up, down).
   // kind 0 (a8): w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed;
   // 2 (packed): w = oneDNN's packed weight; 3 (dense): w = the [N, K] weight, bias passed to
-  // at::linear as F.linear takes it; 4 (wide): w = WideLinear's 16-bit weight, bias likewise.
+  // at::linear as F.linear takes it; 4 (wide): w = WideLinear's 16-bit weight, bias likewise,
+  // direct_rows WideLinear's; 5 (invariant): batch-invariant mode's BatchInvariantLinear,
+  // wide_linear on float32 x with no row limit (ops/batch_invariant.invariant_linear's calls).
   // Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
                   int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
                   bool has_zeros) {
-    TORCH_CHECK(kind >= kA8 && kind <= kWide, "DecodeLayers: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kA8 && kind <= kInvariant, "DecodeLayers: unknown linear kind ",
+                kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
                               offset, direct_rows, half_scales, has_zeros});
@@ -186,7 +190,10 @@ class DecodeLayers : public torch::CustomClassHolder {
       return at::linear(x, lin.w, lin.bias);
     }
     if (lin.kind == kWide) {
-      return o.wide.call(x, lin.w, lin.bias, -1);  // -1: the kernel's own row threshold
+      return o.wide.call(x, lin.w, lin.bias, lin.direct_rows);  // -1: the kernel's default
+    }
+    if (lin.kind == kInvariant) {  // invariant_linear: widen, every row in the kernel, round
+      return o.wide.call(x.to(at::kFloat), lin.w, lin.bias, 0).to(x.scalar_type());
     }
     if (lin.kind == kPacked) {
       torch::jit::Stack stack{x, lin.w, lin.bias, std::string("none"),

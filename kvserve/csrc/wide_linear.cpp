@@ -12,6 +12,10 @@
 // Up to kDirectRows rows (decode, short prefill chunks) this kernel reads W once per block of 4
 // output channels and applies it to every row; above, a widened float32 copy of W goes to
 // at::linear, whose GEMM beats a weight-stationary loop once the copy is shared by enough rows.
+//
+// Batch-invariant mode (kvserve/ops/batch_invariant.py) calls it with direct_rows 0 and float32
+// or bf16 weights too: every row through the kernel, whose per-output order never depends on
+// the number of rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -51,6 +55,7 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -110,22 +115,28 @@ void channels(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_
 #endif
 }
 
-// x [M, K] float32, w [N, K] bf16 or fp16, bias [N] float32 or none -> [M, N] float32.
-// direct_rows: the most rows the kernel takes (default kDirectRows; benchmarks move it).
+// x [M, K] float32, w [N, K] bf16, fp16 or float32, bias [N] float32 or none -> [M, N] float32.
+// direct_rows: the most rows the kernel takes (-1: kDirectRows; benchmarks move it; 0: all).
+// Each output is one fixed sequence of operations (8-wide FMA sums along K, the same
+// horizontal sum, the scalar tail, then the bias) whatever M, the row's place in its block of
+// rows, the channel block or the thread: a row's result never depends on the other rows.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, int64_t direct_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "wide_linear: x must be a float32 [M, K] CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "wide_linear: w must be a contiguous [N, K] tensor");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf,
-              "wide_linear: w must be bfloat16 or float16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf ||
+                  w.scalar_type() == at::kFloat,
+              "wide_linear: w must be bfloat16, float16 or float32");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == w.size(0),
                 "wide_linear: bias must be float32 [N]");
   }
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  if (m > (direct_rows < 0 ? kDirectRows : direct_rows)) {
+  // direct_rows 0: no limit (batch-invariant mode, kvserve/ops/batch_invariant.py: every row
+  // is summed by this kernel in the same order whatever M is)
+  if (direct_rows != 0 && m > (direct_rows < 0 ? kDirectRows : direct_rows)) {
     return at::linear(x, w.to(at::kFloat), bias);
   }
   const at::Tensor xc = x.contiguous();
@@ -142,6 +153,8 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
       const int64_t n0 = b0 * kBlockN, n1 = std::min(n, b1 * kBlockN);
       if (w.scalar_type() == at::kBFloat16) {
         channels(xp, m, w.const_data_ptr<c10::BFloat16>(), k, yp, n, n0, n1);
+      } else if (w.scalar_type() == at::kFloat) {
+        channels(xp, m, w.const_data_ptr<float>(), k, yp, n, n0, n1);
       } else {
         channels(xp, m, w.const_data_ptr<c10::Half>(), k, yp, n, n0, n1);
       }

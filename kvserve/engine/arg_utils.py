@@ -46,6 +46,7 @@ from kvserve.model.hub import (
     resolve_hub_model,
     resolve_hub_tokenizer,
 )
+from kvserve.ops.batch_invariant import BATCH_INVARIANT_ENV, batch_invariant_from_env
 from kvserve.sample.custom_processors import load_processor_class
 
 logger = logging.getLogger("kvserve")
@@ -361,6 +362,13 @@ class EngineArgs:
         False, "vLLM's flag: run every step's layers in Python; without it, decode-only steps "
         "of native Llama-family models run as captured CUDA graphs on CUDA (TRITON_ATTN) and "
         "their layers in one C++ call on CPU (same tokens)",
+    )  # fmt: skip
+    batch_invariant: bool = _opt(
+        False, "every request's tokens and logprobs are bitwise the same whatever it is "
+        "batched with (vLLM's batch-invariant mode, also $VLLM_BATCH_INVARIANT=1): linears, "
+        "attention, norms and sampling compute each row in a fixed order; CPU only, "
+        "CPU_KERNEL attention, dense native models, no tensor parallelism, speculative "
+        "decoding or LoRA (docs/server.md)",
     )  # fmt: skip
     cuda_graph_sizes: list[int] | None = _opt(  # noqa: RUF009 (_opt is a field())
         None, "vLLM's flag: the decode batch sizes captured as CUDA graphs: one value is the "
@@ -682,6 +690,15 @@ class EngineArgs:
         }
         return {"model": self.model, **changed}
 
+    def _batch_invariant(self) -> bool:
+        """``--batch-invariant``, or vLLM's switch for the mode, ``$VLLM_BATCH_INVARIANT=1``."""
+        if self.batch_invariant:
+            return True
+        if batch_invariant_from_env():
+            logger.info("batch-invariant mode: on (%s=1)", BATCH_INVARIANT_ENV)
+            return True
+        return False
+
     def create_engine_config(self, free_memory: Callable[[str], int] | None = None) -> EngineConfig:
         """The engine's config. ``free_memory(device)`` (default: :func:`available_memory`)
         gives the free bytes ``gpu_memory_utilization`` is a fraction of."""
@@ -731,6 +748,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
                 max_beam_width=self.max_beam_width,
                 tokenizer=tokenizer,
+                batch_invariant=self._batch_invariant(),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

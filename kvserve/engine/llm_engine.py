@@ -148,6 +148,9 @@ class LLMEngine:
             "|".join(",".join(map(str, c)) for c in paths.thread_cores) or "(unknown)",
             paths.omp_wait_policy or "unset",
         )  # fmt: skip
+        if paths.batch_invariant:
+            logger.info("batch-invariant mode: on (each row in a fixed order: linears, "
+                        "attention per query on CPU_KERNEL, norms, sampling)")  # fmt: skip
         # sleep mode: 0 awake, else the level slept at; whether a request wakes it (idle sleep)
         self.sleep_level = 0
         self.wake_on_request = False

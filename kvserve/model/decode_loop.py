@@ -12,7 +12,8 @@ layers stay the reference (``enforce_eager=True`` keeps them for every step).
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
 (Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows)
 with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, 16-bit
-weights computed in float32 (``WideLinear``), a plain ``nn.Linear`` (float32 layers packing
+weights computed in float32 (``WideLinear``), batch-invariant mode's fixed-order linear
+(``BatchInvariantLinear``), a plain ``nn.Linear`` (float32 layers packing
 does not win on; bf16 where oneDNN cannot pack bf16, as on AVX2-only CPUs) or a quantized
 kernel layer, one rank. Steps with prefill or speculative rows, or with an attention backend
 other than ``CPU_KERNEL``, take the Python layers (``DecodeLoop.runs``).
@@ -33,15 +34,16 @@ from kvserve.distributed.layers import (
     RowParallelLinear,
 )
 from kvserve.model.base import ForwardBatch
+from kvserve.model.batch_invariant import BatchInvariantLinear
 from kvserve.model.wide_linear import WideLinear
 from kvserve.ops import cpu_kernels
 from kvserve.ops.packed_linear import PackedLinear
-from kvserve.quantization.qlinear import DIRECT_ROWS, QuantLinear
+from kvserve.quantization.qlinear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
 # csrc/decode_layers.cpp's linear kinds
-KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE, KIND_WIDE = 0, 1, 2, 3, 4
+KIND_A8, KIND_QUANT, KIND_PACKED, KIND_DENSE, KIND_WIDE, KIND_INVARIANT = 0, 1, 2, 3, 4, 5
 
 # Linears whose forward is nn.Linear's own F.linear call at one rank (the loop runs one rank
 # only): the tensor-parallel classes add communication for world_size > 1 alone.
@@ -126,7 +128,12 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
         return
     if type(lin) is WideLinear:
         layers.add_linear(KIND_WIDE, lin.weight, empty, empty, lin.bias, lin.out_features,
-                          0, 0, 0, 0, False, False)  # fmt: skip
+                          0, 0, 0, lin.direct_rows, False, False)  # fmt: skip
+        return
+    if type(lin) is BatchInvariantLinear:  # invariant_linear's very calls
+        bias = None if lin.bias is None else lin.bias.detach().float()
+        layers.add_linear(KIND_INVARIANT, lin.weight.detach().contiguous(), empty, empty, bias,
+                          lin.out_features, 0, 0, 0, 0, False, False)  # fmt: skip
         return
     if isinstance(lin, PackedLinear):
         layers.add_linear(KIND_PACKED, lin.packed_weight, empty, empty, lin.bias,
@@ -140,13 +147,13 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
     else:
         layers.add_linear(KIND_QUANT, lin.codes, lin.scales_t, lin.zeros_t, lin.bias,
                           lin.out_features, lin.bits, lin.group_size, lin.offset,
-                          DIRECT_ROWS, False, False)  # fmt: skip
+                          lin.direct_rows, False, False)  # fmt: skip
 
 
 def _linear_ok(lin: nn.Module) -> bool:
     """Exactly the classes whose forward the C++ loop reproduces (no tensor-parallel
     subclasses, no reference path, no input permutation: GPTQ act-order)."""
-    if type(lin) in (PackedLinear, WideLinear) or type(lin) in _DENSE:
+    if type(lin) in (PackedLinear, WideLinear, BatchInvariantLinear) or type(lin) in _DENSE:
         return True
     return type(lin) is QuantLinear and lin.use_kernel and lin.in_perm is None
 

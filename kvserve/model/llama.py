@@ -385,6 +385,8 @@ class LlamaForCausalLM(nn.Module):
     norm_class: type[RMSNorm] = RMSNorm
     supports_tensor_parallel = True  # the loader refuses tp > 1 for classes without it
     supports_lora = True  # its layers add LoRA deltas (kvserve/lora/layers.py attach_lora)
+    # every op is row-wise once its linears are fixed-order (model/batch_invariant.py)
+    supports_batch_invariant = True
     # its forward has no host sync and no step-sized allocation: decode steps may run as CUDA
     # graphs (worker/cuda_graph.py)
     supports_cuda_graphs = True

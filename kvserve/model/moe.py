@@ -199,6 +199,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     supports_cuda_graphs = False  # the experts loop reads their token counts on the host
     supports_tensor_parallel = True  # each rank a slice of every expert (not OLMoE)
     supports_lora = False  # adapters on routed experts are not implemented
+    # each expert multiplies the rows routed to it together: M depends on the batch
+    supports_batch_invariant = False
 
     @staticmethod
     def quantization_refusal(method: Quantization | None) -> str | None:

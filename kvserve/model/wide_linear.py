@@ -52,10 +52,15 @@ class WideLinear(nn.Module):
         # Plain attributes, as PackedLinear's: model.to(dtype) must not widen them again.
         self.weight = linear.weight.detach().to(weight_dtype).contiguous()  # [N, K]
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        # the most rows the kernel takes before a widened copy goes to F.linear (-1: the
+        # kernel's default, 256; 0: every row, batch-invariant mode, model/batch_invariant.py)
+        self.direct_rows = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.kvserve.wide_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        y = torch.ops.kvserve.wide_linear(
+            x.reshape(-1, self.in_features), self.weight, self.bias, self.direct_rows
+        )  # [M, N]
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

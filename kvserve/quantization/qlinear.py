@@ -280,6 +280,10 @@ class QuantLinear(nn.Module):
         else:
             self.path = "kernel" if kernel_supports(qw, device, dtype) else "reference"
         self.use_kernel = self.path != "reference"
+        # float32/bf16 activations: the most rows the direct path takes before the tiled one
+        # (batch-invariant mode lifts it: model/batch_invariant.py; each row's sums in the
+        # direct path are one fixed sequence whatever the number of rows, the tiles' are not)
+        self.direct_rows = DIRECT_ROWS
         self.qweight: QuantizedWeight | None = None
         self.half_scales = a8_scale_dtype(qw) == torch.float16  # int8-activation kernel
         self.has_zeros = qw.zeros is not None
@@ -321,7 +325,7 @@ class QuantLinear(nn.Module):
         else:
             torch.ops.kvserve.quant_linear(
                 out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
-                self.offset, DIRECT_ROWS,
+                self.offset, self.direct_rows,
             )  # fmt: skip
         if self.bias is not None:
             out += self.bias

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sample.host_io import to_device
 from kvserve.sample.top_k_top_p import take_rows
 from kvserve.sampling_params import SamplingParams
 
@@ -24,7 +25,9 @@ class DeviceLogprobs:
 
     sampled: torch.Tensor  # float32 [B]: raw logprob of each row's sampled token
     ranks: torch.Tensor  # long [B]: vLLM's rank, the number of tokens at least as likely
-    top_values: torch.Tensor  # float32 [A, k]: the asking rows' k most likely logprobs
+    # float32 [A, k]: the asking rows' most likely logprobs, k the largest n asked (a row
+    # asking fewer is padded with -inf past its own n)
+    top_values: torch.Tensor
     top_ids: torch.Tensor  # long [A, k]: and their token ids
     ask_rows: list[int]  # the A rows that asked for logprobs (host)
 
@@ -42,15 +45,34 @@ def logprobs_on_device(
     # vLLM's rank: how many tokens are at least as likely as the sampled one.
     ranks = (raw_logprobs >= chosen).sum(dim=-1)  # [B]
     ask_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    k_max = min(vocab_size, max(params[i].logprobs or 0 for i in ask_rows))
+    ns = [min(vocab_size, params[i].logprobs or 0) for i in ask_rows]
     asking = take_rows(raw_logprobs, ask_rows)  # [A, V]
-    if k_max > 0:
-        # One topk for all asking rows; each row then keeps its own first n.
-        values, ids = asking.topk(k_max, dim=-1)  # [A, k_max] x 2
-    else:
-        values = asking.new_empty((len(ask_rows), 0))  # [A, 0]
-        ids = torch.empty((len(ask_rows), 0), dtype=torch.long, device=asking.device)
+    values, ids = _top_n(asking, ns)
     return DeviceLogprobs(chosen.squeeze(1), ranks, values, ids, ask_rows)
+
+
+def _top_n(asking: torch.Tensor, ns: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``ns[j]`` most likely logprobs and ids, ``[A, max(ns)]`` each (a row asking
+    fewer is padded). One ``topk`` per distinct n, never one of the largest n for all: among
+    tied values (common with bf16 logits) ``topk`` picks other ids for another k (measured:
+    the top 2 of 49152 bf16-rounded logprobs differed between k = 2 and k = 5 or 20 in 21 of
+    200 rows), so a row's top-n would depend on what its neighbours ask (batch-invariant
+    mode, docs/server.md)."""
+    width = max(ns, default=0)
+    if width == 0:
+        empty = torch.empty((len(ns), 0), dtype=torch.long, device=asking.device)
+        return asking.new_empty((len(ns), 0)), empty  # [A, 0] x 2
+    if len(set(ns)) == 1:
+        return asking.topk(width, dim=-1)  # [A, n] x 2
+    values = asking.new_full((len(ns), width), float("-inf"))  # [A, width]
+    ids = torch.zeros((len(ns), width), dtype=torch.long, device=asking.device)
+    for n in sorted(set(ns) - {0}):
+        sel = [j for j, m in enumerate(ns) if m == n]
+        v, i = take_rows(asking, sel).topk(n, dim=-1)  # [S, n] x 2
+        index = to_device(sel, torch.long, asking.device)  # [S]
+        values[index, :n] = v
+        ids[index, :n] = i
+    return values, ids
 
 
 def logprobs_on_host(

@@ -31,6 +31,8 @@ class ExecutionPaths:
     omp_wait_policy: str  # $OMP_WAIT_POLICY as libgomp read it here ("" when unset)
     # the decode batch sizes replayed as CUDA graphs (worker/cuda_graph.py); () when off
     cuda_graphs: tuple[int, ...] = ()
+    # --batch-invariant: every row computed in a fixed order (model/batch_invariant.py)
+    batch_invariant: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,4 +87,5 @@ def collect_paths(
         thread_cores=omp_thread_cores(threads) if cpu else (),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
         cuda_graphs=cuda_graphs,
+        batch_invariant=bool(getattr(model, "batch_invariant", False)),
     )

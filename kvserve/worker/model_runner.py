@@ -35,7 +35,7 @@ import time
 import torch
 
 from kvserve.attention.selector import select_for_model
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import AttentionBackendEnum, EngineConfig, ModelConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.lora.manager import LoRAManager
@@ -112,6 +112,12 @@ class ModelRunner:
         self.attn_backend = select_for_model(
             mc.attention_backend, self.model.config, self.model.head_dim, device, mc.dtype
         )
+        if mc.batch_invariant and self.attn_backend.name is not AttentionBackendEnum.CPU_KERNEL:
+            raise ValueError(
+                "batch-invariant mode (--batch-invariant) needs the CPU_KERNEL attention "
+                f"backend; {self.attn_backend.name.value} was selected (the C++ kernels did "
+                "not build, or the model's head size does not fit the kernel)"
+            )
         kv_bytes = None  # CUDA: vLLM's gpu_memory_utilization, after a profiled dummy step
         if device.type == "cuda" and cc.gpu_memory_utilization is not None:
             kv_bytes = cuda_kv_bytes(self.model, self.attn_backend, cc.gpu_memory_utilization,
@@ -340,6 +346,10 @@ class ModelRunner:
                 logits_idx.extend(range(offset - 1 - len(spec), offset))
             if spec:
                 spec_rows.append(i)
+        if self.config.model.batch_invariant:
+            # every query attends as a one-token row through the decode kernel, which sums
+            # over its keys in one order whether the token came in a prompt chunk or decoding
+            spec_rows = list(range(len(rows.scheduled)))
         md, positions = build_metadata(meta_rows, self.block_size, self.device,
                                        frozenset(spec_rows))  # fmt: skip
         md = self.attn_backend.build_metadata(md)

@@ -20,6 +20,7 @@ from kvserve.config import EngineConfig, ModelConfig, PreemptionMode, SpecMethod
 from kvserve.distributed.layers import check_heads
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, backend_for
 from kvserve.model.base import CausalLM
+from kvserve.model.batch_invariant import batch_invariant_refusal, make_batch_invariant
 from kvserve.model.loader import check_shardable, load_hf_config, load_model, model_max_len
 from kvserve.model.registry import resolve_model_class
 from kvserve.quantization.apply import QuantOptions
@@ -92,11 +93,24 @@ def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) 
     """The served model: with ``tp`` of several ranks, this rank's shard of it."""
     mc = config.model
     quant = QuantOptions.of(mc)
-    return load_model(
-        mc.path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
-        mc.fused_ops, mc.model_impl, quant, tp if tp.world_size > 1 else None,
-        decode_loop=not mc.enforce_eager, weight_dtype=mc.weight_dtype,
+    # batch-invariant mode: no oneDNN packing (GEMMs blocked by the number of rows); every
+    # linear then sums each row in a fixed order (model/batch_invariant.py), and the C++
+    # decode loop is built after that swap, so that it calls the fixed-order kernels too
+    invariant = mc.batch_invariant
+    model = load_model(
+        mc.path, mc.dtype, torch.device(config.device), max_model_len,
+        mc.prepack_weights and not invariant, mc.fused_ops, mc.model_impl, quant,
+        tp if tp.world_size > 1 else None,
+        decode_loop=not (mc.enforce_eager or invariant), weight_dtype=mc.weight_dtype,
     )  # fmt: skip
+    if invariant:
+        refusal = batch_invariant_refusal(model)  # type: ignore[arg-type]
+        if refusal is not None:
+            raise ValueError(f"batch-invariant mode (--batch-invariant): {refusal}")
+        make_batch_invariant(model)  # type: ignore[arg-type]
+        if mc.fused_ops and not mc.enforce_eager and model.fused_ops_enabled:  # type: ignore[attr-defined]
+            model.enable_decode_loop()  # type: ignore[attr-defined]
+    return model
 
 
 def load_draft(

@@ -62,8 +62,8 @@ def test_bad_input_raises() -> None:
     w = torch.zeros(16, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="x must be a float32"):
         torch.ops.kvserve.wide_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
-    with pytest.raises(RuntimeError, match="w must be bfloat16 or float16"):
-        torch.ops.kvserve.wide_linear(torch.zeros(1, 32), w.float(), None)
+    with pytest.raises(RuntimeError, match="w must be bfloat16, float16 or float32"):
+        torch.ops.kvserve.wide_linear(torch.zeros(1, 32), w.to(torch.int8), None)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.kvserve.wide_linear(torch.zeros(1, 32), torch.zeros(16, 31).bfloat16(), None)
 
