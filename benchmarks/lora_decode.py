@@ -1,10 +1,11 @@
-"""What adapters cost a decode step (issue 32): base only on the C++ decode loop, base only
-on the Python layers (``enforce_eager``), and 1 or 4 rank-16 adapters across the batch
-(adapter steps take the Python layers plus the grouped LoRA matmuls). All in one process,
-interleaved per repeat as ``decode_ab.py`` does (the 2-core machines' bandwidth drifts).
+"""What adapters cost a decode step (issue 32): the base model alone, then 1, 4, 16 ...
+distinct rank-16 adapters spread over the batch (``--adapters``), all on the C++ decode loop
+with the C++ LoRA kernel (``csrc/lora_ops.cpp``) where it is built; ``--with-eager`` adds the
+base model on the Python layers (``enforce_eager``). All in one process, interleaved per repeat
+as ``decode_ab.py`` does (the 2-core machines' bandwidth drifts).
 
-    python -m benchmarks.lora_decode --batch 8 --tokens 48 --repeats 5  # (-m: benchmarks/kernels.py
-    # would shadow the kernels package transformers probes for)
+    python -m benchmarks.lora_decode --batch 32 --adapters 0,1,4,16 --tokens 32 --repeats 3
+    # (-m: benchmarks/kernels.py would shadow the kernels package transformers probes for)
 
 Adapters are made with peft (random A and B, rank 16, q/k/v/o/gate/up/down) in a temporary
 folder over the built-in model. Prints decode tok/s per setting and the ratios to the base.
@@ -58,22 +59,37 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (num_threads)")
+    ap.add_argument(
+        "--adapters",
+        default="0,1,4",
+        help="distinct adapters per setting, comma-separated (0: the base alone)",
+    )
+    ap.add_argument(
+        "--with-eager",
+        action="store_true",
+        help="also the base model on the Python layers (enforce_eager)",
+    )
     args = ap.parse_args()
+    counts = sorted({int(c) for c in args.adapters.split(",")})
     base, _ = resolve_model(None)
     tmp = Path(tempfile.mkdtemp())
     adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(base, tmp / f"a{i}", i)))
-                for i in range(4)]  # fmt: skip
+                for i in range(max(counts))]  # fmt: skip
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,), generator=g).tolist() for _ in range(args.batch)]
-    kw = {"num_threads": args.threads, "num_kv_blocks": 256, "warmup": False}
-    lora = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=16, **kw)
-    eager = LLM(str(base), enforce_eager=True, **kw)
-    settings = {
-        "base (C++ loop)": (lora, [None] * args.batch),
-        "base (Python layers)": (eager, [None] * args.batch),
-        "1 adapter": (lora, [adapters[0]] * args.batch),
-        "4 adapters": (lora, [adapters[i % 4] for i in range(args.batch)]),
-    }
+    blocks = args.batch * ((32 + args.tokens + 2) // 16 + 2)
+    kw = {"num_threads": args.threads, "num_kv_blocks": blocks, "warmup": False}
+    lora = LLM(str(base), enable_lora=True, max_loras=max(1, max(counts)), max_lora_rank=16,
+               **kw)  # fmt: skip
+    loop = lora.engine.runner.model.decode_loop  # type: ignore[union-attr]
+    print(f"C++ decode loop: {loop is not None}, LoRA on it: {bool(loop and loop.has_lora)}")
+    settings: dict[str, tuple[LLM, list]] = {}
+    for c in counts:
+        name = "base" if c == 0 else f"{c} adapter{'s' * (c > 1)}"
+        settings[name] = (lora, [adapters[i % c] if c else None for i in range(args.batch)])
+    if args.with_eager:
+        eager = LLM(str(base), enforce_eager=True, **kw)
+        settings["base (Python layers)"] = (eager, [None] * args.batch)
     results: dict[str, list[float]] = {k: [] for k in settings}
     for rep in range(args.repeats):
         order = list(settings) if rep % 2 == 0 else list(reversed(settings))
@@ -81,7 +97,7 @@ def main() -> None:
             llm, loras = settings[name]
             results[name].append(decode_tps(llm, prompts, loras, args.tokens))
             print(f"repeat {rep}: {name}: {results[name][-1]:.1f} tok/s", flush=True)
-    base_tps = statistics.median(results["base (C++ loop)"])
+    base_tps = statistics.median(results[next(iter(settings))])
     print(f"batch {args.batch}, {args.tokens} decode tokens, median of {args.repeats}:")
     for name, values in results.items():
         med = statistics.median(values)
