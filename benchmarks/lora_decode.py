@@ -58,6 +58,46 @@ def decode_tps(llm: LLM, prompts: list[list[int]], loras: list, tokens: int) -> 
     return len(prompts) * tokens / (time.perf_counter() - t0)
 
 
+def loop_ab(
+    llm: LLM, adapters: list[LoRARequest], counts: list[int], batch: int, reps: int
+) -> None:
+    """The C++ decode loop's layers alone (no embedding, LM head nor sampling), called on one
+    fixed decode batch (32 tokens of context per row) with each setting's per-row slots,
+    the settings alternating call by call: the cleanest A/B a loaded machine allows."""
+    runner = llm.engine.runner
+    model, lora = runner.model, runner.lora  # type: ignore[union-attr]
+    loop = model.decode_loop
+    attn = model.layers[0].self_attn
+    bs = runner.block_size
+    ctx = 32
+    nb = (ctx + bs) // bs
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, model.config.hidden_size, generator=g) * 0.1  # [B, hidden]
+    cos, sin = torch.ones(batch, attn.head_dim), torch.zeros(batch, attn.head_dim)
+    tables = torch.arange(batch * nb).view(batch, nb)  # [B, nb] distinct blocks per row
+    seq_lens = torch.full((batch,), ctx + 1, dtype=torch.long)
+    slot_mapping = tables[:, ctx // bs] * bs + ctx % bs  # [B] the new token's cache slot
+    ks, vs = [k for k, _ in runner.kv_caches], [v for _, v in runner.kv_caches]
+    slots: dict[str, torch.Tensor | None] = {}
+    for c in counts:
+        if c == 0:
+            slots["base"] = None
+            continue
+        m = lora.prepare([adapters[i % c] for i in range(batch)], [1] * batch)
+        slots[f"{c} adapter{'s' * (c > 1)}"] = m.token_slots
+    times: dict[str, list[float]] = {k: [] for k in slots}
+    for _ in range(reps):
+        for name, s in slots.items():
+            t0 = time.perf_counter()
+            loop.layers.run(x, cos, sin, slot_mapping, tables, seq_lens, ks, vs, s)
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times[next(iter(times))])
+    print(f"decode loop layers, batch {batch}, median of {reps} alternating calls:")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:22s} {med * 1e3:8.2f} ms  x{med / base:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -74,6 +114,13 @@ def main() -> None:
         action="store_true",
         help="also the base model on the Python layers (enforce_eager)",
     )
+    ap.add_argument(
+        "--loop-ab",
+        type=int,
+        default=0,
+        metavar="REPS",
+        help="instead: time the C++ decode loop's layers alone, REPS alternating calls per setting",
+    )
     args = ap.parse_args()
     counts = sorted({int(c) for c in args.adapters.split(",")})
     base, _ = resolve_model(None)
@@ -88,6 +135,9 @@ def main() -> None:
                **kw)  # fmt: skip
     loop = lora.engine.runner.model.decode_loop  # type: ignore[union-attr]
     print(f"C++ decode loop: {loop is not None}, LoRA on it: {bool(loop and loop.has_lora)}")
+    if args.loop_ab:
+        loop_ab(lora, adapters, counts, args.batch, args.loop_ab)
+        return
     settings: dict[str, tuple[LLM, list]] = {}
     for c in counts:
         name = "base" if c == 0 else f"{c} adapter{'s' * (c > 1)}"
