@@ -228,3 +228,35 @@ def test_qwen2_and_mistral(arch: str, tmp_path: Path) -> None:
                         lora_request=[None if c is None else lrs[c] for c in choice])  # fmt: skip
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert want[0] != hf_greedy(models[None], prompts[0], MAX_TOKENS)  # the adapter matters
+
+
+def test_gguf_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapters over a Q8_0 GGUF base kept quantized (``quantization="gguf"``): two adapters
+    and the base model in one batch give peft's merged model over the dequantized file (the
+    GGUF converted to a float32 folder) token for token."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.model.builtin import find_builtin_gguf
+    from kvserve.model.gguf_convert import convert_gguf
+    from tests.lora.utils import SPECS, make_adapter
+    from tests.model.test_gguf_families import PROMPTS as GGUF_PROMPTS
+    from tests.model.test_gguf_families import make_model, write_family_gguf
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_family_gguf(make_model("qwen2"), "qwen2", tmp_path / "q8.gguf",
+                             find_builtin_gguf(), GGMLQuantizationType.Q8_0)  # fmt: skip
+    dq = convert_gguf(path, tmp_path / "dq")  # the file's values, dequantized to float32
+    ads = {n: make_adapter(dq, tmp_path / n, SPECS[n], seed=i + 7)
+           for i, n in enumerate(("all8", "qv4"))}  # fmt: skip
+    choice = ["all8", "qv4", None]
+    models = {c: merged_model(dq, None if c is None else ads[c]) for c in set(choice)}
+    want = [hf_greedy(models[c], p, MAX_TOKENS) for c, p in zip(choice, GGUF_PROMPTS, strict=True)]
+    llm = LLM(str(path), quantization="gguf", dtype="float32", num_kv_blocks=64,
+              enable_lora=True, max_loras=2, warmup=False)  # fmt: skip
+    assert llm.engine.runner.model.quant_report.layers == 8  # type: ignore[union-attr]
+    lrs = {n: LoRARequest(n, i + 1, str(ads[n])) for i, n in enumerate(ads)}
+    outs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], PARAMS, use_tqdm=False,
+                        lora_request=[None if c is None else lrs[c] for c in choice])  # fmt: skip
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    base_first = hf_greedy(models[None], GGUF_PROMPTS[0], MAX_TOKENS)
+    assert want[0] != base_first  # the adapter changes the tokens
