@@ -12,10 +12,13 @@
 // is ~3000 op calls a decode step, which made 4 adapters cost 0.44x the base's tok/s (batch 4,
 // AVX2 EPYC) while the multiply-adds are ~3% of the base's. Here rows are grouped by slot once
 // per call (counting the slots), then:
-//   shrink: per (slot, block of A rows) every row of the slot is dotted with the A rows, A
-//           read once per slot (weight-stationary, as wide_linear.cpp), h [T, n*R] float32;
+//   shrink: per (slot, block of its rows, block of A rows) every row of the block is dotted
+//           with the A rows, 4 rows x 2 A rows per register block; a row block is ~128 KB of
+//           x, so it stays in L2 while the A rows pass (a 1024-row prefill group streamed x
+//           from memory once per A pair before: slower than PyTorch's GEMM); h [T, n*R] f32;
 //   expand: per (slot, slice, block of 64 output channels) every row of the slot adds
-//           sum_r h[t, r] * Bt[r, cols], the [R, 64] block of Bt staying in L1 across rows.
+//           sum_r h[t, r] * Bt[r, cols], two rows at a time sharing each load of Bt, the
+//           [R, 64] block of Bt staying in L1 across rows.
 // Both phases are parallel over their blocks (at::parallel_for), in float32 (bf16 and fp16
 // widened in registers); a 16-bit out gets its sum added in float32 and rounded once.
 // AVX2 + FMA intrinsics where built for them (AVX-512 CPUs run them too), else scalar loops.
@@ -99,26 +102,26 @@ void shrink_block(const T* x, int64_t ldx, const int64_t* rows, const W* a, int6
   }
 }
 
-// A rows [j0, j1) of one slot, against every row of the slot.
+// A rows [j0, j1) of one slot, against rows[0, n) of the slot (a block of them that stays in
+// L2 while each pair of A rows passes over it).
 template <typename T, typename W>
-void shrink_task(const T* x, int64_t ldx, const std::vector<int64_t>& rows, const W* a,
-                 int64_t k, float* h, int64_t ldh, int64_t j0, int64_t j1) {
-  const int64_t n = static_cast<int64_t>(rows.size());
+void shrink_task(const T* x, int64_t ldx, const int64_t* rows, int64_t n, const W* a, int64_t k,
+                 float* h, int64_t ldh, int64_t j0, int64_t j1) {
   for (int64_t j = j0; j < j1; j += kABlock) {
     const bool pair = j + kABlock <= j1;
     int64_t m = 0;
     for (; m + kRowTile <= n; m += kRowTile) {
       if (pair) {
-        shrink_block<T, W, kRowTile, kABlock>(x, ldx, rows.data() + m, a, k, h, ldh, j);
+        shrink_block<T, W, kRowTile, kABlock>(x, ldx, rows + m, a, k, h, ldh, j);
       } else {
-        shrink_block<T, W, kRowTile, 1>(x, ldx, rows.data() + m, a, k, h, ldh, j);
+        shrink_block<T, W, kRowTile, 1>(x, ldx, rows + m, a, k, h, ldh, j);
       }
     }
     for (; m < n; ++m) {
       if (pair) {
-        shrink_block<T, W, 1, kABlock>(x, ldx, rows.data() + m, a, k, h, ldh, j);
+        shrink_block<T, W, 1, kABlock>(x, ldx, rows + m, a, k, h, ldh, j);
       } else {
-        shrink_block<T, W, 1, 1>(x, ldx, rows.data() + m, a, k, h, ldh, j);
+        shrink_block<T, W, 1, 1>(x, ldx, rows + m, a, k, h, ldh, j);
       }
     }
   }
@@ -132,50 +135,81 @@ inline void store_add(T* out, const float* d, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(widen(out[c]) + d[c]);  // one rounding
 }
 
+#if defined(KVSERVE_LORA_AVX2)
+// NR rows x 32 channels: acc[i][v] += h[row i, r] * bt[r, 8v..8v+7], each Bt load shared by
+// the NR rows (2 rows: 8 accumulators, 4 loads and 2 broadcasts of 16 registers).
+template <typename W, int NR>
+inline void expand32(const float* const* hts, int64_t rank, const W* bt, int64_t n,
+                     float* const* ds) {
+  __m256 acc[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    __m256 b[4];
+    for (int v = 0; v < 4; ++v) b[v] = load8(bt + r * n + 8 * v);
+    for (int i = 0; i < NR; ++i) {
+      const __m256 hb = _mm256_set1_ps(hts[i][r]);
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(hb, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(ds[i] + 8 * v, acc[i][v]);
+}
+#endif
+
 // out[t, c0:c1] += sum_r h[t, r0 + r] * bt[r, c0:c1] for every row t of one slot (c1 - c0 <=
-// kColBlock); bt: this slot's [R, N] block of one slice.
+// kColBlock); bt: this slot's [R, N] block of one slice, its [R, c1 - c0] part staying in L1.
 template <typename T, typename W>
 void expand_task(const float* h, int64_t ldh, int64_t r0, int64_t rank, const W* bt, int64_t n,
                  const std::vector<int64_t>& rows, T* out, int64_t ldo, int64_t col_off,
                  int64_t c0, int64_t c1) {
-  alignas(32) float d[kColBlock];
+  alignas(32) float d[2][kColBlock];
   const int64_t width = c1 - c0;
-  for (const int64_t t : rows) {
-    const float* ht = h + t * ldh + r0;
+  const int64_t count = static_cast<int64_t>(rows.size());
+  int64_t i = 0;
+#if defined(KVSERVE_LORA_AVX2)
+  if (width == kColBlock) {  // full blocks: two rows at a time, 32 channels at a time
+    for (; i < count; i += 2) {
+      const int nr = i + 1 < count ? 2 : 1;
+      const float* hts[2] = {h + rows[i] * ldh + r0, h + rows[i + nr - 1] * ldh + r0};
+      for (int64_t c = 0; c < kColBlock; c += 32) {
+        float* ds[2] = {d[0] + c, d[1] + c};
+        if (nr == 2) {
+          expand32<W, 2>(hts, rank, bt + c0 + c, n, ds);
+        } else {
+          expand32<W, 1>(hts, rank, bt + c0 + c, n, ds);
+        }
+      }
+      for (int j = 0; j < nr; ++j) store_add(out + rows[i + j] * ldo + col_off + c0, d[j], width);
+    }
+  }
+#endif
+  for (; i < count; ++i) {  // a narrow block (a slice's tail), or no AVX2
+    const float* ht = h + rows[i] * ldh + r0;
     int64_t c = 0;
 #if defined(KVSERVE_LORA_AVX2)
-    constexpr int kVecs = kColBlock / 8;
-    if (width == kColBlock) {
-      __m256 acc[kVecs];
-      for (int v = 0; v < kVecs; ++v) acc[v] = _mm256_setzero_ps();
+    for (; c + 8 <= width; c += 8) {
+      __m256 acc = _mm256_setzero_ps();
       for (int64_t r = 0; r < rank; ++r) {
-        const __m256 hb = _mm256_set1_ps(ht[r]);
-        const W* row = bt + r * n + c0;
-        for (int v = 0; v < kVecs; ++v) acc[v] = _mm256_fmadd_ps(hb, load8(row + 8 * v), acc[v]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ht[r]), load8(bt + r * n + c0 + c), acc);
       }
-      for (int v = 0; v < kVecs; ++v) _mm256_store_ps(d + 8 * v, acc[v]);
-      c = kColBlock;
-    } else {
-      for (; c + 8 <= width; c += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t r = 0; r < rank; ++r) {
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(ht[r]), load8(bt + r * n + c0 + c), acc);
-        }
-        _mm256_store_ps(d + c, acc);
-      }
+      _mm256_store_ps(d[0] + c, acc);
     }
 #endif
     for (; c < width; ++c) {
-      float s = 0.f;
-      for (int64_t r = 0; r < rank; ++r) s += ht[r] * widen(bt[r * n + c0 + c]);
-      d[c] = s;
+      float sum = 0.f;
+      for (int64_t r = 0; r < rank; ++r) sum += ht[r] * widen(bt[r * n + c0 + c]);
+      d[0][c] = sum;
     }
-    store_add(out + t * ldo + col_off + c0, d, width);
+    store_add(out + rows[i] * ldo + col_off + c0, d[0], width);
   }
 }
 
 struct Task {  // one parallel unit of a phase
-  int64_t slot, slice, begin, end;
+  int64_t slot;
+  int64_t slice;  // expand: the slice; shrink: the first row (index into the slot's rows)
+  int64_t begin, end;  // expand: output channels; shrink: A rows
+  int64_t count;  // shrink: rows in the block
 };
 
 template <typename T, typename W>
@@ -190,20 +224,28 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
   T* op = out.data_ptr<T>();
   at::Tensor h = at::empty({t_rows, nr}, x.options().dtype(at::kFloat));
   float* hp = h.data_ptr<float>();
-  // shrink: per slot, blocks of A rows; each task is >= ATen's grain of multiply-adds
+  // shrink: per slot, per block of its rows (~128 KB of x: it stays in L2 while the A rows
+  // pass; a 1024-row prefill group otherwise streams x from memory once per pair of A rows),
+  // per block of A rows (each task >= ATen's grain of multiply-adds); the tasks of one row
+  // block are adjacent, so a thread's share keeps reusing its x block.
+  const int64_t row_block = std::clamp<int64_t>((32768 / k) / kRowTile * kRowTile, kRowTile, 64);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < static_cast<int64_t>(rows_of.size()); ++s) {
     const int64_t n = static_cast<int64_t>(rows_of[s].size());
-    if (n == 0) continue;
-    const int64_t step = std::max<int64_t>(
-        kABlock, (at::internal::GRAIN_SIZE / std::max<int64_t>(1, n * k)) / kABlock * kABlock);
-    for (int64_t j = 0; j < nr; j += step) tasks.push_back({s, 0, j, std::min(nr, j + step)});
+    for (int64_t r = 0; r < n; r += row_block) {
+      const int64_t rn = std::min(row_block, n - r);
+      const int64_t step = std::max<int64_t>(
+          kABlock, (at::internal::GRAIN_SIZE / (rn * k)) / kABlock * kABlock);
+      for (int64_t j = 0; j < nr; j += step) {
+        tasks.push_back({s, r, j, std::min(nr, j + step), rn});
+      }
+    }
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Task& tk = tasks[i];
-      shrink_task<T, W>(xp, ldx, rows_of[tk.slot], ap + tk.slot * nr * k, k, hp, nr, tk.begin,
-                        tk.end);
+      shrink_task<T, W>(xp, ldx, rows_of[tk.slot].data() + tk.slice, tk.count,
+                        ap + tk.slot * nr * k, k, hp, nr, tk.begin, tk.end);
     }
   });
   // expand: per slot, slice and block of output channels
@@ -212,7 +254,9 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
     if (rows_of[s].empty()) continue;
     for (int64_t i = 0; i < static_cast<int64_t>(bts.size()); ++i) {
       const int64_t n = bts[i].size(2);
-      for (int64_t c = 0; c < n; c += kColBlock) tasks.push_back({s, i, c, std::min(n, c + kColBlock)});
+      for (int64_t c = 0; c < n; c += kColBlock) {
+        tasks.push_back({s, i, c, std::min(n, c + kColBlock), 0});
+      }
     }
   }
   std::vector<int64_t> offsets(bts.size(), 0);

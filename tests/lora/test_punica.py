@@ -76,6 +76,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kern
     [
         ([0, -1, 2, 1, 0, 3], [3, 1, 5, 1, 1, 7]),  # four adapters and the base, mixed
         ([1] * 11, [1] * 11),  # one adapter on 11 rows: row tiles of 4 and a tail
+        ([0, -1, 1], [70, 3, 5]),  # a prefill of 70 rows: two row blocks of the shrink
         ([3, -1, 3, 0], [1, 1, 1, 1]),  # decode rows, one adapter split by a base row
         ([-1], [5]),  # no adapter: nothing touched
     ],
