@@ -19,7 +19,8 @@
 //   expand: per (slot, slice, block of 64 output channels) every row of the slot adds
 //           sum_r h[t, r] * Bt[r, cols], two rows at a time sharing each load of Bt, the
 //           [R, 64] block of Bt staying in L1 across rows.
-// Both phases are parallel over their blocks (at::parallel_for), in float32 (bf16 and fp16
+// Both phases run in one OpenMP team (a barrier between them) over their blocks, or on the
+// calling thread when the call is small (kInlineWork); in float32 (bf16 and fp16
 // widened in registers); a 16-bit out gets its sum added in float32 and rounded once.
 // AVX2 + FMA intrinsics where built for them (AVX-512 CPUs run them too), else scalar loops.
 #include <ATen/ATen.h>
@@ -32,6 +33,9 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVSERVE_LORA_AVX2 1
@@ -42,6 +46,9 @@ namespace {
 constexpr int kRowTile = 4;    // rows sharing one pass over an A row (shrink)
 constexpr int kABlock = 2;     // A rows per pass (shrink): 4 x 2 accumulators
 constexpr int64_t kColBlock = 64;  // output channels per expand task: 8 AVX2 accumulators
+// Below this many multiply-adds a call runs on the calling thread (~15-25 us of work, about
+// what waking the pool costs: a 4-row decode of a fused QKV is ~170K).
+constexpr int64_t kInlineWork = int64_t{1} << 18;
 
 template <typename T>
 inline float widen(T v) {
@@ -241,37 +248,61 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
       }
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Task& tk = tasks[i];
-      shrink_task<T, W>(xp, ldx, rows_of[tk.slot].data() + tk.slice, tk.count,
-                        ap + tk.slot * nr * k, k, hp, nr, tk.begin, tk.end);
-    }
-  });
   // expand: per slot, slice and block of output channels
-  tasks.clear();
+  std::vector<Task> expands;
   for (int64_t s = 0; s < static_cast<int64_t>(rows_of.size()); ++s) {
     if (rows_of[s].empty()) continue;
     for (int64_t i = 0; i < static_cast<int64_t>(bts.size()); ++i) {
       const int64_t n = bts[i].size(2);
       for (int64_t c = 0; c < n; c += kColBlock) {
-        tasks.push_back({s, i, c, std::min(n, c + kColBlock), 0});
+        expands.push_back({s, i, c, std::min(n, c + kColBlock), 0});
       }
     }
   }
   std::vector<int64_t> offsets(bts.size(), 0);
   for (size_t i = 1; i < bts.size(); ++i) offsets[i] = offsets[i - 1] + bts[i - 1].size(2);
-  const int64_t per_task = kColBlock * rank * std::max<int64_t>(1, t_rows / 2);
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_task);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t b, int64_t e) {
+  auto shrink = [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Task& tk = tasks[i];
+      shrink_task<T, W>(xp, ldx, rows_of[tk.slot].data() + tk.slice, tk.count,
+                        ap + tk.slot * nr * k, k, hp, nr, tk.begin, tk.end);
+    }
+  };
+  auto expand = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Task& tk = expands[i];
       const at::Tensor& bt = bts[tk.slice];
       const int64_t n = bt.size(2);
       expand_task<T, W>(hp, nr, tk.slice * rank, rank, bt.const_data_ptr<W>() + tk.slot * rank * n,
                         n, rows_of[tk.slot], op, ldo, offsets[tk.slice], tk.begin, tk.end);
     }
-  });
+  };
+  const int64_t num_shrink = static_cast<int64_t>(tasks.size());
+  const int64_t num_expand = static_cast<int64_t>(expands.size());
+  int64_t active = 0;
+  for (const auto& rows : rows_of) active += static_cast<int64_t>(rows.size());
+  const int64_t work = active * (nr * k + rank * out.size(1));  // multiply-adds
+  const int64_t threads = work < kInlineWork ? 1
+      : std::min<int64_t>(at::get_num_threads(), std::max(num_shrink, num_expand));
+  if (threads <= 1) {
+    shrink(0, num_shrink);
+    expand(0, num_expand);
+    return;
+  }
+#if defined(_OPENMP)
+  // One team for both phases, a barrier between them: half the wake-ups of two parallel_for
+  // calls (each one a chance to wait for a descheduled teammate on a busy machine).
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+    shrink(num_shrink * id / nt, num_shrink * (id + 1) / nt);
+#pragma omp barrier
+    expand(num_expand * id / nt, num_expand * (id + 1) / nt);
+  }
+#else
+  at::parallel_for(0, num_shrink, 1, shrink);
+  at::parallel_for(0, num_expand, 1, expand);
+#endif
 }
 
 template <typename T>
