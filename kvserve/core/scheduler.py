@@ -551,6 +551,15 @@ class Scheduler:
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The adapters (names, first seen first) of the running requests and of the waiting
+        ones (queued, swapped or waiting for a grammar): vLLM's ``running_lora_adapters`` and
+        ``waiting_lora_adapters``."""
+        running = {r.lora_request.lora_name: None for r in self.running if r.lora_request}
+        queued = (*self.waiting, *self.swapped, *self.waiting_for_grammar)
+        waiting = {r.lora_request.lora_name: None for r in queued if r.lora_request}
+        return list(running), list(waiting)
+
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running, s.num_waiting, s.num_swapped = (

@@ -44,6 +44,9 @@ struct Linear {
   std::optional<at::Tensor> bias;  // [N]
   int64_t out_features, bits, group, offset, direct_rows;
   bool half_scales, has_zeros;
+  // Multi-LoRA slot weights (add_lora), or undefined: A [S, n*R, K], Bt_i [S, R, N_i]
+  at::Tensor lora_a;
+  std::vector<at::Tensor> lora_bts;
 };
 
 struct Layer {
@@ -80,6 +83,8 @@ using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optiona
                         int64_t);
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
+using LoraAdd = void(at::Tensor, const at::Tensor&, const at::Tensor&, at::TensorList,
+                     const at::Tensor&);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = kvserve_op<RmsNorm>("kvserve::rms_norm");
@@ -94,6 +99,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantA8> quant_a8 = kvserve_op<QuantA8>("kvserve::quant_linear_a8");
   c10::TypedOperatorHandle<Quant> quant = kvserve_op<Quant>("kvserve::quant_linear");
   c10::TypedOperatorHandle<Wide> wide = kvserve_op<Wide>("kvserve::wide_linear");
+  c10::TypedOperatorHandle<LoraAdd> lora_add = kvserve_op<LoraAdd>("kvserve::lora_add");
   // oneDNN's packed linear has no C++ API in ATen: called boxed (one call per linear).
   c10::OperatorHandle packed =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -124,7 +130,20 @@ class DecodeLayers : public torch::CustomClassHolder {
                 kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
-                              offset, direct_rows, half_scales, has_zeros});
+                              offset, direct_rows, half_scales, has_zeros, at::Tensor(), {}});
+  }
+
+  // Multi-LoRA slot weights of layer `layer`'s linear `which` (0 qkv, 1 o, 2 gate_up, 3 down),
+  // the LoRAManager's own tensors (slots are loaded in place): steps with adapters then add
+  // each linear's delta with the same kvserve::lora_add call the Python layers make.
+  void add_lora(int64_t layer, int64_t which, at::Tensor a, std::vector<at::Tensor> bts) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && which >= 0 &&
+                    which < 4,
+                "DecodeLayers.add_lora: no linear ", which, " in layer ", layer);
+    Layer& l = layers_[layer];
+    Linear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    lins[which]->lora_a = std::move(a);
+    lins[which]->lora_bts = std::move(bts);
   }
 
   void add_layer(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
@@ -141,11 +160,14 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   // x: [T, hidden] embeddings (T decode rows, one token each); cos, sin: [T, D];
   // slot_mapping: [T]; block_tables: [T, nb]; seq_lens: [T]; caches: one K and one V per
-  // layer. Returns (the last layer's MLP output, the residual stream), as the Python loop.
+  // layer; lora_slots: each row's adapter slot [T] int64 (-1: none), or none for a step
+  // without adapters. Returns (the last layer's MLP output, the residual stream), as the
+  // Python loop.
   std::vector<at::Tensor> run(at::Tensor x, at::Tensor cos, at::Tensor sin,
                               at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, std::vector<at::Tensor> k_caches,
-                              std::vector<at::Tensor> v_caches) const {
+                              std::vector<at::Tensor> v_caches,
+                              std::optional<at::Tensor> lora_slots) const {
     const int64_t n = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(k_caches.size()) == n &&
                     static_cast<int64_t>(v_caches.size()) == n,
@@ -155,6 +177,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t t = x.size(0);
     const at::Tensor no_rows = seq_lens.slice(0, 0, 0);  // every row is a decode row
     at::Tensor residual;
+    const at::Tensor* slots = lora_slots.has_value() ? &*lora_slots : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const Layer& l = layers_[i];
       at::Tensor h = at::empty_like(x);
@@ -164,25 +187,34 @@ class DecodeLayers : public torch::CustomClassHolder {
       } else {
         o.add_rms_norm.call(h, residual, x, l.in_norm, l.in_eps, false);
       }
-      at::Tensor qkv = linear(l.qkv, h);
+      at::Tensor qkv = linear(l.qkv, h, slots);
       at::Tensor q = qkv.new_empty({t, num_heads_, head_dim_});
       o.rope_write_kv.call(q, qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping, num_heads_,
                            num_kv_heads_, l.q_norm, l.k_norm, l.qk_eps, false);
       at::Tensor attn = at::empty_like(q);
       o.paged_decode.call(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens, no_rows,
                           l.scale, l.window, l.soft_cap, std::nullopt);
-      at::Tensor out = linear(l.o, attn.view({t, num_heads_ * head_dim_}));
+      at::Tensor out = linear(l.o, attn.view({t, num_heads_ * head_dim_}), slots);
       h = at::empty_like(out);
       o.add_rms_norm.call(h, residual, out, l.post_norm, l.post_eps, false);
-      at::Tensor gate_up = linear(l.gate_up, h);
+      at::Tensor gate_up = linear(l.gate_up, h, slots);
       at::Tensor act = gate_up.new_empty({t, gate_up.size(1) / 2});
       o.silu_and_mul.call(act, gate_up);
-      x = linear(l.down, act);
+      x = linear(l.down, act, slots);
     }
     return {x, residual};
   }
 
  private:
+  // The linear, then its LoRA delta where the step has adapters (LoRASlotWeights.add_delta).
+  static at::Tensor linear(const Linear& lin, const at::Tensor& x, const at::Tensor* slots) {
+    at::Tensor y = linear(lin, x);
+    if (slots != nullptr && lin.lora_a.defined()) {
+      ops().lora_add.call(y, x, lin.lora_a, lin.lora_bts, *slots);
+    }
+    return y;
+  }
+
   // y = x @ W^T (+ bias), as QuantLinear.forward / PackedLinear.forward / nn.Linear compute it.
   static at::Tensor linear(const Linear& lin, const at::Tensor& x) {
     const Ops& o = ops();
@@ -228,5 +260,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_linear", &DecodeLayers::add_linear)
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_lora", &DecodeLayers::add_lora)
       .def("run", &DecodeLayers::run);
 }

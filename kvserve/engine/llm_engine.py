@@ -694,4 +694,8 @@ class LLMEngine:
         s["num_kv_blocks"] = self.kv.pool.num_blocks
         s["num_free_kv_blocks"] = self.kv.pool.num_free_blocks
         s["step_time"] = self.timings.as_dict()
+        if self.config.lora is not None:  # vLLM's lora_requests_info labels
+            running, waiting = self.scheduler.lora_adapters()
+            s["lora"] = {"running": running, "waiting": waiting, "updated": time.time(),
+                         "max_lora": self.config.lora.max_loras}  # fmt: skip
         return s

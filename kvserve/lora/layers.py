@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from kvserve.lora.peft_loader import LoRAModel
-from kvserve.lora.punica import LoRAMapping, lora_delta_grouped
+from kvserve.lora.punica import LoRAKernel, LoRAMapping, lora_add, select_kernel
 
 
 class LoRASlotWeights:
-    """A: ``[S, n*R, K]`` (the slices' A stacked along the rank) and, per slice, B:
-    ``[S, N_i, R]``; slice ``i`` is the i-th module of ``modules`` (q, k, v for a fused QKV)."""
+    """A: ``[S, n*R, K]`` (the slices' A stacked along the rank) and, per slice, B transposed:
+    ``Bt [S, R, N_i]``; slice ``i`` is the i-th module of ``modules`` (q, k, v for a fused
+    QKV). ``kernel``: what adds the delta (``punica.select_kernel`` for the device)."""
 
     def __init__(
         self,
@@ -36,9 +37,10 @@ class LoRASlotWeights:
         self.rank = max_rank
         n = len(modules)
         self.a = torch.zeros(num_slots, n * max_rank, in_features, dtype=dtype, device=device)
-        self.bs = tuple(
-            torch.zeros(num_slots, o, max_rank, dtype=dtype, device=device) for o in out_features
+        self.bts = tuple(
+            torch.zeros(num_slots, max_rank, o, dtype=dtype, device=device) for o in out_features
         )
+        self.kernel: LoRAKernel = select_kernel(device)
 
     def load_slot(self, slot: int, layer: int, lora: LoRAModel) -> None:
         """Copy an adapter's weights of this layer into ``slot`` (modules it lacks: zeros)."""
@@ -50,21 +52,21 @@ class LoRASlotWeights:
                 continue
             a, b = pair  # [r_a, K], [N_i, r_a]
             self.a[slot, i * r : i * r + a.shape[0]].copy_(a)
-            self.bs[i][slot, :, : b.shape[1]].copy_(b)
+            self.bts[i][slot, : b.shape[1]].copy_(b.t())
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
-        for b in self.bs:
-            b[slot].zero_()
+        for bt in self.bts:
+            bt[slot].zero_()
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``out`` [T, sum N_i] (the base output, a fresh tensor) plus each row's delta."""
-        lora_delta_grouped(x, self.a, self.bs, mapping, out)
+        lora_add(self.kernel, x, self.a, self.bts, mapping, out)
         return out
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + sum(b.nbytes for b in self.bs)
+        return self.a.nbytes + sum(bt.nbytes for bt in self.bts)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def attach_lora(
     model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
 ) -> list[LayerLoRA]:
     """Give every layer of a native Llama-family model its slot weights (``Attention.lora_qkv``
-    and ``lora_o``, ``MLP.lora_gate_up`` and ``lora_down``); returns them per layer. Sizes
+    and ``lora_o``, ``MLP.lora_gate_up`` and ``lora_down``), and its C++ decode loop too
+    where it has one (``DecodeLoop.attach_lora``); returns them per layer. Sizes
     are this process's (the whole model: tensor parallelism is refused with adapters)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(
@@ -110,4 +113,7 @@ def attach_lora(
         attn.lora_qkv, attn.lora_o = ll.qkv, ll.o
         mlp.lora_gate_up, mlp.lora_down = ll.gate_up, ll.down
         layers.append(ll)
+    loop = getattr(model, "decode_loop", None)  # the C++ decode loop, when the model has one
+    if loop is not None and layers and layers[0].qkv.kernel is LoRAKernel.CPU:
+        loop.attach_lora(layers)  # steps with adapters stay on it
     return layers

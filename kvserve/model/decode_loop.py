@@ -16,12 +16,17 @@ weights computed in float32 (``WideLinear``), batch-invariant mode's fixed-order
 (``BatchInvariantLinear``), a plain ``nn.Linear`` (float32 layers packing
 does not win on; bf16 where oneDNN cannot pack bf16, as on AVX2-only CPUs) or a quantized
 kernel layer, one rank. Steps with prefill or speculative rows, or with an attention backend
-other than ``CPU_KERNEL``, take the Python layers (``DecodeLoop.runs``).
+other than ``CPU_KERNEL``, take the Python layers (``DecodeLoop.runs``). Steps with LoRA
+adapters stay on the loop once the ``LoRAManager`` has handed it the slot weights
+(``attach_lora``): each adapted linear then adds its delta with the same ``kvserve::lora_add``
+call the Python layers make (``csrc/lora_ops.cpp``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,12 +38,16 @@ from kvserve.distributed.layers import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from kvserve.lora.punica import LoRAKernel
 from kvserve.model.base import ForwardBatch
 from kvserve.model.batch_invariant import BatchInvariantLinear
 from kvserve.model.wide_linear import WideLinear
 from kvserve.ops import cpu_kernels
 from kvserve.ops.packed_linear import PackedLinear
 from kvserve.quantization.qlinear import QuantLinear
+
+if TYPE_CHECKING:
+    from kvserve.lora.layers import LayerLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +66,26 @@ class DecodeLoop:
     def __init__(self, layers: torch.ScriptObject) -> None:
         self.layers = layers  # torch.classes.kvserve.DecodeLayers
         self.steps = 0  # decode steps run through it (the tests read it)
+        self.lora_steps = 0  # of which with LoRA adapters
+        self.has_lora = False  # the LoRA slot weights were handed over (attach_lora)
 
-    @staticmethod
-    def runs(batch: ForwardBatch) -> bool:
+    def attach_lora(self, layers: Sequence[LayerLoRA]) -> None:
+        """Hand the loop every layer's LoRA slot weights (the manager's tensors, shared: a
+        slot loaded later is seen at once); they must use the C++ kernel, as the loop does."""
+        for i, ll in enumerate(layers):
+            for which, w in enumerate(ll.all()):
+                assert w.kernel is LoRAKernel.CPU, "the decode loop adds deltas with lora_add"
+                self.layers.add_lora(i, which, w.a, list(w.bts))
+        self.has_lora = True
+
+    def runs(self, batch: ForwardBatch) -> bool:
         """Whether this step is decode only (one query per row) on the C++ attention kernel
-        (the loop calls that kernel itself): the steps the loop takes."""
+        (the loop calls that kernel itself), with adapters only once they are attached: the
+        steps the loop takes."""
         md = batch.attn_metadata
         dec = md.decode
         return (
-            batch.lora is None  # adapters' deltas are added by the Python layers only
+            (batch.lora is None or self.has_lora)
             and dec is not None
             and isinstance(batch.attn_backend, CpuKernelBackend)
             and dec.token_idx is None  # every row of the step is a one-token decode row
@@ -89,8 +109,10 @@ class DecodeLoop:
         out, residual = self.layers.run(
             x, cos, sin, md.slot_mapping, dec.block_tables, dec.seq_lens,
             [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            None if batch.lora is None else batch.lora.token_slots,
         )  # fmt: skip
         self.steps += 1
+        self.lora_steps += batch.lora is not None
         return out, residual
 
 

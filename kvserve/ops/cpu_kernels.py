@@ -17,6 +17,7 @@ import enum
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ _SOURCES = [
     _CSRC / "quant_linear.cpp",
     _CSRC / "quant_linear_a8.cpp",
     _CSRC / "wide_linear.cpp",
+    _CSRC / "lora_ops.cpp",
     _CSRC / "decode_layers.cpp",  # after the kernels it calls (it looks them up at first use)
 ]
 
@@ -270,3 +272,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     torch.ops.kvserve.argmax_rows(out, x)
     return out
+
+
+def lora_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bts: Sequence[torch.Tensor],
+    token_slots: torch.Tensor,
+) -> None:
+    """``out[t, slice i] += (x[t] @ A[s_t]^T)[rank block i] @ Bt_i[s_t]`` in place for every
+    row with slot ``s_t >= 0`` (``csrc/lora_ops.cpp``; reference
+    ``kvserve.lora.punica.lora_delta_reference``). x ``[T, K]``, out ``[T, sum N_i]`` (unit
+    column stride), A ``[S, n*R, K]``, each Bt ``[S, R, N_i]``, token_slots ``[T]`` int64."""
+    torch.ops.kvserve.lora_add(out, x, a, list(bts), token_slots)

@@ -186,6 +186,7 @@ class _EngineStatsCollector(Collector):
                 c.add_metric([model, ENGINE_INDEX], float(stats.get(key) or 0))
             yield c
         yield from self._per_position(snapshots)
+        yield from self._lora_info(snapshots)
         h = GaugeMetricFamily(f"{p}:engine_healthy", "1 if the engine is serving.", labels=LABELS)
         for model, stats in snapshots.items():
             h.add_metric([model, ENGINE_INDEX], 1.0 if stats.get("healthy", True) else 0.0)
@@ -208,6 +209,23 @@ class _EngineStatsCollector(Collector):
             for model, labels in self.paths_info.items():
                 paths.add_metric([labels[k] for k in keys] + [model], 1.0)
             yield paths
+
+    def _lora_info(self, snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        """vLLM's ``lora_requests_info`` (engines with LoRA on): the adapters of the running
+        and of the waiting requests, comma-separated, and ``max_lora`` as labels; the value is
+        the wall-clock time the engine last updated them (after its last step)."""
+        loras = {m: s["lora"] for m, s in snapshots.items() if s.get("lora")}
+        if not loras:
+            return
+        g = GaugeMetricFamily(
+            f"{self.prefix}:lora_requests_info", "Running stats on lora requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", *LABELS],
+        )  # fmt: skip
+        for model, info in loras.items():
+            labels = [str(info["max_lora"]), ",".join(info["running"]),
+                      ",".join(info["waiting"]), model, ENGINE_INDEX]  # fmt: skip
+            g.add_metric(labels, float(info["updated"]))
+        yield g
 
     def _per_position(self, snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         """vLLM's accepted draft tokens by their position in the proposal."""

@@ -12,6 +12,8 @@ from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.lora.manager import LoRAManager
+from kvserve.lora.punica import LoRAKernel
+from kvserve.ops import cpu_kernels
 from tests.engine.utils import random_prompts
 from tests.lora.utils import hf_greedy, merged_model
 
@@ -66,6 +68,11 @@ def test_four_adapters_and_base_in_one_batch(
     assert stats.max_num_running == len(PROMPTS)  # all ten ran together
     assert stats.num_steps == MAX_TOKENS  # one prefill step, then decode steps
     assert manager(llm).num_slot_loads == 4
+    loop = llm.engine.runner.model.decode_loop  # type: ignore[union-attr]
+    if backend == "CPU_KERNEL" and cpu_kernels.available():
+        # adapter steps stay on the C++ decode loop (kvserve::lora_add per linear)
+        assert loop is not None and loop.has_lora and loop.lora_steps == MAX_TOKENS - 1
+        assert manager(llm).layers[0].qkv.kernel is LoRAKernel.CPU
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -198,3 +205,58 @@ def test_int4_base(lora_base: Path, adapters: dict[str, Path], tmp_path: Path) -
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
     assert isinstance(layer, QuantLinear) and layer.bits == 4 and layer.use_kernel
     assert generate(llm, adapters) == want
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_and_mistral(arch: str, tmp_path: Path) -> None:
+    """Adapters on the other Llama-family layouts (Qwen2: q/k/v biases, tied embeddings):
+    two adapters and the base model in one batch give peft's merged model's tokens."""
+    from tests.engine.utils import make_tiny_model
+    from tests.lora.utils import SPECS, make_adapter
+
+    make_tiny_model(arch, tmp_path / "base")
+    base = tmp_path / "base"
+    ads = {n: make_adapter(base, tmp_path / n, SPECS[n], seed=i + 5)
+           for i, n in enumerate(("all8", "mixed2"))}  # fmt: skip
+    choice = ["all8", None, "mixed2", "all8"]
+    prompts = PROMPTS[:4]
+    models = {c: merged_model(base, None if c is None else ads[c]) for c in set(choice)}
+    want = [hf_greedy(models[c], p, MAX_TOKENS) for c, p in zip(choice, prompts, strict=True)]
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    lrs = {n: LoRARequest(n, i + 1, str(ads[n])) for i, n in enumerate(ads)}
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False,
+                        lora_request=[None if c is None else lrs[c] for c in choice])  # fmt: skip
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert want[0] != hf_greedy(models[None], prompts[0], MAX_TOKENS)  # the adapter matters
+
+
+def test_gguf_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapters over a Q8_0 GGUF base kept quantized (``quantization="gguf"``): two adapters
+    and the base model in one batch give peft's merged model over the dequantized file (the
+    GGUF converted to a float32 folder) token for token."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.model.builtin import find_builtin_gguf
+    from kvserve.model.gguf_convert import convert_gguf
+    from tests.lora.utils import SPECS, make_adapter
+    from tests.model.test_gguf_families import PROMPTS as GGUF_PROMPTS
+    from tests.model.test_gguf_families import make_model, write_family_gguf
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_family_gguf(make_model("qwen2"), "qwen2", tmp_path / "q8.gguf",
+                             find_builtin_gguf(), GGMLQuantizationType.Q8_0)  # fmt: skip
+    dq = convert_gguf(path, tmp_path / "dq")  # the file's values, dequantized to float32
+    ads = {n: make_adapter(dq, tmp_path / n, SPECS[n], seed=i + 7)
+           for i, n in enumerate(("all8", "qv4"))}  # fmt: skip
+    choice = ["all8", "qv4", None]
+    models = {c: merged_model(dq, None if c is None else ads[c]) for c in set(choice)}
+    want = [hf_greedy(models[c], p, MAX_TOKENS) for c, p in zip(choice, GGUF_PROMPTS, strict=True)]
+    llm = LLM(str(path), quantization="gguf", dtype="float32", num_kv_blocks=64,
+              enable_lora=True, max_loras=2, warmup=False)  # fmt: skip
+    assert llm.engine.runner.model.quant_report.layers == 8  # type: ignore[union-attr]
+    lrs = {n: LoRARequest(n, i + 1, str(ads[n])) for i, n in enumerate(ads)}
+    outs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], PARAMS, use_tqdm=False,
+                        lora_request=[None if c is None else lrs[c] for c in choice])  # fmt: skip
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    base_first = hf_greedy(models[None], GGUF_PROMPTS[0], MAX_TOKENS)
+    assert want[0] != base_first  # the adapter changes the tokens

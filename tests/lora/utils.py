@@ -55,8 +55,10 @@ def merged_model(base: Path, adapter: Path | None) -> PreTrainedModel:
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens as kvserve's ``ignore_eos`` makes them: EOS may be chosen, and does not
+    stop (``min_new_tokens`` would mask EOS instead: other tokens where EOS is the argmax)."""
     out = model.generate(  # type: ignore[operator]
-        torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-        do_sample=False, pad_token_id=0,
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+        eos_token_id=None,
     )  # fmt: skip
     return out[0, len(prompt) :].tolist()

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.lora.utils import SPECS, AdapterSpec, hf_greedy, make_adapter, merged_model
 from tests.server.conftest import TINY, Server, start_server
@@ -65,6 +67,17 @@ def chat_tokens(client: openai.OpenAI, model: str, max_tokens: int = MAX_TOKENS)
 
 def expected(base: Path, adapter: Path | None, prompt: list[int], n: int = MAX_TOKENS) -> list:
     return hf_greedy(merged_model(base, adapter), prompt, n)
+
+
+def lora_info(server: Server) -> dict[str, str]:
+    """vLLM's ``lora_requests_info`` labels (without model_name/engine); its value is the time
+    it was last updated: checked to be a wall-clock time of this run."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    (sample,) = [s for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "kvserve:lora_requests_info"]  # fmt: skip
+    assert abs(sample.value - time.time()) < 600
+    assert (sample.labels.pop("model_name"), sample.labels.pop("engine")) == (TINY, "0")
+    return sample.labels
 
 
 def post(server: Server, path: str, body: dict) -> httpx.Response:
@@ -171,7 +184,11 @@ def test_unload_lets_requests_in_flight_finish(
             unloaded = True
             # it is still running (a few ms into ~2 s of decoding): the unload waits for it
             assert lora_server.metrics(TINY)["kvserve:num_requests_running"] == 1
+            assert lora_info(lora_server) == {"max_lora": "2", "running_lora_adapters": "a4",
+                                              "waiting_lora_adapters": ""}  # fmt: skip
     assert unloaded and len(tokens) == LONG
+    lora_server.wait_idle(TINY)
+    assert lora_info(lora_server)["running_lora_adapters"] == ""
     prompt = chat_tokens(lora_server.client(), "a1", 1)[0]  # the same messages' prompt
     assert tokens == expected(tiny_model_dir, lora_dirs["a3"], prompt, LONG)
 
