@@ -117,12 +117,19 @@ class LoRAEngine:
         return self._served.base
 
     def generate(
-        self, prompt: Any, params: Any = None, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: Any,
+        params: Any = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        background: bool = False,
     ) -> RequestStream:
         name = self._served.request.lora_name
         if self._registry.adapters.get(name) is not self._served:  # unloaded meanwhile
             raise not_found(name)
-        return self._engine.generate(prompt, params, request_id, priority, self._served.request)
+        return self._engine.generate(
+            prompt, params, request_id, priority, self._served.request, background
+        )
 
     def encode(self, *args: Any, **kwargs: Any) -> RequestStream:
         raise APIError(400, f"`{self.model_name}` is a LoRA adapter; embeddings run the base "
