@@ -57,6 +57,7 @@ INEXPRESSIBLE = [
         r"max_tokens must be at least 1, got 0",  # completions: 0 only with echo
         r"Cannot set both `continue_final_message` and `add_generation_prompt` to True",
         r"only one structured output constraint is allowed",
+        r"ignore_eos cannot be combined with structured_outputs",
         r"When using `tool_choice`, `tools` must be set",
         # tools with tool_choice unset mean "auto", which needs the server's
         # --enable-auto-tool-choice --tool-call-parser (without them "auto" itself is unpublished)
