@@ -25,7 +25,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from kvserve.model.gguf_convert import CONVERTER_VERSION, convert_gguf, temp_dirs_for
+from kvserve.model.gguf_convert import (
+    CONVERTER_VERSION,
+    convert_gguf,
+    temp_dirs_for,
+    weights_in_gguf,
+)
 from kvserve.model.gguf_names import shard_paths
 
 logger = logging.getLogger(__name__)
@@ -120,20 +125,22 @@ def converted_gguf_path(
     cache = default_cache_dir(cache_dir)
     key = _cache_key(gguf_path, content_id)
     target = cache / f"{gguf_path.stem}-v{CONVERTER_VERSION}-{key}"
-    if target.is_dir():
+    if _usable(target):
         return target
     if content_id is not None:
         # Keyed by content alone: the same bytes under another name (an Ollama blob holding
         # a GGUF converted before) reuse that folder instead of a second one-time conversion.
         for same in sorted(cache.glob(f"*-v{CONVERTER_VERSION}-{key}")):
-            if same.is_dir():
+            if _usable(same):
                 return same
 
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         # Re-check under the lock: another process may have finished while we waited.
-        if target.is_dir():
+        if _usable(target):
             return target
+        if target.is_dir():  # a large GGUF's folder whose file is gone (same content elsewhere)
+            shutil.rmtree(target)
         # Holding the lock means nobody else is converting into `target`, so any temp folder
         # for it is debris from a killed run (SIGKILL skips convert_gguf's cleanup).
         for stale in temp_dirs_for(target):
@@ -141,6 +148,16 @@ def converted_gguf_path(
         logger.info("converting %s into %s (one-time)", gguf_path.name, target)
         convert_gguf(gguf_path, target)
     return target
+
+
+def _usable(folder: Path) -> bool:
+    """A converted folder that loads: it holds its weights, or the GGUF it reads them from
+    (a file above ``gguf_convert.dense_limit_bytes``; a content-keyed folder may name a copy of
+    the same bytes that has since been deleted) is still there."""
+    if not folder.is_dir():
+        return False
+    source = weights_in_gguf(folder)
+    return source is None or source.is_file()
 
 
 def builtin_model_path(cache_dir: str | Path | None = None) -> Path:

@@ -90,6 +90,24 @@ def _iter_safetensors(
                     yield name, f.get_tensor(name)
 
 
+def _iter_weights(
+    path: Path, skip: Container[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's weights as :func:`_iter_safetensors` gives them, or, for a large GGUF's
+    folder that keeps them in the file (``gguf_convert.GGUF_WEIGHTS_FILE``), dequantized
+    from it one at a time."""
+    if _weights_in_gguf(path):
+        from kvserve.model.gguf_convert import iter_gguf_weights  # imports gguf: only here
+
+        return iter_gguf_weights(path, skip)
+    return _iter_safetensors(path, skip)
+
+
+def _weights_in_gguf(path: Path) -> bool:
+    """Whether a converted GGUF folder reads its weights from the GGUF (``gguf_convert``)."""
+    return (path / "gguf_weights.json").is_file()
+
+
 # safetensors' dtype names of the float tensors a skipped (pre-quantized) weight can have
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                        "BF16": torch.bfloat16}  # fmt: skip
@@ -126,7 +144,11 @@ def load_model(
     model: CausalLM
     report: QuantReport | None = None  # what quantization did, once it has
     if on_transformers_backend(cls):
-        if scheme is not None or (quant is not None and quant.method is Quantization.GGUF):
+        if (
+            scheme is not None
+            or _weights_in_gguf(path)
+            or (quant is not None and quant.method is Quantization.GGUF)
+        ):
             raise ValueError(
                 f"{path}: pre-quantized weights (GGUF, compressed-tensors, AWQ, GPTQ) load into "
                 "kvserve's native models only, not the transformers backend; use int8 or "
@@ -156,7 +178,7 @@ def load_model(
         # int8/int4/gguf: each linear layer is quantized as soon as its weights are in
         model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant)
         skip = streaming.skip if streaming is not None else frozenset()
-        model.load_weights(_iter_safetensors(path, skip))
+        model.load_weights(_iter_weights(path, skip))
         if streaming is not None:
             report = streaming.finish()
     if quant is not None and quant.method is not None:
