@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from gguf import ReaderField, ReaderTensor
+
+from kvserve.model.gguf_rope import llama3_rope_scaling
 
 # GGUF `general.architecture` -> the transformers architecture its folder is written as (all
 # native in kvserve). They use llama.cpp's tensor names (gguf.constants.MODEL_TENSORS); qwen2
@@ -117,10 +120,9 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
     """Read the Llama sizes from the GGUF metadata (``{arch}.`` keys) and validate them."""
     arch = read_architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama-3.1-style rope scaling is baked into a frequency tensor whose generating
-        # parameters are not stored in the GGUF, so it cannot be expressed as an HF config.
-        raise ValueError("GGUF uses llama3-style rope scaling (rope_freqs.weight); not supported")
+    if "rope_freqs.weight" in tensor_names and arch != "llama":
+        raise ValueError(f"{arch} GGUF with rope_freqs.weight (rope frequency factors) is not "
+                         "supported; only llama files' Llama 3 scaling is")  # fmt: skip
     if "rope_factors_long.weight" in tensor_names:
         raise ValueError(f"{arch} GGUF uses LongRoPE (rope_factors_long.weight); not supported")
 
@@ -140,8 +142,11 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
     if vocab is None:
         vocab = _vocab_size(reader)
 
-    rope_scaling: dict[str, Any] | None = None
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_scaling = _llama3_scaling(reader, rope_theta, head_dim)
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_scaling is not None and scaling_type not in (None, "none"):
+        raise ValueError(f"GGUF has both rope_freqs.weight and rope scaling {scaling_type!r}")
     if scaling_type not in (None, "none"):
         factor = _field(reader, f"{arch}.rope.scaling.factor")
         if scaling_type != "linear" or factor is None:
@@ -166,7 +171,7 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
         head_dim=head_dim,
         max_position_embeddings=int(_require(reader, f"{arch}.context_length")),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         # llama.cpp omits output.weight exactly when the LM head shares the embedding matrix.
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -176,6 +181,17 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
         architecture=arch,
         extra=extra,
     )
+
+
+def _llama3_scaling(reader: GGUFLike, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Llama 3's rope scaling solved from ``rope_freqs.weight`` (``gguf_rope``), or None."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    # the unscaled frequencies as llama.cpp's converter computes them (float32)
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponent)
+    return llama3_rope_scaling(np.asarray(tensor.data, dtype=np.float32).reshape(-1), inv_freq)
 
 
 def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: int) -> dict:

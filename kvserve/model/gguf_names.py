@@ -67,7 +67,8 @@ _QKV_BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _EXPERTS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 # The per-block tensors each architecture has, all of them required (gguf.constants'
-# MODEL_TENSORS less the optional rope_freqs / rope_factors, which read_hparams refuses).
+# MODEL_TENSORS less the optional rope_freqs / rope_factors: read_hparams turns a llama
+# file's rope_freqs into Llama 3's rope scaling and refuses the others).
 _ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
     "llama": _LLAMA_KINDS,
     "qwen2": (*_LLAMA_KINDS, *_QKV_BIAS),
@@ -277,6 +278,8 @@ def plan_tensors(reader: GGUFFiles, hp: LlamaHParams) -> list[Planned]:
         path = reader.path_of[name]
         if name.startswith("blk."):
             plan += plan_block(tensor, hp, shapes, path)
+            continue
+        if name == "rope_freqs.weight":  # in config.json as Llama 3's rope scaling (gguf_rope)
             continue
         if name not in GLOBAL_TENSOR_MAP:
             # Refuse rather than drop: an unknown tensor means the model is not what the

@@ -133,12 +133,18 @@ def gguf_name(hf: str) -> str:
 
 
 def write_family_gguf(
-    model: PreTrainedModel, arch: str, path: Path, tokenizer_source: Path | None, qtype: T = T.F32
+    model: PreTrainedModel,
+    arch: str,
+    path: Path,
+    tokenizer_source: Path | None,
+    qtype: T = T.F32,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """``model`` as llama.cpp's converter writes an ``arch`` GGUF; 2-D projections in ``qtype``
     (norms, biases and the embedding stay F32, as llama-quantize leaves 1-D tensors).
     ``tokenizer_source``: the GGUF whose tokenizer metadata it carries (None: none, for files
-    only the quantized-layer reader opens; parsing tokens and merges takes seconds)."""
+    only the quantized-layer reader opens; parsing tokens and merges takes seconds).
+    ``extra``: more tensors by llama.cpp name (``rope_freqs.weight``)."""
     gguf_arch = "llama" if arch == "mistral" else arch
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if gguf_arch == "llama":  # LlamaModel.modify_tensors: q/k rows in GGML's rotary order
@@ -169,6 +175,8 @@ def write_family_gguf(
                 w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
             else:
                 w.add_tensor(name, data)
+        for name, data in (extra or {}).items():
+            w.add_tensor(name, data)
 
     return _write_gguf(path, gguf_arch, fill)
 
