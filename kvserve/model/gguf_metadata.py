@@ -211,10 +211,29 @@ def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: i
     }
     if arch == "gemma2":
         extra["attn_logit_softcapping"] = _field(reader, f"{arch}.attn_logit_softcapping")
-    else:  # newer llama.cpp converters write the local base; older files leave it implied
-        base = _field(reader, f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+    else:  # newer llama.cpp converters write the local base (Ollama's its own key); older
+        # files leave it implied
+        base = _field(reader, f"{arch}.rope.freq_base_swa")
+        base = _field(reader, f"{arch}.rope.local.freq_base", _GEMMA3_LOCAL_ROPE_BASE) \
+            if base is None else base  # fmt: skip
         extra["rope_local_base_freq"] = float(base)
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None:  # else transformers' default, as llama.cpp's runtime assumes it
+        extra["layer_types"] = _layer_types(pattern, layers)
     return extra
+
+
+def _layer_types(pattern: Any, layers: int) -> list[str]:
+    """``attention.sliding_window_pattern`` as ``layer_types``: a bool per layer (True:
+    sliding), as llama.cpp's and Ollama's newer converters write it, or every n-th global."""
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {layers} "
+                             "layers")  # fmt: skip
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:

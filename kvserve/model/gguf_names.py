@@ -10,6 +10,7 @@ the e-th run), written as the per-expert names Hub checkpoints use.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import dequantize as _gguf_dequantize
 
 from kvserve.model.gguf_metadata import LlamaHParams, hf_architecture
+
+logger = logging.getLogger(__name__)
 
 _L = "model.layers.{i}."
 # llama.cpp per-block tensor name -> Hugging Face Llama name (`{i}` layer, `{e}` expert).
@@ -87,6 +90,9 @@ GLOBAL_TENSOR_MAP: dict[str, str] = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# A vision tower and its projector packed into the model's file (Ollama's gemma3 files:
+# `v.blk.*`, `v.patch_embd`, `mm.mm_input_projection`; llama.cpp keeps them in an mmproj file).
+VISION_PREFIXES = ("v.", "mm.")
 BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # llama.cpp's split files (convert_hf_to_gguf.py --split-max-*, gguf-split): name-00001-of-00003
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -272,8 +278,14 @@ def plan_tensors(reader: GGUFFiles, hp: LlamaHParams) -> list[Planned]:
     """Name and shape of every tensor in HF terms, checked before any is converted."""
     shapes = expected_shapes(hp)
     plan = []
+    vision = [t.name for t in reader.tensors if t.name.startswith(VISION_PREFIXES)]
+    if vision:
+        logger.info("%d vision tensors (%s, ...) not loaded: kvserve serves the text model",
+                    len(vision), vision[0])  # fmt: skip
     for tensor in reader.tensors:
         name = tensor.name
+        if name.startswith(VISION_PREFIXES):
+            continue
         _check_dequantizable(tensor)
         path = reader.path_of[name]
         if name.startswith("blk."):

@@ -152,12 +152,15 @@ TEXTS = ["the cat, at the THE", "Hello there!", " two  spaces", "in 1999 a he th
 
 
 def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T] | None = None,
-               seed: int = 0, split: int = 0) -> Path:  # fmt: skip
+               seed: int = 0, split: int = 0, ollama: bool = False) -> Path:  # fmt: skip
     """``model`` as llama.cpp's converter writes an ``arch`` GGUF (F32). ``types``: llama.cpp
     kind (``attn_qkv``) -> a quant type whose blocks are random bytes instead (gguf-py cannot
     quantize to K or IQ types); ``blk.1.attn_qkv`` then takes IQ2_XXS, a type kept dense.
     ``split``: at most this many tensors a file, as ``--split-max-tensors`` writes them
-    (``name-00001-of-0000N.gguf``, metadata in the first; the first file is returned)."""
+    (``name-00001-of-0000N.gguf``, metadata in the first; the first file is returned).
+    ``ollama``: a gemma3 file as Ollama's converter writes it (``convert_gemma3.go``): its own
+    local-base key, the window pattern per layer, no linear scaling (its runtime applies none),
+    and the vision tower's tensors in the same file (``v.*``, ``mm.*``)."""
     c = model.config
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if arch != "phi3":
@@ -186,6 +189,11 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T
             w.add_final_logit_softcapping(2.0)
         if arch == "gemma3":
             w.add_rope_freq_base(50000.0)
+        if arch == "gemma3" and ollama:
+            w.add_float32("gemma3.rope.local.freq_base", 20000.0)
+            pattern = [t == "sliding_attention" for t in c.layer_types]
+            w.add_array("gemma3.attention.sliding_window_pattern", pattern)
+        elif arch == "gemma3":
             w.add_float32("gemma3.rope.freq_base_swa", 20000.0)  # as llama.cpp writes it
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(2.0)
@@ -202,6 +210,11 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, types: dict[str, T
                 w.add_tensor(name, data)
             else:
                 w.add_tensor(name, random_blocks(rng, qtype, data.shape), raw_dtype=qtype)
+        if ollama:  # a stand-in vision tower and projector, F16 as Ollama keeps them
+            for name, shape in (("v.patch_embd.weight", (8, 3, 2, 2)),
+                                ("v.blk.0.attn_q.weight", (8, 8)),
+                                ("mm.mm_input_projection.weight", (8, c.hidden_size))):  # fmt: skip
+                w.add_tensor(name, rng.normal(size=shape).astype(np.float16))
 
     if not split:
         return _write_gguf(path, arch, fill)

@@ -119,3 +119,49 @@ def test_llm_serves_it_with_its_params_as_defaults(
     ref = LLM(None, kv_cache_memory="64MiB", max_model_len=512)
     want = ref.generate(["The capital of France is"], greedy, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_gemma3_as_ollama_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gemma3 blob from Ollama's converter (``ollama pull gemma3``): the vision tower in the
+    same file, the local RoPE base under Ollama's key, the window pattern per layer (here not
+    transformers' default: layer 2 global too). Served as text with transformers' greedy
+    tokens on the same weights and settings."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tests.model.test_gguf_gemma_phi3 import FAST, MAX_TOKENS, PROMPTS, make_model
+    from tests.model.test_gguf_gemma_phi3 import write_gguf as write_gemma
+
+    made = make_model("gemma3")
+    layer_types = ["sliding_attention"] * 6
+    layer_types[2] = layer_types[5] = "full_attention"
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}  # fmt: skip
+    config = Gemma3TextConfig(**{**made.config.to_dict(), "layer_types": layer_types,
+                                 "rope_parameters": rope})  # fmt: skip
+    original = Gemma3ForCausalLM(config).eval()
+    original.load_state_dict(made.state_dict())
+    blob = write_gemma(original, "gemma3", tmp_path / "gemma3.gguf", ollama=True)
+    store = tmp_path / "store"
+    layers = [{"mediaType": ollama.MODEL_LAYER, **_blob(store, src=blob)}]
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "gemma3" / "tiny"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM("ollama:gemma3:tiny", **FAST)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            want = original.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                do_sample=False, pad_token_id=0,
+            )[0, len(prompt) :]  # fmt: skip
+        assert tokens == want.tolist(), prompt
+    assert len({t[0] for t in got}) > 1  # not one repeated token
