@@ -93,7 +93,6 @@ class Scheduler(PreemptionMixin, OutputUpdateMixin):
         self.runner_views = RunnerViews()
 
     # -- queue management -------------------------------------------------------------------
-
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         if req.structured_output is not None and not req.structured_output.is_ready():
@@ -154,7 +153,6 @@ class Scheduler(PreemptionMixin, OutputUpdateMixin):
         return done
 
     # -- one step -----------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], {}, {})
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()

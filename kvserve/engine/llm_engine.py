@@ -137,7 +137,6 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
             self._grammar.shutdown()  # its compile workers end
 
     # -- requests -----------------------------------------------------------------------------
-
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling parameters gets (vLLM's method): the model's
         defaults, and vLLM's for every field they do not set."""
@@ -336,7 +335,6 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
         return len(self._parents) + len(self._beam_groups)
 
     # -- the step -----------------------------------------------------------------------------
-
     def step(self) -> list[EngineOutput]:
         """One engine step. A fault caused by one request's data fails that request alone
         (finish reason ``error``, ``RequestOutput.error`` says why); the others continue with
@@ -397,7 +395,6 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
         return self.kv.reset_prefix_cache()
 
     # -- sleep mode (kvserve/engine/sleep_mode.py) ---------------------------------------------
-
     def sleep(self, level: int = 1, wake_on_request: bool = False) -> float:
         """Free the KV cache (level 1) and the weights (level 2) of every rank (vLLM's
         ``sleep``); returns the seconds it took. ``wake_on_request``: the next request wakes
