@@ -39,26 +39,25 @@ from __future__ import annotations
 
 import time
 
-from kvserve.config import (
-    CacheConfig,
-    KVPolicy,
-    PreemptionMode,
-    SchedulerConfig,
-    SchedulingPolicy,
-    SpeculativeConfig,
-)
+from kvserve.config import CacheConfig, KVPolicy, SchedulerConfig, SpeculativeConfig
 from kvserve.core.background import holds_background_back, online_prefill_scheduled
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
+from kvserve.core.preemption import PreemptionMixin
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue, pick_victim
 from kvserve.core.runner_views import RunnerViews
 from kvserve.core.scheduler_output import SchedulerOutput, SchedulerStats
+from kvserve.core.scheduler_update import OutputUpdateMixin
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
-class Scheduler:
+class Scheduler(PreemptionMixin, OutputUpdateMixin):
+    """Owns the request queues and decides each step (``schedule``); preemption is in
+    ``preemption.py``, applying a step's result (``update_from_output``) in
+    ``scheduler_update.py``."""
+
     def __init__(
         self,
         sched: SchedulerConfig,
@@ -227,15 +226,6 @@ class Scheduler:
         hashes = self.kv.block_hashes(req, req.num_tokens - 1)
         return len(computed) < len(hashes) and hashes[len(computed)] in self._pending
 
-    def _unschedule(self, out: SchedulerOutput, req: Request) -> int:
-        """Take a request that is about to be preempted out of this step; its tokens go back
-        to the budget (returned)."""
-        n = out.num_scheduled_tokens.pop(req.request_id, 0)
-        out.scheduled_spec_decode_tokens.pop(req.request_id, None)
-        if n:
-            out.scheduled.remove(req)
-        return n
-
     def _lora_blocked(self, req: Request, ids: set[int]) -> bool:
         """True when ``req``'s adapter would be one more than ``max_loras`` beside ``ids``."""
         lid = req.lora_int_id
@@ -283,13 +273,6 @@ class Scheduler:
             idx += 1
         return budget
 
-    def _victims(self) -> list[Request]:
-        """Running requests a request that cannot grow may preempt: not those admitted this
-        step (the background pass runs after the admissions)."""
-        if not self._admitted:
-            return self.running
-        return [r for r in self.running if r.request_id not in self._admitted]
-
     def _grow(self, out: SchedulerOutput, req: Request, n: int) -> bool:
         """Blocks for ``n`` more tokens of a running request, and its own copy of any block
         it shares with a forked beam that those tokens write; False when blocks run out."""
@@ -325,46 +308,6 @@ class Scheduler:
         if self.lookahead and end >= req.num_tokens:
             end = min(end + self.lookahead, req.max_total_tokens)
         return end
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        req.spec_token_ids = []  # proposed for KV that is going away
-        self.runner_views.preempted(req.request_id)
-        self.stats.num_preemptions += 1
-        req.metrics.num_preemptions += 1
-        out.preempted_req_ids.append(req.request_id)
-        if self.config.preemption_mode is PreemptionMode.SWAP:
-            pairs = self.kv.swap_out(req.request_id)
-            if pairs is not None:
-                out.blocks_to_swap_out.extend(pairs)
-                req.status = RequestStatus.SWAPPED
-                self.swapped.prepend(req)
-                return
-            # Swap space full: fall back to recompute rather than fail the request.
-        self.kv.free(req.request_id, keep_hashes=True)  # its blocks stay cached while free
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.prepend(req)
-
-    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
-        """Priority + preempt: preempt the lowest-priority running request for the waiting
-        ``req`` if ``req`` beats it by the threshold; returns the budget given back, or None
-        when there is no such victim. Requests admitted this step are never victims (a
-        request swapped in this step cannot be swapped out in the same step)."""
-        if self.policy is not SchedulingPolicy.PRIORITY or self.config.kv_policy is not (
-            KVPolicy.PREEMPT
-        ):
-            return None
-        candidates = [r for r in self.running if r.request_id not in self._admitted]
-        if not candidates:
-            return None
-        victim = pick_victim(candidates, self.policy)
-        threshold = self.config.priority_scheduling_preemption_threshold
-        if victim.priority - req.priority < threshold:
-            return None
-        self.running.remove(victim)
-        given_back = self._unschedule(out, victim)
-        self._preempt(victim, out)
-        return given_back
 
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
@@ -455,101 +398,6 @@ class Scheduler:
         self.running.append(req)
         self._admitted.add(req.request_id)
         self._take(out, req, n)
-
-    def update_from_output(
-        self,
-        out: SchedulerOutput,
-        sampled: dict[str, list[int]],
-        spec_token_ids: dict[str, list[int]] | None = None,
-    ) -> tuple[list[Request], list[Request]]:
-        """Advance computed counts and append each request's new tokens (1 to k + 1 with
-        speculation), checking stops after each one (tokens after a stop are dropped);
-        ``spec_token_ids`` are the next step's proposals. Returns (updated, finished)."""
-        updated, finished = [], []
-        for req in out.scheduled:
-            if req.status is not RequestStatus.RUNNING:
-                continue  # finished by an abort between schedule and update
-            rid = req.request_id
-            req.num_computed_tokens += out.num_scheduled_tokens[rid]
-            req.num_new_tokens = 0
-            tokens = sampled.get(rid)
-            if not tokens:
-                self.kv.cache_computed_blocks(req)
-                if req.pooling is not None and req.num_computed_tokens >= req.num_tokens:
-                    # An embedding request ends with its prefill (the runner pooled it).
-                    updated.append(req)
-                    self._finish(req, RequestStatus.FINISHED_STOPPED, finished)
-                continue  # a prefill chunk that did not reach the end
-            num_spec = out.num_spec_tokens(req)
-            if num_spec:
-                self._count_accepted(num_spec, len(tokens) - 1)
-            # Rejected proposals' positions hold K/V of the wrong tokens: compute them again.
-            req.num_computed_tokens -= num_spec - (len(tokens) - 1)
-            status = self._append(req, tokens)
-            # A stop inside the run dropped tokens whose positions were computed: only
-            # positions of the request's own tokens (all but the newest) count.
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.kv.cache_computed_blocks(req)  # after the append: hashes read the tokens
-            updated.append(req)
-            if status is not None:
-                self._finish(req, status, finished)
-                continue
-            req.spec_token_ids = self._cap_proposal(req, (spec_token_ids or {}).get(rid, []))
-            if num_spec and self.config.kv_policy is KVPolicy.PREEMPT:
-                self.kv.trim(rid, req.num_tokens)  # release blocks that held only rejections
-        self._refresh_stats()
-        return updated, finished
-
-    def _finish(self, req: Request, status: RequestStatus, finished: list[Request]) -> None:
-        """A running request is done: free its blocks, tell the runner (next step)."""
-        self.running.remove(req)
-        self.requests.pop(req.request_id, None)
-        self.kv.free(req.request_id)
-        self._finished_ids.add(req.request_id)
-        self.runner_views.forget(req.request_id)
-        req.status = status
-        finished.append(req)
-
-    def restate_finished(self, req: Request, status: RequestStatus) -> None:
-        """Change why a request that finished this step finished (a stop string found in
-        the same step as its length limit wins, as in vLLM)."""
-        if not (req.status.finished and status.finished):
-            raise ValueError(f"request {req.request_id}: {req.status} -> {status} is not finished")
-        req.status = status
-
-    def truncate_output(self, req: Request, num_output_tokens: int) -> None:
-        """Keep the first ``num_output_tokens`` output tokens of a request a stop string
-        ends inside a speculative run (the engine then finishes it)."""
-        before = req.num_output_tokens
-        req.truncate_output(num_output_tokens)
-        self.stats.num_generation_tokens -= before - req.num_output_tokens
-
-    def _append(self, req: Request, tokens: list[int]) -> RequestStatus | None:
-        """Append tokens until one stops the request; returns its finished status or None."""
-        for token in tokens:
-            req.append_output_token(token)
-            req.num_new_tokens += 1
-            self.stats.num_generation_tokens += 1
-            status = req.check_stop()
-            if status is not None:
-                return status
-        return None
-
-    def _cap_proposal(self, req: Request, proposal: list[int]) -> list[int]:
-        """Proposals never reach past max_tokens: the step's k + 1 tokens must all fit."""
-        room = req.max_tokens - req.num_output_tokens - 1
-        return proposal[: max(0, room)] if self.speculating() else []
-
-    def _count_accepted(self, num_spec: int, num_accepted: int) -> None:
-        s = self.stats
-        s.spec_decode_num_drafts += 1
-        s.spec_decode_num_draft_tokens += num_spec
-        s.spec_decode_num_accepted_tokens += num_accepted
-        per_pos = s.spec_decode_accepted_per_pos
-        k = max(num_spec, self.spec.num_speculative_tokens if self.spec else 0)
-        per_pos.extend([0] * (k - len(per_pos)))
-        for pos in range(num_accepted):
-            per_pos[pos] += 1
 
     def lora_adapters(self) -> tuple[list[str], list[str]]:
         """The adapters (names, first seen first) of the running requests and of the waiting

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
@@ -31,87 +30,55 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvserve.beam_search import BeamSearchParams
 from kvserve.config import EngineConfig
+from kvserve.engine.async_commands import (
+    AddCommand,
+    CallCommand,
+    Command,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestFailedError,
+)
+from kvserve.engine.engine_thread import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    EngineThreadMixin,
+    FinishedCallback,
+    StepCallback,
+)
 from kvserve.engine.input_processor import InputProcessor, ValidatedRequest
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.request_stream import RequestStream
 from kvserve.engine.sleep_mode import EngineSleepingError
-from kvserve.executor import WorkerDiedError
 from kvserve.lora.request import LoRARequest
-from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS, trim_heap
-from kvserve.outputs import EngineOutput
+from kvserve.ops.malloc_tuning import IDLE_TRIM_SECONDS
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.scoring import Scorer
 from kvserve.worker.execution_paths import ExecutionPaths
 
+__all__ = [
+    "IDLE_TRIM_SECONDS",
+    "MAX_CONSECUTIVE_STEP_FAILURES",
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineStepError",
+    "FinishedCallback",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+    "StepCallback",
+]
+
 logger = logging.getLogger("kvserve.async_engine")
 
-# After this many failed steps in a row the engine is declared dead (unhealthy) rather than
-# failing every new request forever.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
-# Smoothing of the finished-request latency that the Retry-After estimate is based on.
-_LATENCY_EMA_ALPHA = 0.2
 
-FinishedCallback = Callable[[EngineOutput], None]
-# (the step's outputs, the request ids aborted just before it): per-step metrics
-StepCallback = Callable[[list[EngineOutput], list[str]], None]
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The engine was shut down, or failed repeatedly and stopped accepting requests."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed; every request that was in flight is failed with this error."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed on this request's own data; other requests were not affected."""
-
-
-@dataclass
-class _AddCommand:
-    request_id: str
-    request: ValidatedRequest  # checked at the door; the engine thread admits it as is
-    arrival_time: float
-    num_tokens: int = 0  # prompt tokens x n: what the request adds to the queued-token count
-    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
-
-    @property
-    def n(self) -> int:
-        """Sequences the request adds to the queue (an embedding request is one)."""
-        if self.request.beam_search is not None:
-            return self.request.beam_search.beam_width  # one running request per beam
-        params = self.request.params
-        return params.n if isinstance(params, SamplingParams) else 1
-
-
-@dataclass
-class _CallCommand:
-    """Run ``fn(engine)`` on the engine thread between steps (``AsyncLLMEngine.call``)."""
-
-    fn: Callable[[LLMEngine], Any]
-    future: concurrent.futures.Future[Any]
-
-
-Command = _AddCommand | _CallCommand | str  # str: a request id to abort
-
-
-class AsyncLLMEngine:
-    """Serve one ``LLMEngine`` to asyncio callers. See the module docstring for the design."""
+class AsyncLLMEngine(EngineThreadMixin):
+    """Serve one ``LLMEngine`` to asyncio callers. See the module docstring for the design;
+    the engine thread's side is ``engine_thread.py``."""
 
     def __init__(
         self,
@@ -340,7 +307,7 @@ class AsyncLLMEngine:
         """Queue a checked request (within the queue caps) and return its stream."""
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        cmd = _AddCommand(request_id, request, time.monotonic(), lora_request=lora_request)
+        cmd = AddCommand(request_id, request, time.monotonic(), lora_request=lora_request)
         cmd.num_tokens = len(request.prompt_token_ids) * cmd.n
         with self._cond:
             if request_id in self._streams:
@@ -362,7 +329,7 @@ class AsyncLLMEngine:
         if future is not None:
             await asyncio.wrap_future(future)
 
-    def _check_queue_room(self, cmd: _AddCommand) -> None:
+    def _check_queue_room(self, cmd: AddCommand) -> None:
         """Raise ``QueueFullError`` unless the request's sequences (n of them) and prompt tokens
         fit under the queue caps. Call with the lock held."""
         n = cmd.n
@@ -391,7 +358,7 @@ class AsyncLLMEngine:
         with self._cond:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
-            self._commands.append(_CallCommand(fn, future))
+            self._commands.append(CallCommand(fn, future))
             self._cond.notify()
         return future
 
@@ -455,7 +422,7 @@ class AsyncLLMEngine:
     def _drop_pending_add(self, request_id: str) -> bool:
         """Remove a not-yet-applied add of ``request_id`` (lock held); True if there was one."""
         for i, cmd in enumerate(self._commands):
-            if isinstance(cmd, _AddCommand) and cmd.request_id == request_id:
+            if isinstance(cmd, AddCommand) and cmd.request_id == request_id:
                 del self._commands[i]
                 self._pending_seqs -= cmd.n
                 self._pending_tokens -= cmd.num_tokens
@@ -484,236 +451,3 @@ class AsyncLLMEngine:
         """Seconds a rejected client should wait: about one finished request's latency."""
         ema = self._latency_ema or 1.0
         return max(1, min(60, math.ceil(ema)))
-
-    # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        failures = 0
-        worked = False  # a step ran since the last heap trim
-        idle_since = time.monotonic()  # the end of the last work
-        while True:
-            with self._cond:
-                action = None
-                while not self._has_work_locked():
-                    wait, action = self._idle_action(worked, idle_since)
-                    if action is None:
-                        self._cond.wait()
-                    elif wait > 0:
-                        self._cond.wait(wait)
-                        action = None  # woken or timed out: look again
-                    else:
-                        break
-                if self._stop or self._dead_reason is not None:
-                    break
-                if action is not None and action != "sleep":
-                    worked = False
-            if action == "trim":
-                self._trim_heaps()
-                continue
-            if action == "sleep":
-                self._idle_sleep()
-                continue
-            with self._cond:
-                while self._orphans:
-                    self._abort_locked(self._orphans.popleft())
-                commands, self._commands = self._commands, []
-            try:
-                self._apply(commands)
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            except Exception as exc:
-                failures += 1
-                self._on_step_failure(exc, failures, [c for c in commands if isinstance(c, str)])
-                if self._dead_reason is not None:
-                    break
-                continue
-            failures = 0
-            worked = worked or bool(outputs) or bool(commands)
-            if outputs or commands:
-                idle_since = time.monotonic()
-            # Stats first: a consumer that sees an output also sees the step's stats.
-            self._publish_stats()
-            self._deliver(outputs, [c for c in commands if isinstance(c, str)])
-        try:
-            self._fail_all(EngineDeadError(self._dead_reason or "the engine was shut down"))
-        except Exception:  # the engine is going away anyway; just do not die silently
-            logger.exception("could not abort the remaining requests at shutdown")
-
-    def _idle_action(self, worked: bool, idle_since: float) -> tuple[float, str | None]:
-        """The next thing an idle engine does and the seconds until it is due: "trim" the
-        heaps IDLE_TRIM_SECONDS after work, "sleep" sleep_idle_seconds after it (None:
-        nothing, wait for work)."""
-        due: list[tuple[float, str]] = []
-        if worked:
-            due.append((idle_since + IDLE_TRIM_SECONDS, "trim"))
-        if self.sleep_idle_seconds is not None and not self.engine.sleep_level:
-            due.append((idle_since + self.sleep_idle_seconds, "sleep"))
-        if not due:
-            return 0.0, None
-        when, action = min(due)
-        return when - time.monotonic(), action
-
-    def _idle_sleep(self) -> None:
-        """Sleep after sleep_idle_seconds idle; the next request wakes the engine (and its
-        time to first token pays it). A failure turns idle sleep off rather than retry."""
-        try:
-            self.engine.sleep(self.sleep_idle_level, wake_on_request=True)
-        except Exception:
-            logger.exception("idle sleep failed; --sleep-idle-seconds is off from now on")
-            self.sleep_idle_seconds = None
-        self._publish_stats()
-
-    def _has_work_locked(self) -> bool:
-        return bool(
-            self._commands
-            or self._stop
-            or self._dead_reason is not None  # a worker died (_executor_died)
-            or self.engine.has_unfinished_requests()
-        )
-
-    def _trim_heaps(self) -> None:
-        """Every rank and this process give their freed C heap back to the OS: a burst of
-        work (long prompts, prompt logprobs) otherwise stays in the RSS for good."""
-        try:
-            self.engine.executor.collective_rpc("trim_heap")
-            trim_heap()
-        except Exception:  # a dead rank is the monitor's business; never fail the loop here
-            logger.warning("heap trim on idle failed", exc_info=True)
-
-    def _apply(self, commands: list[Command]) -> None:
-        aborts = [c for c in commands if isinstance(c, str)]
-        if aborts:
-            self.engine.abort_request(aborts)
-        for cmd in commands:
-            if isinstance(cmd, str):
-                continue
-            if isinstance(cmd, _CallCommand):
-                _run_call(cmd, self.engine)
-                continue
-            try:
-                self.engine.add_validated(
-                    cmd.request_id, cmd.request, cmd.arrival_time, cmd.lora_request
-                )
-            except Exception as exc:  # this request's own fault: fail just this one
-                if not isinstance(exc, ValueError):
-                    logger.exception("adding request %s failed", cmd.request_id)
-                with self._cond:
-                    ref = self._streams.pop(cmd.request_id, None)
-                stream = ref() if ref is not None else None
-                if stream is not None:
-                    self._send([(stream, exc)])
-            finally:
-                with self._cond:
-                    self._pending_seqs -= cmd.n
-                    self._pending_tokens -= cmd.num_tokens
-        self._publish_stats()
-
-    def _deliver(self, outputs: list[EngineOutput], aborted: list[str] | None = None) -> None:
-        items: list[tuple[RequestStream, EngineOutput | BaseException]] = []
-        with self._cond:
-            for out in outputs:
-                ref = self._streams.get(out.request_id)
-                stream = ref() if ref is not None else None
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-                if stream is not None:  # else aborted or collected meanwhile
-                    error = None if out.error is None else RequestFailedError(out.error)
-                    items.append((stream, error or out))
-        for out in outputs:
-            if out.finished:
-                self._request_finished(out)
-        for step_callback in self._step_callbacks:
-            try:
-                step_callback(outputs, aborted or [])
-            except Exception:
-                logger.exception("step callback failed")
-        self._send(items)
-
-    def _request_finished(self, out: EngineOutput) -> None:
-        m = out.metrics
-        if m is not None and m.finished_time is not None:
-            latency = m.finished_time - m.arrival_time
-            prev = self._latency_ema
-            self._latency_ema = (
-                latency if prev is None else prev + _LATENCY_EMA_ALPHA * (latency - prev)
-            )
-        for callback in self._finished_callbacks:
-            try:
-                callback(out)
-            except Exception:
-                logger.exception("finished-request callback failed")
-
-    def _send(self, items: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
-        """Hand items to their streams' loops: one thread-safe call per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        for stream, item in items:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
-            # A closed loop raises RuntimeError: nobody is listening there any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, batch)
-
-    def _on_step_failure(self, exc: Exception, failures: int, aborted: list[str]) -> None:
-        """Fail the in-flight requests, free their blocks, and keep serving if possible.
-
-        ``aborted`` are abort commands taken in the failed iteration, which may not have been
-        applied yet.
-        """
-        logger.exception("engine step failed (%d in a row); failing in-flight requests", failures)
-        error = EngineStepError(f"the engine failed while running this request: {exc!r}")
-        if isinstance(exc, WorkerDiedError):
-            self._dead_reason = str(exc)  # a worker process is gone: no step can succeed
-        try:
-            self._fail_all(error, aborted)
-        except Exception:
-            logger.exception("could not abort the failed requests; the engine is now dead")
-            self._dead_reason = f"engine failure: {exc!r}"
-        if failures >= MAX_CONSECUTIVE_STEP_FAILURES and self._dead_reason is None:
-            self._dead_reason = f"{failures} engine steps failed in a row; last: {exc!r}"
-        self._publish_stats()
-
-    def _fail_all(self, error: BaseException, aborted: list[str] | None = None) -> None:
-        """Fail every known request with ``error`` and abort it in the engine."""
-        with self._cond:
-            refs, self._streams = self._streams, {}
-            # Pending aborts are kept as ids to abort below; pending adds are simply dropped.
-            ids = [c for c in self._commands if isinstance(c, str)] + (aborted or [])
-            calls = [c for c in self._commands if isinstance(c, _CallCommand)]
-            self._commands = []
-            self._pending_seqs = 0
-            self._pending_tokens = 0
-        streams = [s for s in (r() for r in refs.values()) if s is not None]
-        self._send([(s, error) for s in streams])
-        for call in calls:
-            if call.future.set_running_or_notify_cancel():
-                call.future.set_exception(error)
-        self.engine.abort_request([*refs, *ids])
-
-    def _publish_stats(self) -> None:
-        stats = self.engine.stats()
-        # The scheduler's counters refresh on schedule(); the live queue length is more useful
-        # for admission control, and reading it is safe here in the engine thread.
-        waiting = self.engine.num_waiting()
-        # Summing the waiting prompts costs O(waiting) per step: only when a token cap asks.
-        waiting_tokens = self.engine.num_waiting_tokens() if self.max_queued_tokens else 0
-        with self._cond:
-            self._waiting_seqs = waiting
-            self._waiting_tokens = waiting_tokens
-            stats["num_waiting"] = waiting
-            stats["num_pending"] = self._pending_seqs
-            stats["num_queued"] = self._pending_seqs + waiting
-            stats["max_queued_requests"] = self.max_queued_requests
-            stats["healthy"] = self._dead_reason is None
-            self._stats = stats
-
-
-def _run_call(cmd: _CallCommand, engine: LLMEngine) -> None:
-    if not cmd.future.set_running_or_notify_cancel():
-        return
-    try:
-        cmd.future.set_result(cmd.fn(engine))
-    except Exception as exc:  # the caller's problem, not the engine's
-        cmd.future.set_exception(exc)
-
-
-def _put_all(batch: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
-    for stream, item in batch:
-        stream.put(item)

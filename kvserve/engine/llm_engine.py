@@ -2,14 +2,16 @@
 
 One step = schedule -> (swap copies) -> forward -> sample -> scheduler update ->
 detokenize / stop strings -> outputs. ``LLM`` (offline) and ``AsyncLLMEngine`` (server)
-both drive this class.
+both drive this class. Two parts of the class sit beside it: ``step_output.py`` (the
+output side of a step: failures, beams, logprobs, text, collected outputs) and
+``engine_lora.py`` (the adapter registry); ``engine_setup.py`` reads the tokenizer and EOS
+ids and writes the start-up lines.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,25 +19,19 @@ from typing import Any
 
 import torch
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig, PoolingType
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.beam_search import BeamGroup, apply_forks
-from kvserve.engine.fault_isolation import EngineFaultError, engine_works
+from kvserve.engine.engine_lora import LoRAMixin
+from kvserve.engine.engine_setup import eos_token_ids, load_tokenizer, log_engine_start
 from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.input_processor import InputProcessor, PromptType, ValidatedRequest
-from kvserve.engine.output_processor import (
-    CompletionState,
-    ParentRequest,
-    TokenDecoder,
-    add_prompt_logprobs,
-    token_logprobs,
-    update_text,
-)
+from kvserve.engine.output_processor import CompletionState, ParentRequest
 from kvserve.engine.sleep_mode import EngineSleepingError, check_sleep
+from kvserve.engine.step_output import StepOutputMixin
 from kvserve.executor import Executor, create_executor
 from kvserve.lora.request import LoRARequest
 from kvserve.model.loader import load_hf_config
@@ -50,35 +46,17 @@ from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.model_setup import resolve_max_model_len
 from kvserve.worker.runner_output import ModelRunnerOutput, StepTimings
 
+__all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
+
 logger = logging.getLogger("kvserve")
 
 # An embedding request's SamplingParams: never read, since it never samples.
 _NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
-    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
-    path = Path(path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+class LLMEngine(StepOutputMixin, LoRAMixin):
+    """Owns the scheduler, the KV bookkeeping, the executor and every request's state."""
 
-
-def _eos_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_config: Any) -> list[int]:
-    gen = path / "generation_config.json"
-    eos: Any = None
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
-class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -90,7 +68,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.tokenizer or path)
         # DecodeStream works on the Rust tokenizer behind the transformers wrapper.
         self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
-        self.eos_token_ids = _eos_ids(path, self.tokenizer, self.hf_config)
+        self.eos_token_ids = eos_token_ids(path, self.tokenizer, self.hf_config)
         # The model's sampling defaults (--generation-config auto), vLLM's dict of the same name.
         self.default_sampling_params = sampling_defaults(
             path, mc.generation_config, dict(mc.source_sampling_defaults)
@@ -121,36 +99,7 @@ class LLMEngine:
             "bytes": info.num_blocks * info.bytes_per_block,
             "num_swap_blocks": info.num_swap_blocks,
         }
-        logger.info(
-            "loaded %s in %.1fs (%s executor, %d rank(s)); KV cache: %d blocks x %d tokens = "
-            "%d tokens, %.1f MiB; attention backend: %s; fused ops: %s; C++ decode loop: %s%s",
-            self.model_name,
-            info.load_seconds,
-            config.parallel.distributed_executor_backend.value,  # type: ignore[union-attr]
-            config.parallel.world_size,
-            info.num_blocks,
-            cc.block_size,
-            info.num_blocks * cc.block_size,
-            info.num_blocks * info.bytes_per_block / 2**20,
-            info.attention_backend,
-            "on" if info.fused_ops else "off",
-            "on" if info.decode_loop else "off",
-            f"; CUDA graphs: {len(info.paths.cuda_graphs)} decode batch sizes up to "
-            f"{info.paths.cuda_graphs[-1]}"
-            if info.paths.cuda_graphs
-            else "",
-        )
-        paths = info.paths
-        logger.info(
-            "execution paths: CPU capability %s, %s math, %s weights, %d thread(s) per rank, "
-            "OpenMP threads on cores %s, OMP_WAIT_POLICY %s",
-            paths.cpu_capability, paths.dtype, paths.weight_dtype, paths.num_threads,
-            "|".join(",".join(map(str, c)) for c in paths.thread_cores) or "(unknown)",
-            paths.omp_wait_policy or "unset",
-        )  # fmt: skip
-        if paths.batch_invariant:
-            logger.info("batch-invariant mode: on (each row in a fixed order: linears, "
-                        "attention per query on CPU_KERNEL, norms, sampling)")  # fmt: skip
+        log_engine_start(self.model_name, config, info)
         # sleep mode: 0 awake, else the level slept at; whether a request wakes it (idle sleep)
         self.sleep_level = 0
         self.wake_on_request = False
@@ -315,53 +264,6 @@ class LLMEngine:
         self._parents[request_id] = parent
         self.scheduler.add_request(req)
 
-    # -- LoRA adapters --------------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register an adapter and read it into the runners' host memory (vLLM's
-        ``add_lora``); False if it was registered already. Raises ValueError with the reason
-        (LoRA off, a name or id taken by another adapter, a bad adapter)."""
-        if self.config.lora is None:
-            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True "
-                             "(--enable-lora)")  # fmt: skip
-        known = self.loras.get(lora_request.lora_name)
-        if known == lora_request:
-            return False
-        if known is not None:
-            raise ValueError(f"a LoRA adapter named {lora_request.lora_name!r} is already "
-                             f"loaded (id {known.lora_int_id}, {known.lora_path})")  # fmt: skip
-        for other in self.loras.values():
-            if other.lora_int_id == lora_request.lora_int_id:
-                raise ValueError(f"lora_int_id {other.lora_int_id} is already adapter "
-                                 f"{other.lora_name!r}")  # fmt: skip
-        self.executor.collective_rpc("add_lora", lora_request)
-        self.loras[lora_request.lora_name] = lora_request
-        return True
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (vLLM's ``remove_lora``): new requests can no longer name it;
-        requests already queued or running on it finish on it. False if unknown."""
-        name = next((n for n, r in self.loras.items() if r.lora_int_id == lora_int_id), None)
-        if name is None:
-            return False
-        del self.loras[name]
-        if not any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
-            self.executor.collective_rpc("remove_lora", lora_int_id)
-        else:  # queued requests still need it: the runner forgets it after the last one
-            self._lora_removals.add(lora_int_id)
-        return True
-
-    def list_loras(self) -> set[int]:
-        """The registered adapters' ids (vLLM's ``list_loras``)."""
-        return {r.lora_int_id for r in self.loras.values()}
-
-    def _finish_lora_removals(self) -> None:
-        """Removed adapters whose last request is gone leave the runners' memory."""
-        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
-        for lid in [i for i in self._lora_removals if i not in in_use]:
-            self._lora_removals.discard(lid)
-            if lid not in self.list_loras():  # not added again meanwhile
-                self.executor.collective_rpc("remove_lora", lid)
-
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -448,17 +350,7 @@ class LLMEngine:
             self._wait_for_grammars()
         out = self._execute(sched)
         t1 = time.perf_counter()
-        grammar_failed = {
-            r.request_id: r.structured_output.error or "grammar failed"
-            for r in self.scheduler.take_grammar_failures()
-            if r.structured_output is not None
-        }
-        failed_parents = self._fail_requests(grammar_failed)
-        failed_parents += self._fail_requests(out.failed)
-        all_failed = bool(out.failed) and len(out.failed) == len(sched.scheduled)
-        if all_failed and not engine_works(self.executor, self.kv):
-            raise EngineFaultError(f"every request of the step failed: {out.failed}")
-        self._fail_beams(out.failed)
+        failed_parents = self._fail_step(sched, out)
         forks, holds = self._beam_step(out)
         updated, finished = self.scheduler.update_from_output(
             sched, out.sampled, out.spec_token_ids
@@ -466,87 +358,17 @@ class LLMEngine:
         apply_forks(forks, holds, self.scheduler)
         # beams are the beam groups' requests: the text side below is for the others
         updated = [r for r in updated if r.request_id in self._child_state]
-        for rid, (first, entries) in out.prompt_logprobs.items():
-            if (st := self._child_state.get(rid)) is not None:
-                add_prompt_logprobs(st.request, first, entries, self._decoder(st.request.params))
-        for rid, vector in out.pooled.items():
-            if (parent := self._child_parent.get(rid)) is not None:
-                parent.embedding = vector
+        self._add_prompt_results(out)
         now = time.monotonic()
-        stopped: list[str] = []
-        text_failed: dict[str, str] = {}
-        for req in updated:
-            rid = req.request_id
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            self._add_logprobs(req, out)
-            if req.structured_output is not None and req.structured_output.error:
-                text_failed[rid] = req.structured_output.error
-                continue
-            try:
-                hit = self._update_text(req)
-            except Exception as exc:  # a token the tokenizer cannot decode, say
-                text_failed[rid] = f"detokenizing failed: {exc!r}"
-                continue
-            if hit:
-                if req.status.finished:
-                    self.scheduler.restate_finished(req, RequestStatus.FINISHED_STOPPED)
-                else:
-                    stopped.append(rid)
+        stopped, text_failed = self._update_outputs(updated, out, now)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for req in finished:
-            state = self._child_state[req.request_id]
-            state.finish_reason = req.status.finish_reason
-            if state.stop_reason is None:
-                state.stop_reason = req.stop_reason
-            req.metrics.finished_time = now
-            if req.pooling is not None and self._child_parent[req.request_id].embedding is None:
-                text_failed[req.request_id] = "the engine computed no embedding"  # a bug
+        self._record_finished(finished, now, text_failed)
         failed_parents += self._fail_requests(text_failed)
         parent_ids = dict.fromkeys(failed_parents)
         parent_ids.update((self._child_parent[r.request_id].request_id, None) for r in updated)
         outputs = self._collect(parent_ids)
         outputs += self._collect_beams()
         timings.output += time.perf_counter() - t1
-        return outputs
-
-    def _beam_step(self, out: ModelRunnerOutput) -> tuple[list, list[Request]]:
-        """Every live beam search's decision for this step (see ``engine/beam_search.py``):
-        ``out.sampled`` rewritten for its beams; returns the forks and holds to apply after
-        the scheduler's update."""
-        forks: list = []
-        holds: list[Request] = []
-        for group in self._beam_groups.values():
-            for rid in group.beam_ids:
-                # no proposals for beams: each step's token is the group's, not the runner's
-                out.spec_token_ids.pop(rid, None)
-            if not group.finished:
-                f, h = group.step(out, out.sampled, self.scheduler)
-                forks += f
-                holds += h
-        return forks, holds
-
-    def _fail_beams(self, failed: dict[str, str]) -> list[str]:
-        """Beam searches one of whose beams failed end with finish reason ``error``."""
-        done = []
-        for group in self._beam_groups.values():
-            reason = next((failed[r] for r in group.beam_ids if r in failed), None)
-            if reason is not None and not group.finished:
-                logger.warning("beam search %s failed: %s", group.request_id, reason)
-                group.fail(reason, self.scheduler)  # the others' samples are never appended
-                done.append(group.request_id)
-        return done
-
-    def _collect_beams(self) -> list[EngineOutput]:
-        """Outputs of the beam searches that finished this step (a search streams nothing)."""
-        outputs: list[EngineOutput] = []
-        decode = None
-        if self.tokenizer is not None:
-            tok = self.tokenizer
-            decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        for rid in [r for r, g in self._beam_groups.items() if g.finished]:
-            outputs.append(self._beam_groups.pop(rid).output(decode))
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -557,39 +379,6 @@ class LLMEngine:
             self.timings.steps += 1
         return out
 
-    def _add_logprobs(self, req: Request, out: ModelRunnerOutput) -> None:
-        """Logprobs of the request's new tokens (one entry each), when it asked for them."""
-        rid = req.request_id
-        lps = out.sampled_logprob.get(rid)
-        if lps is None:
-            return
-        tops, ranks = out.top_logprobs.get(rid, []), out.sampled_rank.get(rid, [])
-        new = req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens :]
-        for j, token in enumerate(new):
-            req.cumulative_logprob += lps[j]
-            req.logprobs.append(
-                token_logprobs(
-                    token,
-                    lps[j],
-                    ranks[j] if j < len(ranks) else None,
-                    tops[j] if j < len(tops) else {},
-                    req.params.logprobs or 0,
-                    self._decoder(req.params),
-                )
-            )
-
-    def _update_text(self, req: Request) -> bool:
-        """Detokenize the request's new tokens one by one; True when a stop string matched,
-        in which case the tokens after the one that completed it are dropped."""
-        state = self._child_state[req.request_id]
-        params = self._child_parent[req.request_id].params
-        first = req.num_output_tokens - req.num_new_tokens
-        for j in range(first, req.num_output_tokens):
-            if update_text(state, self._backend_tokenizer, params, req.output_token_ids[j]):
-                self.scheduler.truncate_output(req, j + 1)
-                return True
-        return False
-
     def _wait_for_grammars(self) -> None:
         """Nothing to run but grammars compiling: wait for one (up to 10 ms) instead of
         spinning empty steps against the compile thread."""
@@ -599,53 +388,6 @@ class LLMEngine:
             if r.structured_output is not None
         ]
         concurrent.futures.wait(futures, timeout=0.01, return_when="FIRST_COMPLETED")
-
-    def _decoder(self, params: SamplingParams) -> TokenDecoder:
-        """How a request's logprobs get their ``decoded_token``: None when it has no text."""
-        if self.tokenizer is None or not params.detokenize:
-            return None
-        return self._token_text
-
-    def _token_text(self, token_id: int) -> str:
-        """One token decoded alone (vLLM's ``decoded_token``, the server's logprob token)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            assert self.tokenizer is not None
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _fail_requests(self, reasons: dict[str, str]) -> list[str]:
-        """Finish the parents of the failed child requests (all their children: they share
-        the data that failed) with finish reason ``error``; returns the parent ids."""
-        parents: list[str] = []
-        for cid, reason in reasons.items():
-            parent = self._child_parent.get(cid)
-            if parent is None or parent.error is not None:
-                continue
-            logger.warning("request %s failed and is finished: %s", parent.request_id, reason)
-            parent.error = reason
-            ids = [c.request.request_id for c in parent.children]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            now = time.monotonic()
-            for c in parent.children:
-                if c.finish_reason is None:
-                    c.finish_reason = RequestStatus.FINISHED_ERROR.finish_reason
-                    c.request.metrics.finished_time = now
-            parents.append(parent.request_id)
-        return parents
-
-    def _collect(self, parent_ids: dict[str, None]) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
-        for pid in parent_ids:
-            parent = self._parents[pid]
-            pooling = parent.pooling is not None
-            outputs.append(parent.embedding_output() if pooling else parent.output())
-            if parent.finished:
-                del self._parents[pid]
-                for c in parent.children:
-                    self._child_parent.pop(c.request.request_id, None)
-                    self._child_state.pop(c.request.request_id, None)
-        return outputs
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); returns how many
