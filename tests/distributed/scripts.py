@@ -9,14 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from kvserve.attention.cpu_kernel import CpuKernelBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.config import LoRAConfig
+from kvserve.distributed.layers import RowParallelLinear, row_parallel_with
 from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.punica import LoRAMapping
 from kvserve.lora.request import LoRARequest
+from kvserve.lora.sharding import shard_pair
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_model
 from kvserve.ops import cpu_kernels
@@ -116,3 +119,23 @@ def lora_tokens(
         manager.add(req)
     rows = [None if a is None else reqs[str(a)] for a in adapters]
     return run_script(model, script, tp, lambda counts: manager.prepare(rows, counts))
+
+
+def row_parallel_lora(tp: TPGroup, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``RowParallelLinear`` with a bias (prepacked or not) on this rank's input slice,
+    plus the delta of this rank's A columns added before the all-reduce
+    (``row_parallel_with``); returns that output and the whole layer's plus the whole
+    delta, computed alike on every rank (same seed)."""
+    torch.manual_seed(0)
+    full = nn.Linear(16, 8)
+    x, a, b = torch.randn(3, 16), torch.randn(4, 16), torch.randn(8, 4)
+    layer = RowParallelLinear(16, 8, True, tp)
+    layer.weight_loader(layer.weight, full.weight.detach())
+    layer.weight_loader(layer.bias, full.bias.detach())
+    run: nn.Module = layer.packed() if packed else layer
+    ar, br = shard_pair("o_proj", a, b, tp.rank, tp.world_size)
+    xr = x.chunk(tp.world_size, dim=1)[tp.rank]  # [3, 16 / world]
+    with torch.no_grad():
+        got = row_parallel_with(run, xr, lambda y: y + xr @ ar.t() @ br.t())
+        want = full(x) + x @ a.t() @ b.t()
+    return got, want

@@ -13,7 +13,7 @@ from torch import nn
 from kvserve.distributed.layers import row_parallel_with
 from kvserve.lora.peft_loader import LoRAAdapterError, LoRAModel
 from kvserve.lora.sharding import SPLIT, LoRASplit, shard_lora_model, shard_pair
-from tests.distributed.scripts import Script, load, lora_tokens, run_script
+from tests.distributed.scripts import Script, load, lora_tokens, row_parallel_lora, run_script
 from tests.distributed.utils import run_ranks
 from tests.engine.utils import random_prompts
 from tests.lora.utils import hf_greedy, merged_model
@@ -63,6 +63,14 @@ def test_row_parallel_with_at_one_rank_adds_after_the_layer() -> None:
     x = torch.randn(3, 8)
     got = row_parallel_with(layer, x, lambda y: y * 2)
     assert torch.equal(got, layer(x) * 2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tp2_row_parallel_delta_joins_the_partial_sum(packed: bool) -> None:
+    """On 2 ranks, o_proj-like layers (bias, plain or prepacked): each rank's partial delta
+    added before the all-reduce gives the whole layer plus the whole delta, the bias once."""
+    for got, want in run_ranks(row_parallel_lora, 2, packed):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 PROMPTS = random_prompts([5, 9, 3, 13, 7])
