@@ -18,6 +18,9 @@ checkpoint tensor ``shard``), so no rank ever holds another rank's shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,7 +149,15 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(x)  # the plain layer's single op
-        y = all_reduce(F.linear(x, self.weight), self.tp)  # [T, out]
+        return self.finish(self.partial_product(x))
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``x_r W_r^T`` (``[T, out]``, no bias)."""
+        return F.linear(x, self.weight)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial sums added (the all-reduce, in place), then the bias."""
+        y = all_reduce(y, self.tp)  # [T, out]
         return y if self.bias is None else y + self.bias
 
     def weight_loader(
@@ -181,7 +192,13 @@ class RowParallelShard(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.inner(x), self.tp)  # [T, out]
+        return self.finish(self.partial_product(x))
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # [T, out]
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(y, self.tp)  # [T, out]
         return y if self.bias is None else y + self.bias
 
 
@@ -194,8 +211,41 @@ class PackedRowParallelLinear(PackedLinear):
         self.out_bias, self.bias = self.bias, None  # the packed matmul runs without it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(super().forward(x), self.tp)
+        return self.finish(self.partial_product(x))
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)  # [T, out]
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(y, self.tp)
         return y if self.out_bias is None else y + self.out_bias
+
+
+class RowParallel(Protocol):
+    """A row-parallel layer split at its all-reduce: ``forward(x) == finish(partial_product(x))``
+    at ``world_size`` > 1 (``RowParallelLinear``, its packed form, ``RowParallelShard``)."""
+
+    tp: TPGroup
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+def row_parallel_with(
+    layer: nn.Module, x: torch.Tensor, add: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``layer(x)`` with ``add`` applied to this rank's partial sum before the all-reduce
+    (a LoRA delta of this rank's input slice: the all-reduce sums the ranks' parts of it as
+    it sums the base layer's, so it costs no extra communication, as in vLLM). One rank (or
+    a layer that is not row-parallel): ``add(layer(x))``."""
+    if getattr(getattr(layer, "tp", None), "world_size", 1) == 1:
+        return add(layer(x))
+    if not hasattr(layer, "partial_product"):
+        raise TypeError(f"{type(layer).__name__} is not a row-parallel layer with a "
+                        "partial product (RowParallelLinear, RowParallelShard)")  # fmt: skip
+    row: RowParallel = layer  # type: ignore[assignment]
+    return row.finish(add(row.partial_product(x)))
 
 
 class _VocabShard:

@@ -200,9 +200,6 @@ def lora_config(args: EngineArgFields) -> LoRAConfig | None:
             raise ValueError(f"{changed[0]} ({flag_name(changed[0])}) needs enable_lora "
                              "(--enable-lora)")  # fmt: skip
         return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError("enable_lora (--enable-lora) with tensor_parallel_size > 1 is not "
-                         "supported yet")  # fmt: skip
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 

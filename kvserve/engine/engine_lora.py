@@ -39,9 +39,26 @@ class LoRAMixin:
             if other.lora_int_id == lora_request.lora_int_id:
                 raise ValueError(f"lora_int_id {other.lora_int_id} is already adapter "
                                  f"{other.lora_name!r}")  # fmt: skip
+        if self.config.parallel.world_size > 1:
+            self._check_adapter_here(lora_request)
         self.executor.collective_rpc("add_lora", lora_request)
         self.loras[lora_request.lora_name] = lora_request
         return True
+
+    def _check_adapter_here(self, lora_request: LoRARequest) -> None:
+        """Read and check the adapter in this process (a ``LoRAAdapterError`` with the
+        reason), before the ranks do: under tensor parallelism an error raised on a rank is
+        fatal to the engine (``executor/multiproc.py``), a bad adapter must fail its load
+        only. The ranks then read the same files and cannot disagree."""
+        from kvserve.lora.peft_loader import LoRAModelDims, load_peft_adapter
+        from kvserve.model.loader import load_hf_config
+
+        lc, mc = self.config.lora, self.config.model
+        assert lc is not None
+        dims = LoRAModelDims.from_hf_config(load_hf_config(mc.path))
+        load_peft_adapter(
+            lora_request.lora_path, lora_request.lora_int_id, dims, lc.max_lora_rank, mc.dtype
+        )
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (vLLM's ``remove_lora``): new requests can no longer name it;

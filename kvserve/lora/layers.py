@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvserve.distributed.layers import row_parallel_with
 from kvserve.lora.peft_loader import LoRAModel
 from kvserve.lora.punica import LoRAKernel, LoRAMapping, lora_add, select_kernel
 
@@ -64,6 +65,15 @@ class LoRASlotWeights:
         lora_add(self.kernel, x, self.a, self.bts, mapping, out)
         return out
 
+    def add_row_parallel(
+        self, layer: nn.Module, x: torch.Tensor, mapping: LoRAMapping
+    ) -> torch.Tensor:
+        """``layer(x)`` plus each row's delta, for a row-parallel ``layer`` (o_proj,
+        down_proj): under tensor parallelism ``x`` [T, K/world] and this slot's A are the
+        rank's input slice, and the partial delta joins the partial sum before the layer's
+        all-reduce (``row_parallel_with``); at one rank, ``add_delta(layer(x))``."""
+        return row_parallel_with(layer, x, lambda y: self.add_delta(y, x, mapping))
+
     @property
     def nbytes(self) -> int:
         return self.a.nbytes + sum(bt.nbytes for bt in self.bts)
@@ -87,8 +97,10 @@ def attach_lora(
 ) -> list[LayerLoRA]:
     """Give every layer of a native Llama-family model its slot weights (``Attention.lora_qkv``
     and ``lora_o``, ``MLP.lora_gate_up`` and ``lora_down``), and its C++ decode loop too
-    where it has one (``DecodeLoop.attach_lora``); returns them per layer. Sizes
-    are this process's (the whole model: tensor parallelism is refused with adapters)."""
+    where it has one (``DecodeLoop.attach_lora``); returns them per layer. Sizes are this
+    rank's: under tensor parallelism its heads and intermediate features, and the input
+    slice of o_proj and down_proj (``lora/sharding.py`` cuts the adapters to match; the C++
+    decode loop runs one-rank models only, so TP ranks add deltas in the Python layers)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(
             f"LoRA adapters need a native Llama-family model (Llama, Qwen2, Mistral, Qwen3); "

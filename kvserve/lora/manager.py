@@ -20,20 +20,30 @@ import torch
 from torch import nn
 
 from kvserve.config import LoRAConfig
+from kvserve.distributed.parallel_state import SINGLE, TPGroup
 from kvserve.lora.layers import LayerLoRA, attach_lora
 from kvserve.lora.peft_loader import LoRAModel, LoRAModelDims, load_peft_adapter
 from kvserve.lora.punica import LoRAMapping
 from kvserve.lora.request import LoRARequest
+from kvserve.lora.sharding import shard_lora_model
 
 logger = logging.getLogger("kvserve.lora")
 
 
 class LoRAManager:
     def __init__(
-        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """``tp``: this runner's rank; each adapter is checked against the whole model, then
+        only this rank's slice is kept (``lora/sharding.py``)."""
         self.config = config
         self.dtype, self.device = dtype, device
+        self.tp = tp
         self.dims = LoRAModelDims.from_hf_config(model.config)  # type: ignore[arg-type]
         self.layers: list[LayerLoRA] = attach_lora(
             model, config.max_loras, config.max_lora_rank, dtype, device
@@ -132,9 +142,10 @@ class LoRAManager:
         self.num_slot_loads += 1
 
     def _load(self, req: LoRARequest) -> LoRAModel:
-        model = load_peft_adapter(
+        whole = load_peft_adapter(
             req.lora_path, req.lora_int_id, self.dims, self.config.max_lora_rank, self.dtype
         )
+        model = shard_lora_model(whole, self.tp.rank, self.tp.world_size)
         self.num_loads += 1
         self._cpu[req.lora_int_id] = model
         self._evict_cpu(keep=req.lora_int_id)

@@ -255,10 +255,9 @@ class Attention(nn.Module):
                 q, kv_cache[0], kv_cache[1], md, self.scale, sinks=self.sinks, **self.attn_kwargs
             )
         o = o.reshape(t, self.q_size)  # [T, H * D]
-        out = self.o_proj(o)  # [T, hidden]
         if batch.lora is not None and self.lora_o is not None:
-            out = self.lora_o.add_delta(out, o, batch.lora)
-        return out
+            return self.lora_o.add_row_parallel(self.o_proj, o, batch.lora)  # [T, hidden]
+        return self.o_proj(o)  # [T, hidden]
 
     def project(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``x [T, hidden]`` -> the fused ``qkv [T, (H + 2 Hkv) * D]`` before RoPE (and
@@ -309,10 +308,9 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             h = self.act(gate) * up
-        out = self.down_proj(h)  # [T, hidden]
         if lora is not None and self.lora_down is not None:
-            out = self.lora_down.add_delta(out, h, lora)
-        return out
+            return self.lora_down.add_row_parallel(self.down_proj, h, lora)  # [T, hidden]
+        return self.down_proj(h)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):

@@ -105,9 +105,7 @@ class ModelRunner:
         # LoRA adapters: device slots in every adapted layer, host LRU (kvserve/lora)
         self.lora: LoRAManager | None = None
         if config.lora is not None:
-            if tp.world_size > 1:
-                raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
-            self.lora = LoRAManager(self.model, config.lora, mc.dtype, device)
+            self.lora = LoRAManager(self.model, config.lora, mc.dtype, device, tp)
         # what every attention layer calls; owns the step's gather buffers
         self.attn_backend = select_for_model(
             mc.attention_backend, self.model.config, self.model.head_dim, device, mc.dtype

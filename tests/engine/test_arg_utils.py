@@ -215,11 +215,6 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
         LLM(tensor_parallel_size=0)
     assert str(e.value).startswith("tensor_parallel_size (--tensor-parallel-size) must be")
     with pytest.raises(ValueError) as e:
-        LLM(enable_lora=True, tensor_parallel_size=2)
-    assert str(e.value) == (
-        "enable_lora (--enable-lora) with tensor_parallel_size > 1 is not supported yet"
-    )
-    with pytest.raises(ValueError) as e:
         LLM(enable_lora=True, max_loras=4, max_cpu_loras=2)
     assert str(e.value) == "max_cpu_loras (2) must be >= max_loras (4)"
     assert EngineArgs.from_kwargs(pipeline_parallel_size=1, quantization=None) == EngineArgs()

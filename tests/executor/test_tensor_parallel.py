@@ -20,11 +20,13 @@ from kvserve.engine.llm import LLM, build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.executor import RankFailedError, WorkerDiedError
 from kvserve.executor.multiproc import MultiprocExecutor
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModels
 from tests.engine.test_awq import write_awq
 from tests.engine.utils import random_prompts
+from tests.lora.utils import SPECS, make_adapter
 from tests.server.conftest import start_server
 
 SHARED = random_prompts([12], seed=5)[0]  # a shared 3-block prefix: prefix-cache hits
@@ -96,19 +98,32 @@ def test_tp2_ngram_speculation_equals_tp1(tiny_llama: Path) -> None:
         e.close()
 
 
-def test_llm_tensor_parallel_size(tiny_llama: Path) -> None:
-    """``LLM(tensor_parallel_size=2)``, vLLM's keyword: seeded sampling of n completions."""
+def test_llm_tensor_parallel_size(tiny_llama: Path, tmp_path: Path) -> None:
+    """``LLM(tensor_parallel_size=2)``, vLLM's keyword: seeded sampling of n completions.
+    With ``enable_lora``, a batch mixing a LoRA adapter and the base model gives TP=1's
+    tokens (each rank holds its slice of the adapter), and a bad adapter fails its own load
+    only: the driver checks it before the ranks, where an error would stop the engine."""
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 11], seed=9)]
+    lora = LoRARequest("all8", 1, str(make_adapter(tiny_llama, tmp_path / "a", SPECS["all8"], 5)))
+    on_adapter = [lora, None]
 
     def tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
         return [[c.token_ids for c in o.outputs] for o in outs]
 
-    kw: dict[str, Any] = {"dtype": "float32", "num_threads": 1}
-    expected = tokens(LLM(str(tiny_llama), **kw).generate(prompts, params, use_tqdm=False))
+    kw: dict[str, Any] = {"dtype": "float32", "num_threads": 1, "enable_lora": True}
+    ref = LLM(str(tiny_llama), **kw)
+    expected = tokens(ref.generate(prompts, params, use_tqdm=False))
+    lora_expected = tokens(ref.generate(prompts, GREEDY, use_tqdm=False, lora_request=on_adapter))
+    base = tokens(ref.generate(prompts, GREEDY, use_tqdm=False))
+    assert lora_expected[0] != base[0] and lora_expected[1] == base[1]
     llm = LLM(str(tiny_llama), tensor_parallel_size=2, **kw)
     try:
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+        with pytest.raises(ValueError, match=r"LoRA adapter folder .* does not exist"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("x", 2, str(tmp_path / "no")))
+        got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=on_adapter))
+        assert got == lora_expected
     finally:
         llm.engine.close()
 
