@@ -16,6 +16,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from kvserve.engine.llm_engine import LLMEngine
@@ -58,6 +60,8 @@ def make_tiny_model(arch: str, path: Path) -> PreTrainedModel:
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**TINY))
+    elif arch == "qwen3":  # q/k norms, a head_dim that is not hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True))
     else:
         raise ValueError(arch)
     model.eval()

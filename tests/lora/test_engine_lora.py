@@ -207,9 +207,10 @@ def test_int4_base(lora_base: Path, adapters: dict[str, Path], tmp_path: Path) -
     assert generate(llm, adapters) == want
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_qwen2_and_mistral(arch: str, tmp_path: Path) -> None:
-    """Adapters on the other Llama-family layouts (Qwen2: q/k/v biases, tied embeddings):
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])
+def test_qwen2_mistral_and_qwen3(arch: str, tmp_path: Path) -> None:
+    """Adapters on the other Llama-family layouts (Qwen2: q/k/v biases, tied embeddings;
+    Qwen3: q/k norms, head_dim 32 with hidden 64 and 4 heads):
     two adapters and the base model in one batch give peft's merged model's tokens."""
     from tests.engine.utils import make_tiny_model
     from tests.lora.utils import SPECS, make_adapter
