@@ -1,5 +1,6 @@
 """16-bit stored weights computed in float32 (``kvserve/model/wide_linear.py``): the C++
-kernel against ``F.linear`` of the widened weights, on both sides of its direct-rows threshold;
+kernel against ``F.linear`` of the widened weights, on both sides of its panel-rows and
+direct-rows thresholds; a row's result whatever the other rows;
 what ``weight_dtype`` auto picks; refusals; the engine's tokens and KV bytes with the widened
 layers against the same weights held in float32."""
 
@@ -33,8 +34,18 @@ def direct_rows() -> int:
     return int(torch.ops.kvserve.wide_linear_direct_rows())
 
 
+def panel_rows() -> int:
+    """The fewest rows that take the widened panels (0: this build has none)."""
+    return int(torch.ops.kvserve.wide_linear_panel_rows())
+
+
+NEVER = 2**62  # panel_rows no batch reaches: the weight-stationary loop for every row count
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "k"), [(13, 64), (64, 131), (96, 2048)])  # channel and K tails
+# channel and K tails: of the 4-channel blocks, the 16-channel vectors and 64-channel panels,
+# the 8-wide vectors and the panels' 256-K chunks
+@pytest.mark.parametrize(("n", "k"), [(13, 64), (64, 131), (96, 2048), (70, 300), (130, 520)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(n * k)
@@ -45,7 +56,11 @@ def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool
             lin.bias.copy_(torch.randn(n, generator=g))  # type: ignore[union-attr]
     layer = WideLinear(lin, wdtype)
     assert layer.weight.dtype == wdtype and layer.weight.shape == (n, k)
-    for rows in (1, 2, 3, 5, direct_rows(), direct_rows() + 1, 40):
+    p = max(panel_rows(), 2)
+    for rows, panels in [(r, -1) for r in (1, 2, 3, 5, p - 1, p, p + 7, 40)] + [
+        (direct_rows(), -1), (direct_rows() + 1, -1), (40, NEVER), (direct_rows(), NEVER)
+    ]:  # fmt: skip
+        layer.panel_rows = panels
         x = torch.randn(rows, k, generator=g)
         got = layer(x)
         want = reference_wide_linear(x.double(), layer.weight.double(), None)  # exact sums
@@ -56,6 +71,22 @@ def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool
         tol = 4 * k * 2.0**-24 * float((x.abs() @ layer.weight.float().abs().t()).max())
         assert float((got.double() - want).abs().max()) <= tol, rows
     assert layer(torch.randn(2, 3, k)).shape == (2, 3, n)  # leading dims
+
+
+@pytest.mark.parametrize("direct", [-1, 0])
+def test_a_row_does_not_depend_on_the_others(direct: int) -> None:
+    """On each path a row's outputs are the same bits whatever rows share its batch; with
+    direct_rows 0 (batch-invariant mode) also whatever the batch size: never the panels."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 70, 300
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(48, k, generator=g)
+    p = max(panel_rows(), 2)
+    big = torch.ops.kvserve.wide_linear(x, w, None, direct)  # [48, N]
+    other = torch.cat([x[:1], torch.randn(p + 2, k, generator=g)])
+    assert torch.equal(torch.ops.kvserve.wide_linear(other, w, None, direct)[0], big[0])
+    alone = torch.ops.kvserve.wide_linear(x[5:6], w, None, direct)  # [1, N]
+    assert torch.equal(alone[0], big[5]) == (direct == 0 or panel_rows() == 0)
 
 
 def test_bad_input_raises() -> None:
