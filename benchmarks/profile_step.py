@@ -70,7 +70,7 @@ def main() -> None:
         (make_tinyllama if args.shape == "tinyllama" else make_model)(model_dir)
     extra = {} if args.weight_dtype is None else {"weight_dtype": args.weight_dtype}
     llm = LLM(str(model_dir), dtype=args.dtype, kv_cache_memory="2GiB",
-              max_num_seqs=max(args.batch, 1), **extra)  # fmt: skip
+              max_num_seqs=max(args.batch, 1), num_threads=args.threads, **extra)  # fmt: skip
     engine = llm.engine
     rng = random.Random(0)
     lengths = prompt_lengths(args.batch, args.longtail)

@@ -106,7 +106,8 @@ def run_step(args: argparse.Namespace) -> None:
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
         make_tinyllama(model_dir)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="2GiB", max_num_seqs=args.batch)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="2GiB", max_num_seqs=args.batch,
+              num_threads=args.threads[0])  # fmt: skip
     engine = llm.engine
     model = engine.runner.model
     rng = random.Random(0)

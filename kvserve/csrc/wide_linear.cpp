@@ -46,6 +46,16 @@ namespace {
 // 2 threads, medians): kernel / widened copy + F.linear / float32 weights in F.linear
 //   1 row 11.3 / 248 / 27.0 ms; 16 rows 44.6 / 337 / 133; 128 rows 317 / 573 / 346;
 //   256 rows 728 / 949 / 782; 512 rows 1507 / 1367 / 1012.
+// The panels (kPanelRows below) against this weight-stationary loop, the same layer and head
+// (benchmarks/wide_linear_ab.py linears, alternating in one process, medians of 5, on a shared
+// machine at load average 12-13 on its 2 cores, so read the ratios, not the milliseconds):
+//   1 thread:  16 rows 169 -> 177 ms (0.92x); 32 rows 328 -> 252 (1.17x faster);
+//              64 rows 531 -> 402 (1.26x faster)
+//   2 threads: 16 rows 213 -> 240 (0.84x); 32 rows 320 -> 320 (1.00x); 64 rows 783 -> 579
+//              (1.35x faster); float32 weights in F.linear: 677, 1042, 1168 ms.
+// Probed one-threaded beside it: 24 rows 339 -> 287 ms (1.18x faster). Each panel is widened
+// (8 x 8 transposes) once per call, which is why few rows lose: at 1 row the panels took 141 ms
+// against the loop's 51.
 constexpr int64_t kDirectRows = 256;
 constexpr int64_t kBlockN = 4;  // output channels that share one pass over a row of x
 
@@ -151,7 +161,7 @@ void widen_panel(const W* w, int64_t k, int64_t n, int64_t n0, int64_t nv, int64
 
 constexpr int64_t kPanelVecs = 4;    // 16-channel vectors per panel: 64 output channels
 constexpr int64_t kPanelK = 256;     // K per panel: 64 KB of float32, 16 KB per 16 channels
-constexpr int64_t kPanelRows = 16;   // the fewest rows that take the panels (measured above)
+constexpr int64_t kPanelRows = 24;   // the fewest rows that take the panels (measured above)
 
 // Panels [p0, p1) of every row: each 64-channel x 256-K panel widened once into buf, then
 // every row's 16 channels at a time by the micro-kernel (6 rows x 16 channels of FMAs).

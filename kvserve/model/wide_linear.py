@@ -55,7 +55,7 @@ class WideLinear(nn.Module):
         # the most rows the kernel takes before a widened copy goes to F.linear (-1: the
         # kernel's default, 256; 0: every row, batch-invariant mode, model/batch_invariant.py)
         self.direct_rows = -1
-        # the fewest rows that take the widened panels (-1: the kernel's default, 16; above
+        # the fewest rows that take the widened panels (-1: the kernel's default, 24; above
         # direct_rows: never, the weight-stationary loop for every row count up to it)
         self.panel_rows = -1
 
