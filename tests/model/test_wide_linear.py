@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.decode_loop import build_decode_loop
 from kvserve.model.loader import load_model
 from kvserve.model.wide_linear import (
     WideLinear,
@@ -170,9 +171,16 @@ PROMPTS = random_prompts([3, 7, 12, 5, 20, 9])
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def run(path: Path, **kw: object) -> tuple[list[list[int]], LLMEngine]:
+def run(path: Path, panel_rows: int = -1, **kw: object) -> tuple[list[list[int]], LLMEngine]:
     e = LLMEngine(build_engine_config(str(path), dtype="float32", block_size=4,
                                       num_kv_blocks=120, **kw))  # fmt: skip
+    if panel_rows != -1:
+        assert e.runner is not None
+        model = e.runner.model
+        for layer in wide_layers(model):
+            layer.panel_rows = panel_rows
+        if model.decode_loop is not None:  # it copies panel_rows when built
+            model.decode_loop = build_decode_loop(model)
     for i, p in enumerate(PROMPTS):
         e.add_request(str(i), {"prompt_token_ids": p}, PARAMS)
     done: dict[str, list[int]] = {}
@@ -199,3 +207,16 @@ def test_engine_tokens_with_the_loop_and_without(checkpoints: tuple[Path, Path])
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     plain, _ = run(bf16, weight_dtype="float32")
     assert plain == looped
+
+
+def test_the_loop_takes_the_panels_as_the_layers_do(checkpoints: tuple[Path, Path]) -> None:
+    """panel_rows 1 (every decode batch through the widened panels) reaches the C++ decode
+    loop: the same tokens and KV bytes as the Python layers with the same setting."""
+    _, bf16 = checkpoints
+    eager, e1 = run(bf16, panel_rows=1, weight_dtype="bfloat16", enforce_eager=True)
+    looped, e2 = run(bf16, panel_rows=1)
+    assert e2.runner is not None and e2.runner.model.decode_loop.steps > 0
+    assert looped == eager
+    assert e1.runner is not None
+    for a, b in zip(e1.runner.kv_caches, e2.runner.kv_caches, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
