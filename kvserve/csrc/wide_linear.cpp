@@ -53,9 +53,11 @@ namespace {
 //              64 rows 531 -> 402 (1.26x faster)
 //   2 threads: 16 rows 213 -> 240 (0.84x); 32 rows 320 -> 320 (1.00x); 64 rows 783 -> 579
 //              (1.35x faster); float32 weights in F.linear: 677, 1042, 1168 ms.
-// Probed one-threaded beside it: 24 rows 339 -> 287 ms (1.18x faster). Each panel is widened
-// (8 x 8 transposes) once per call, which is why few rows lose: at 1 row the panels took 141 ms
-// against the loop's 51.
+// Probed one-threaded beside it: 24 rows 339 -> 287 ms (1.18x faster). Again with the panels
+// from 24 rows, load average ~10: 1 thread 24 rows 237 -> 219 ms, 32 rows 363 -> 298 (1.25x),
+// 64 rows 654 -> 500 (1.32x); 2 threads 24 rows 1.11x, 32 rows 1.05x, 64 rows 1.28x faster.
+// Each panel is widened (8 x 8 transposes) once per call, which is why few rows lose: at 1 row
+// the panels took 141 ms against the loop's 51.
 constexpr int64_t kDirectRows = 256;
 constexpr int64_t kBlockN = 4;  // output channels that share one pass over a row of x
 
