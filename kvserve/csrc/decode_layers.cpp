@@ -43,6 +43,7 @@ struct Linear {
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
   int64_t out_features, bits, group, offset, direct_rows;
+  int64_t panel_rows;  // wide only: WideLinear's (-1: the kernel's default)
   bool half_scales, has_zeros;
   // Multi-LoRA slot weights (add_lora), or undefined: A [S, n*R, K], Bt_i [S, R, N_i]
   at::Tensor lora_a;
@@ -80,7 +81,7 @@ using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, bool, bool);
 using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        int64_t);
+                        int64_t, int64_t);
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 using LoraAdd = void(at::Tensor, const at::Tensor&, const at::Tensor&, at::TensorList,
@@ -119,18 +120,19 @@ class DecodeLayers : public torch::CustomClassHolder {
   // kind 0 (a8): w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed;
   // 2 (packed): w = oneDNN's packed weight; 3 (dense): w = the [N, K] weight, bias passed to
   // at::linear as F.linear takes it; 4 (wide): w = WideLinear's 16-bit weight, bias likewise,
-  // direct_rows WideLinear's; 5 (invariant): batch-invariant mode's BatchInvariantLinear,
+  // direct_rows and panel_rows WideLinear's; 5 (invariant): batch-invariant mode's BatchInvariantLinear,
   // wide_linear on float32 x with no row limit (ops/batch_invariant.invariant_linear's calls).
   // Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
-                  int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
-                  bool has_zeros) {
+                  int64_t group, int64_t offset, int64_t direct_rows, int64_t panel_rows,
+                  bool half_scales, bool has_zeros) {
     TORCH_CHECK(kind >= kA8 && kind <= kInvariant, "DecodeLayers: unknown linear kind ",
                 kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
-                              offset, direct_rows, half_scales, has_zeros, at::Tensor(), {}});
+                              offset, direct_rows, panel_rows, half_scales, has_zeros,
+                              at::Tensor(), {}});
   }
 
   // Multi-LoRA slot weights of layer `layer`'s linear `which` (0 qkv, 1 o, 2 gate_up, 3 down),
@@ -222,10 +224,10 @@ class DecodeLayers : public torch::CustomClassHolder {
       return at::linear(x, lin.w, lin.bias);
     }
     if (lin.kind == kWide) {
-      return o.wide.call(x, lin.w, lin.bias, lin.direct_rows);  // -1: the kernel's default
+      return o.wide.call(x, lin.w, lin.bias, lin.direct_rows, lin.panel_rows);  // -1: default
     }
     if (lin.kind == kInvariant) {  // invariant_linear: widen, every row in the kernel, round
-      return o.wide.call(x.to(at::kFloat), lin.w, lin.bias, 0).to(x.scalar_type());
+      return o.wide.call(x.to(at::kFloat), lin.w, lin.bias, 0, -1).to(x.scalar_type());
     }
     if (lin.kind == kPacked) {
       torch::jit::Stack stack{x, lin.w, lin.bias, std::string("none"),

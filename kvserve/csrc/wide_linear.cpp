@@ -9,13 +9,20 @@
 // F.linear(x, W.float()) does, summed in another order (the pure-PyTorch reference
 // kvserve.model.wide_linear.reference_wide_linear; tests hold the two within float32 rounding).
 //
-// Up to kDirectRows rows (decode, short prefill chunks) this kernel reads W once per block of 4
-// output channels and applies it to every row; above, a widened float32 copy of W goes to
-// at::linear, whose GEMM beats a weight-stationary loop once the copy is shared by enough rows.
+// Three paths by row count M:
+// * M < kPanelRows (decode at low concurrency): weight-stationary, W read once per block of 4
+//   output channels and widened in registers for every row (memory-bound: half the bytes).
+// * kPanelRows <= M <= kDirectRows (decode at high concurrency, short prefill chunks): panels,
+//   64 channels x 256 of K widened once into a 64 KB float32 buffer laid out [k][16] per 16
+//   channels, then every row through the register-blocked 6 x 16 FMA micro-kernel shared with
+//   the quantized kernels (f32_micro_avx2.h). At 32 rows a step is compute-bound, and the
+//   weight-stationary loop spends 12 widening uops per 8 FMAs in its inner loop; the panels
+//   widen each weight once per step and run 12 FMAs per 2 loads and 6 broadcasts.
+// * M > kDirectRows: a widened float32 copy of W goes to at::linear (oneDNN's GEMM).
 //
 // Batch-invariant mode (kvserve/ops/batch_invariant.py) calls it with direct_rows 0 and float32
-// or bf16 weights too: every row through the kernel, whose per-output order never depends on
-// the number of rows.
+// or bf16 weights too: every row through the weight-stationary loop (never the panels), whose
+// per-output order never depends on the number of rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -26,6 +33,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVSERVE_WIDE_AVX2 1
@@ -38,6 +46,18 @@ namespace {
 // 2 threads, medians): kernel / widened copy + F.linear / float32 weights in F.linear
 //   1 row 11.3 / 248 / 27.0 ms; 16 rows 44.6 / 337 / 133; 128 rows 317 / 573 / 346;
 //   256 rows 728 / 949 / 782; 512 rows 1507 / 1367 / 1012.
+// The panels (kPanelRows below) against this weight-stationary loop, the same layer and head
+// (benchmarks/wide_linear_ab.py linears, alternating in one process, medians of 5, on a shared
+// machine at load average 12-13 on its 2 cores, so read the ratios, not the milliseconds):
+//   1 thread:  16 rows 169 -> 177 ms (0.92x); 32 rows 328 -> 252 (1.17x faster);
+//              64 rows 531 -> 402 (1.26x faster)
+//   2 threads: 16 rows 213 -> 240 (0.84x); 32 rows 320 -> 320 (1.00x); 64 rows 783 -> 579
+//              (1.35x faster); float32 weights in F.linear: 677, 1042, 1168 ms.
+// Probed one-threaded beside it: 24 rows 339 -> 287 ms (1.18x faster). Again with the panels
+// from 24 rows, load average ~10: 1 thread 24 rows 237 -> 219 ms, 32 rows 363 -> 298 (1.25x),
+// 64 rows 654 -> 500 (1.32x); 2 threads 24 rows 1.11x, 32 rows 1.05x, 64 rows 1.28x faster.
+// Each panel is widened (8 x 8 transposes) once per call, which is why few rows lose: at 1 row
+// the panels took 141 ms against the loop's 51.
 constexpr int64_t kDirectRows = 256;
 constexpr int64_t kBlockN = 4;  // output channels that share one pass over a row of x
 
@@ -94,6 +114,78 @@ void rows(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_t n)
   for (; r + 2 <= m; r += 2) block<W, 2, NB>(x + r * k, k, w, k, y + r * n, n);
   if (r < m) block<W, 1, NB>(x + r * k, k, w, k, y + r * n, n);
 }
+
+#include "f32_micro_avx2.h"  // micro_f32_avx2, rows_f32_avx2 (shared with quant_linear)
+
+// 8 x 8 floats transposed in registers: r[i] holds row i, then r[j] holds column j.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+
+// The panel of channels [n0, n0 + nv * 16) x K [k0, k0 + kc) widened into buf [nv][kc][16]
+// (the micro-kernel's layout; channels at or past n are zeros).
+template <typename W>
+void widen_panel(const W* w, int64_t k, int64_t n, int64_t n0, int64_t nv, int64_t k0,
+                 int64_t kc, float* buf) {
+  for (int64_t g = 0; g < 2 * nv; ++g) {  // groups of 8 channels
+    const int64_t c0 = n0 + 8 * g;
+    float* dst = buf + (g / 2) * kc * 16 + (g % 2) * 8;  // [kc][16], this group's 8 lanes
+    int64_t kk = 0;
+    if (c0 + 8 <= n) {
+      for (; kk + 8 <= kc; kk += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = load8(w + (c0 + i) * k + k0 + kk);
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (kk + j) * 16, r[j]);
+      }
+    }
+    for (; kk < kc; ++kk) {
+      for (int i = 0; i < 8; ++i) {
+        dst[kk * 16 + i] = c0 + i < n ? widen(w[(c0 + i) * k + k0 + kk]) : 0.0f;
+      }
+    }
+  }
+}
+
+constexpr int64_t kPanelVecs = 4;    // 16-channel vectors per panel: 64 output channels
+constexpr int64_t kPanelK = 256;     // K per panel: 64 KB of float32, 16 KB per 16 channels
+constexpr int64_t kPanelRows = 24;   // the fewest rows that take the panels (measured above)
+
+// Panels [p0, p1) of every row: each 64-channel x 256-K panel widened once into buf, then
+// every row's 16 channels at a time by the micro-kernel (6 rows x 16 channels of FMAs).
+template <typename W>
+void panels(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_t n, int64_t p0,
+            int64_t p1) {
+  std::vector<float> buf(kPanelVecs * kPanelK * 16);
+  std::vector<float> acc(m * kPanelVecs * 16);  // [m][width]
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * kPanelVecs * 16;
+    const int64_t nv = std::min(kPanelVecs, (n - n0 + 15) / 16), width = nv * 16;
+    std::fill(acc.begin(), acc.begin() + m * width, 0.0f);
+    for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
+      const int64_t kc = std::min(kPanelK, k - k0);
+      widen_panel(w, k, n, n0, nv, k0, kc, buf.data());
+      rows_f32_avx2(x + k0, k, m, buf.data(), kc, nv, acc.data());
+    }
+    const int64_t cols = std::min(width, n - n0);
+    for (int64_t r = 0; r < m; ++r)
+      std::copy(acc.data() + r * width, acc.data() + r * width + cols, y + r * n + n0);
+  }
+}
 #endif
 
 // Output channels [n0, n1) of every row.
@@ -115,13 +207,30 @@ void channels(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_
 #endif
 }
 
+template <typename F>
+void dispatch(const at::Tensor& w, F&& f) {
+  if (w.scalar_type() == at::kBFloat16) {
+    f(w.const_data_ptr<c10::BFloat16>());
+  } else if (w.scalar_type() == at::kFloat) {
+    f(w.const_data_ptr<float>());
+  } else {
+    f(w.const_data_ptr<c10::Half>());
+  }
+}
+
 // x [M, K] float32, w [N, K] bf16, fp16 or float32, bias [N] float32 or none -> [M, N] float32.
-// direct_rows: the most rows the kernel takes (-1: kDirectRows; benchmarks move it; 0: all).
-// Each output is one fixed sequence of operations (8-wide FMA sums along K, the same
-// horizontal sum, the scalar tail, then the bias) whatever M, the row's place in its block of
-// rows, the channel block or the thread: a row's result never depends on the other rows.
+// direct_rows: the most rows the kernel takes (-1: kDirectRows; benchmarks move it; 0: all,
+// always on the weight-stationary path). panel_rows: the fewest rows that take the widened
+// panels instead (-1: kPanelRows; more than direct_rows: never, the path before panels).
+// On the weight-stationary path each output is one fixed sequence of operations (8-wide FMA
+// sums along K, the same horizontal sum, the scalar tail, then the bias) whatever M, the row's
+// place in its block of rows, the channel block or the thread; on the panel path it is one
+// FMA chain along K (f32_micro_avx2.h), whatever M too. Either way a row's result never
+// depends on the other rows' values; which path runs depends on M, so only direct_rows 0
+// (batch-invariant mode) gives the same result for a row whatever M.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias, int64_t direct_rows) {
+                       const std::optional<at::Tensor>& bias, int64_t direct_rows,
+                       int64_t panel_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "wide_linear: x must be a float32 [M, K] CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
@@ -141,9 +250,22 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
   }
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
-  if (m > 0) {
-    const float* xp = xc.const_data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+  const float* xp = xc.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(KVSERVE_WIDE_AVX2)
+  const bool use_panels = direct_rows != 0 && m >= (panel_rows < 0 ? kPanelRows : panel_rows);
+#else
+  const bool use_panels = false;  // the scalar build has the weight-stationary loop only
+#endif
+  if (m > 0 && use_panels) {
+#if defined(KVSERVE_WIDE_AVX2)
+    // one panel (64 channels) per task at least: each is >= 64 x K x 8 rows of FMAs
+    const int64_t count = (n + kPanelVecs * 16 - 1) / (kPanelVecs * 16);
+    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
+      dispatch(w, [&](auto wp) { panels(xp, m, wp, k, yp, n, p0, p1); });
+    });
+#endif
+  } else if (m > 0) {
     // Channels per task: at least ATen's grain of weights, so small layers stay on the
     // calling thread (waking the pool costs more than ~32K multiply-adds).
     const int64_t grain =
@@ -151,13 +273,7 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
     const int64_t blocks = (n + kBlockN - 1) / kBlockN;
     at::parallel_for(0, blocks, (grain + kBlockN - 1) / kBlockN, [&](int64_t b0, int64_t b1) {
       const int64_t n0 = b0 * kBlockN, n1 = std::min(n, b1 * kBlockN);
-      if (w.scalar_type() == at::kBFloat16) {
-        channels(xp, m, w.const_data_ptr<c10::BFloat16>(), k, yp, n, n0, n1);
-      } else if (w.scalar_type() == at::kFloat) {
-        channels(xp, m, w.const_data_ptr<float>(), k, yp, n, n0, n1);
-      } else {
-        channels(xp, m, w.const_data_ptr<c10::Half>(), k, yp, n, n0, n1);
-      }
+      dispatch(w, [&](auto wp) { channels(xp, m, wp, k, yp, n, n0, n1); });
     });
   }
   if (bias.has_value()) {
@@ -168,6 +284,15 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
 
 // The rows the kernel takes (the tests cover both sides of it).
 int64_t wide_linear_direct_rows() { return kDirectRows; }
+
+// The fewest rows that take the widened panels (0 where the build has none: scalar).
+int64_t wide_linear_panel_rows() {
+#if defined(KVSERVE_WIDE_AVX2)
+  return kPanelRows;
+#else
+  return 0;
+#endif
+}
 
 // The instruction set the kernel was built for (benchmarks record it).
 std::string wide_linear_isa() {
@@ -187,7 +312,10 @@ std::string wide_linear_isa() {
 #endif
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("wide_linear(Tensor x, Tensor w, Tensor? bias, int direct_rows=-1) -> Tensor");
+  m.def(
+      "wide_linear(Tensor x, Tensor w, Tensor? bias, int direct_rows=-1, int panel_rows=-1) "
+      "-> Tensor");
+  m.def("wide_linear_panel_rows() -> int", &wide_linear_panel_rows);
   m.def("wide_linear_direct_rows() -> int", &wide_linear_direct_rows);
   m.def("wide_linear_isa() -> str", &wide_linear_isa);
 }

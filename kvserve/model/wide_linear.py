@@ -55,11 +55,18 @@ class WideLinear(nn.Module):
         # the most rows the kernel takes before a widened copy goes to F.linear (-1: the
         # kernel's default, 256; 0: every row, batch-invariant mode, model/batch_invariant.py)
         self.direct_rows = -1
+        # the fewest rows that take the widened panels (-1: the kernel's default, 24; above
+        # direct_rows: never, the weight-stationary loop for every row count up to it)
+        self.panel_rows = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.kvserve.wide_linear(
-            x.reshape(-1, self.in_features), self.weight, self.bias, self.direct_rows
+            x.reshape(-1, self.in_features),
+            self.weight,
+            self.bias,
+            self.direct_rows,
+            self.panel_rows,
         )  # [M, N]
         return y.view(*shape[:-1], self.out_features)
 

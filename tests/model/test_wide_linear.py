@@ -1,5 +1,6 @@
 """16-bit stored weights computed in float32 (``kvserve/model/wide_linear.py``): the C++
-kernel against ``F.linear`` of the widened weights, on both sides of its direct-rows threshold;
+kernel against ``F.linear`` of the widened weights, on both sides of its panel-rows and
+direct-rows thresholds; a row's result whatever the other rows;
 what ``weight_dtype`` auto picks; refusals; the engine's tokens and KV bytes with the widened
 layers against the same weights held in float32."""
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.decode_loop import build_decode_loop
 from kvserve.model.loader import load_model
 from kvserve.model.wide_linear import (
     WideLinear,
@@ -33,8 +35,18 @@ def direct_rows() -> int:
     return int(torch.ops.kvserve.wide_linear_direct_rows())
 
 
+def panel_rows() -> int:
+    """The fewest rows that take the widened panels (0: this build has none)."""
+    return int(torch.ops.kvserve.wide_linear_panel_rows())
+
+
+NEVER = 2**62  # panel_rows no batch reaches: the weight-stationary loop for every row count
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "k"), [(13, 64), (64, 131), (96, 2048)])  # channel and K tails
+# channel and K tails: of the 4-channel blocks, the 16-channel vectors and 64-channel panels,
+# the 8-wide vectors and the panels' 256-K chunks
+@pytest.mark.parametrize(("n", "k"), [(13, 64), (64, 131), (96, 2048), (70, 300), (130, 520)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(n * k)
@@ -45,7 +57,11 @@ def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool
             lin.bias.copy_(torch.randn(n, generator=g))  # type: ignore[union-attr]
     layer = WideLinear(lin, wdtype)
     assert layer.weight.dtype == wdtype and layer.weight.shape == (n, k)
-    for rows in (1, 2, 3, 5, direct_rows(), direct_rows() + 1, 40):
+    p = max(panel_rows(), 2)
+    for rows, panels in [(r, -1) for r in (1, 2, 3, 5, p - 1, p, p + 7, 40)] + [
+        (direct_rows(), -1), (direct_rows() + 1, -1), (40, NEVER), (direct_rows(), NEVER)
+    ]:  # fmt: skip
+        layer.panel_rows = panels
         x = torch.randn(rows, k, generator=g)
         got = layer(x)
         want = reference_wide_linear(x.double(), layer.weight.double(), None)  # exact sums
@@ -56,6 +72,22 @@ def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool
         tol = 4 * k * 2.0**-24 * float((x.abs() @ layer.weight.float().abs().t()).max())
         assert float((got.double() - want).abs().max()) <= tol, rows
     assert layer(torch.randn(2, 3, k)).shape == (2, 3, n)  # leading dims
+
+
+@pytest.mark.parametrize("direct", [-1, 0])
+def test_a_row_does_not_depend_on_the_others(direct: int) -> None:
+    """On each path a row's outputs are the same bits whatever rows share its batch; with
+    direct_rows 0 (batch-invariant mode) also whatever the batch size: never the panels."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 70, 300
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(48, k, generator=g)
+    p = max(panel_rows(), 2)
+    big = torch.ops.kvserve.wide_linear(x, w, None, direct)  # [48, N]
+    other = torch.cat([x[:1], torch.randn(p + 2, k, generator=g)])
+    assert torch.equal(torch.ops.kvserve.wide_linear(other, w, None, direct)[0], big[0])
+    alone = torch.ops.kvserve.wide_linear(x[5:6], w, None, direct)  # [1, N]
+    assert torch.equal(alone[0], big[5]) == (direct == 0 or panel_rows() == 0)
 
 
 def test_bad_input_raises() -> None:
@@ -139,9 +171,16 @@ PROMPTS = random_prompts([3, 7, 12, 5, 20, 9])
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def run(path: Path, **kw: object) -> tuple[list[list[int]], LLMEngine]:
+def run(path: Path, panel_rows: int = -1, **kw: object) -> tuple[list[list[int]], LLMEngine]:
     e = LLMEngine(build_engine_config(str(path), dtype="float32", block_size=4,
                                       num_kv_blocks=120, **kw))  # fmt: skip
+    if panel_rows != -1:
+        assert e.runner is not None
+        model = e.runner.model
+        for layer in wide_layers(model):
+            layer.panel_rows = panel_rows
+        if model.decode_loop is not None:  # it copies panel_rows when built
+            model.decode_loop = build_decode_loop(model)
     for i, p in enumerate(PROMPTS):
         e.add_request(str(i), {"prompt_token_ids": p}, PARAMS)
     done: dict[str, list[int]] = {}
@@ -168,3 +207,16 @@ def test_engine_tokens_with_the_loop_and_without(checkpoints: tuple[Path, Path])
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     plain, _ = run(bf16, weight_dtype="float32")
     assert plain == looped
+
+
+def test_the_loop_takes_the_panels_as_the_layers_do(checkpoints: tuple[Path, Path]) -> None:
+    """panel_rows 1 (every decode batch through the widened panels) reaches the C++ decode
+    loop: the same tokens and KV bytes as the Python layers with the same setting."""
+    _, bf16 = checkpoints
+    eager, e1 = run(bf16, panel_rows=1, weight_dtype="bfloat16", enforce_eager=True)
+    looped, e2 = run(bf16, panel_rows=1)
+    assert e2.runner is not None and e2.runner.model.decode_loop.steps > 0
+    assert looped == eager
+    assert e1.runner is not None
+    for a, b in zip(e1.runner.kv_caches, e2.runner.kv_caches, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -55,12 +55,14 @@ def test_forced_isa_build_equals_reference(isa: str) -> None:
     )  # fmt: skip
     ops = getattr(torch.ops, ns)
     assert ops.wide_linear_isa() == isa
+    assert int(ops.wide_linear_panel_rows()) == (24 if isa == "avx2" else 0)
     g = torch.Generator().manual_seed(7)
     for wdtype in (torch.bfloat16, torch.float16):
-        for n, k in ((13, 64), (40, 131)):
+        for n, k in ((13, 64), (40, 131), (70, 300)):
             w = torch.randn(n, k, generator=g).to(wdtype)
             bias = torch.randn(n, generator=g)
-            for rows in (1, 3, int(ops.wide_linear_direct_rows())):
+            # the panels from wide_linear_panel_rows() rows (0: the scalar build has none)
+            for rows in (1, 3, 25, 40, int(ops.wide_linear_direct_rows())):
                 x = torch.randn(rows, k, generator=g)
                 got = ops.wide_linear(x, w, bias).double()
                 want = reference_wide_linear(x.double(), w, bias.double())
