@@ -44,10 +44,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.peers.llamacpp import LlamaCppBuild, server_command  # noqa: E402
+from benchmarks.peers.llamacpp import LlamaCppBuild, server_command
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).with_name("data") / "llamacpp_kquant"
 BUILD_ROOT = Path(os.environ.get("KVSERVE_LLAMA_CPP_BUILD", ROOT / ".peers" / "llamacpp"))
 # the llama.cpp commit llama-cpp-python 0.3.36's sdist vendors (its CHANGELOG): the server's
