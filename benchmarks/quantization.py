@@ -92,6 +92,11 @@ SETTINGS = (
     Setting("kvserve-gguf-q4_0-lmhead-eager", "kvserve", "gguf", "Q4_0", lm_head=True, eager=True),
     Setting("llamacpp-q8_0", "llamacpp", None, "Q8_0"),
     Setting("llamacpp-q4_0", "llamacpp", None, "Q4_0"),
+    # issue 34: llama-quantize's mixed K-quant files, kept quantized by kvserve
+    Setting("kvserve-gguf-q4_k_m", "kvserve", "gguf", "Q4_K_M"),
+    Setting("kvserve-gguf-q5_k_m", "kvserve", "gguf", "Q5_K_M"),
+    Setting("llamacpp-q4_k_m", "llamacpp", None, "Q4_K_M"),
+    Setting("llamacpp-q5_k_m", "llamacpp", None, "Q5_K_M"),
 )
 BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
@@ -101,6 +106,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-int8-lmhead": "llamacpp-q8_0", "kvserve-int4-lmhead": "llamacpp-q4_0",
     "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0", "kvserve-int4-lmhead-eager": "llamacpp-q4_0",
     "kvserve-gguf-q4_0-lmhead-eager": "llamacpp-q4_0",
+    "kvserve-gguf-q4_k_m": "llamacpp-q4_k_m", "kvserve-gguf-q5_k_m": "llamacpp-q5_k_m",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -115,6 +121,11 @@ TARGETS = (
     ("kvserve-int4-lmhead", "kvserve-bf16", 1, 2.5),
     ("kvserve-int4-lmhead", "llamacpp-q4_0", 1, 1.0),
     ("kvserve-int4-lmhead", "llamacpp-q4_0", 64, 3.0),
+    # issue 34: the same K-quant file on both engines, at least llama.cpp at 1, 2x at 64
+    ("kvserve-gguf-q4_k_m", "llamacpp-q4_k_m", 1, 1.0),
+    ("kvserve-gguf-q4_k_m", "llamacpp-q4_k_m", 64, 2.0),
+    ("kvserve-gguf-q5_k_m", "llamacpp-q5_k_m", 1, 1.0),
+    ("kvserve-gguf-q5_k_m", "llamacpp-q5_k_m", 64, 2.0),
 )
 
 

@@ -5,7 +5,7 @@
   packages plus ``sentencepiece``, which the converter imports for every Llama);
 * :func:`ensure_ggufs`: a Hugging Face folder converted once to an unquantized GGUF (F32 for
   float32 weights, BF16 for bf16 ones: both exact) and quantized from it with llama-quantize
-  to Q8_0 / Q4_0, cached under ``~/.cache/kvserve/bench-models/gguf/<folder>/``;
+  to Q8_0 / Q4_0 / Q4_K_M / Q5_K_M, cached under ``~/.cache/kvserve/bench-models/gguf/<folder>/``;
 * :func:`server_command`: llama-server on the loopback with continuous batching and one KV
   slot per concurrent request.
 
@@ -37,7 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".peers" / "llamacpp"
-QUANT_TYPES = ("Q8_0", "Q4_0")
+# Q8_0 / Q4_0: issue 16's side by side; Q4_K_M / Q5_K_M: issue 34's (llama-quantize's mixed
+# recipes: Q4_K / Q5_K with Q6_K for the LM head and some layers' attn_v / ffn_down)
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M")
 LOOPBACK = "127.0.0.1"
 
 

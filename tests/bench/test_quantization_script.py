@@ -82,6 +82,13 @@ def test_server_commands() -> None:
     assert cmd[cmd.index("-np") + 1] == "64" and cmd[cmd.index("-c") + 1] == str(64 * 320)
     assert cmd[cmd.index("--threads") + 1] == "2" and cmd[cmd.index("-ngl") + 1] == "0"
     assert "--cont-batching" in cmd
+    # issue 34: both engines serve the same K-quant file, kvserve keeping its blocks
+    ggufs["Q5_K_M"] = Path("/g/model-Q5_K_M.gguf")
+    ours = quantization.server_command(args, by_key["kvserve-gguf-q5_k_m"], model, ggufs, 8123)
+    theirs = quantization.server_command(args, by_key["llamacpp-q5_k_m"], model, ggufs, 8123)
+    assert ours[ours.index("serve") + 1] == theirs[theirs.index("-m") + 1] == str(ggufs["Q5_K_M"])
+    assert ours[ours.index("--quantization") + 1] == "gguf"
+    assert quantization.PEER_OF["kvserve-gguf-q5_k_m"] == "llamacpp-q5_k_m"
     bench = quantization.bench_args(args, model, 8, 16, 3)
     assert (bench.max_concurrency, bench.num_prompts, bench.seed) == (8, 16, 3)
     assert (bench.ignore_eos, bench.random_input_len, bench.random_output_len) == (True, 128, 128)
