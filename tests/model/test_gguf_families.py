@@ -100,6 +100,16 @@ def make_model(arch: str) -> PreTrainedModel:
     return model.eval()
 
 
+def transformers_greedy(model: PreTrainedModel, prompt: list[int]) -> list[int]:
+    """transformers' greedy ``MAX_TOKENS`` tokens after ``prompt`` (EOS masked until then)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 # HF name (after `model.layers.{i}.`) -> llama.cpp's (after `blk.{i}.`): gguf.tensor_mapping
 _BLOCK_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -264,12 +274,7 @@ def test_greedy_tokens_equal_transformers(
     finally:
         llm.engine.close()
     for prompt, tokens in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            want = original.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )[0, len(prompt) :]  # fmt: skip
-        assert tokens == want.tolist(), (arch, prompt)
+        assert tokens == transformers_greedy(original, prompt), (arch, prompt)
 
 
 def test_q8_0_projections_equal_gguf_dequantizer(

@@ -31,6 +31,7 @@ from tests.model.test_gguf_families import (
     MAX_TOKENS,
     PROMPTS,
     VOCAB,
+    transformers_greedy,
     write_family_gguf,
 )
 
@@ -137,12 +138,7 @@ def test_greedy_tokens_equal_transformers(
     finally:
         llm.engine.close()
     for prompt, tokens in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            want = original.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )[0, len(prompt) :]  # fmt: skip
-        assert tokens == want.tolist(), prompt
+        assert tokens == transformers_greedy(original, prompt), prompt
     assert len({t[0] for t in got}) == len(PROMPTS)  # not one repeated token
     # and the rope scaling shows in them: unscaled rope gives other tokens
     unscaled = LlamaForCausalLM(
@@ -154,12 +150,7 @@ def test_greedy_tokens_equal_transformers(
         )
     )
     unscaled.load_state_dict(original.state_dict())
-    with torch.no_grad():
-        other = unscaled.eval().generate(
-            torch.tensor([PROMPTS[0]]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )[0, len(PROMPTS[0]) :]  # fmt: skip
-    assert other.tolist() != got[0]
+    assert transformers_greedy(unscaled.eval(), PROMPTS[0]) != got[0]
 
 
 LLAMA_CPP = Path(os.environ.get("KVSERVE_LLAMA_CPP",

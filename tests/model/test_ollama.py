@@ -127,9 +127,9 @@ def test_gemma3_as_ollama_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     same file, the local RoPE base under Ollama's key, the window pattern per layer (here not
     transformers' default: layer 2 global too). Served as text with transformers' greedy
     tokens on the same weights and settings."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    from tests.model.test_gguf_families import transformers_greedy
     from tests.model.test_gguf_gemma_phi3 import FAST, MAX_TOKENS, PROMPTS, make_model
     from tests.model.test_gguf_gemma_phi3 import write_gguf as write_gemma
 
@@ -158,10 +158,5 @@ def test_gemma3_as_ollama_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     finally:
         llm.engine.close()
     for prompt, tokens in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            want = original.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )[0, len(prompt) :]  # fmt: skip
-        assert tokens == want.tolist(), prompt
+        assert tokens == transformers_greedy(original, prompt), prompt
     assert len({t[0] for t in got}) > 1  # not one repeated token
