@@ -100,6 +100,19 @@ def make_model(arch: str) -> PreTrainedModel:
     return model.eval()
 
 
+def kvserve_greedy(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """kvserve's greedy ``MAX_TOKENS`` tokens after each prompt (``FAST``, ``ignore_eos``)."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model, **FAST)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def transformers_greedy(model: PreTrainedModel, prompt: list[int]) -> list[int]:
     """transformers' greedy ``MAX_TOKENS`` tokens after ``prompt`` (EOS masked until then)."""
     with torch.no_grad():
@@ -262,17 +275,9 @@ def test_converted_folder_equals_original(
 def test_greedy_tokens_equal_transformers(
     family: tuple[str, PreTrainedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvserve import LLM, SamplingParams
-
     arch, original, path = family
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(model=str(path), **FAST)
-    try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.engine.close()
+    got = kvserve_greedy(str(path), PROMPTS)
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         assert tokens == transformers_greedy(original, prompt), (arch, prompt)
 

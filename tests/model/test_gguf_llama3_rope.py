@@ -21,16 +21,15 @@ from kvserve.model.builtin import find_builtin_gguf
 from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.gguf_rope import llama3_rope_scaling, rope_divisors
 from tests.model.test_gguf_families import (
-    FAST,
     FFN,
     HEAD_DIM,
     HEADS,
     HIDDEN,
     KV_HEADS,
     LAYERS,
-    MAX_TOKENS,
     PROMPTS,
     VOCAB,
+    kvserve_greedy,
     transformers_greedy,
     write_family_gguf,
 )
@@ -126,17 +125,9 @@ def test_config_has_the_rope_scaling(llama3: tuple[PreTrainedModel, Path], tmp_p
 def test_greedy_tokens_equal_transformers(
     llama3: tuple[PreTrainedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvserve import LLM, SamplingParams
-
     original, path = llama3
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(model=str(path), **FAST)
-    try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.engine.close()
+    got = kvserve_greedy(str(path), PROMPTS)
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         assert tokens == transformers_greedy(original, prompt), prompt
     assert len({t[0] for t in got}) == len(PROMPTS)  # not one repeated token

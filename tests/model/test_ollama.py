@@ -129,8 +129,8 @@ def test_gemma3_as_ollama_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     tokens on the same weights and settings."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from tests.model.test_gguf_families import transformers_greedy
-    from tests.model.test_gguf_gemma_phi3 import FAST, MAX_TOKENS, PROMPTS, make_model
+    from tests.model.test_gguf_families import kvserve_greedy, transformers_greedy
+    from tests.model.test_gguf_gemma_phi3 import PROMPTS, make_model
     from tests.model.test_gguf_gemma_phi3 import write_gguf as write_gemma
 
     made = make_model("gemma3")
@@ -150,13 +150,7 @@ def test_gemma3_as_ollama_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM("ollama:gemma3:tiny", **FAST)
-    try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.engine.close()
+    got = kvserve_greedy("ollama:gemma3:tiny", PROMPTS)
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         assert tokens == transformers_greedy(original, prompt), prompt
     assert len({t[0] for t in got}) > 1  # not one repeated token
