@@ -64,7 +64,10 @@ def default_num_threads(args: argparse.Namespace) -> int | None:
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvserve`` parser. ``command``: the subcommand about to run, when known; for one
+    other than ``bench`` the bench lab's parsers are not built, ``bench`` only named (its
+    modules import aiohttp and httpx: ~0.5 s of CPU in every ``kvserve serve`` start)."""
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
@@ -74,10 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.server.run_batch import add_run_batch_parser
 
     add_run_batch_parser(sub)
-    from kvserve.bench.cli import add_bench_parser
+    if command in (None, "bench"):
+        from kvserve.bench.cli import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
+    else:
+        from kvserve.bench import BENCH_HELP
+
+        sub.add_parser("bench", help=BENCH_HELP)
     return parser
+
+
+def _command(argv: list[str] | None) -> str | None:
+    """The subcommand named first on the command line (None for none, or ``--help``)."""
+    args = sys.argv[1:] if argv is None else argv
+    return args[0] if args and not args[0].startswith("-") else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # httpx logs every request at INFO (e.g. each /health poll of a sweep): too chatty.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     if hasattr(args, "num_threads"):
         args.num_threads = default_num_threads(args)  # the engine applies it
     try:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.bench import report_html, serve, sweep, throughput
+from kvserve.bench import BENCH_HELP, report_html, serve, sweep, throughput
 
 _DESCRIPTIONS = {
     "serve": "Benchmark a running OpenAI-compatible server (like `vllm bench serve`).",
@@ -53,7 +53,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the top-level CLI's ``subparsers`` (from ``add_subparsers()``)."""
     bench = subparsers.add_parser(
         "bench",
-        help="Benchmarks: serve, throughput, sweep, report.",
+        help=BENCH_HELP,
         description=__doc__.splitlines()[0],
     )
     add_bench_subcommands(bench)

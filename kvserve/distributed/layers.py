@@ -276,6 +276,13 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(self.shard.rows, hidden)
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        # A model built on the meta device (``loader._load_native``) has nothing to fill, and
+        # ``normal_`` on a meta tensor runs torch's Python reference, whose first call
+        # imports torch._dynamo (and sympy, triton): ~1.5 s of CPU in every model load.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(ids)
