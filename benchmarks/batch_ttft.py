@@ -6,7 +6,8 @@ idle server, then again while a batch job of ``--lines`` long completions runs
 (``--batch-max-concurrency`` lines in flight), then cancels the job and waits for the engine to
 be idle. Alternating the two conditions puts the slow spells of a shared machine on both.
 Prints the medians and their ratio, the server's ``num_background_rows_held_total`` (batch rows
-that sat out a step computing an online prompt), and writes JSON with ``--out``.
+that sat out a step computing an online prompt) and ``num_background_steps_interrupted_total``
+(batch-only steps given up for an online request), and writes JSON with ``--out``.
 
     python benchmarks/batch_ttft.py --rounds 3 --requests 10 --batch-max-concurrency 4 \
         --out benchmarks/results/batch_ttft.json
@@ -34,6 +35,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.machine import machine_info  # noqa: E402
 
 MODEL = "m"
+# batch-only steps given up for an online request (absent on servers before that: 0)
+INTERRUPTED = "kvserve:num_background_steps_interrupted_total"
 
 
 def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -99,14 +102,16 @@ def _batch_round(client: openai.OpenAI, url: str, args: argparse.Namespace, r: i
     while client.batches.retrieve(b.id).request_counts.completed < 2:
         time.sleep(0.2)
     held = _metric(url, "kvserve:num_background_rows_held_total")
+    cut = _metric(url, INTERRUPTED)
     busy = _ttfts(client, args.requests, 1000 * r + 500)
     held = _metric(url, "kvserve:num_background_rows_held_total") - held
+    cut = _metric(url, INTERRUPTED) - cut
     done = client.batches.retrieve(b.id).request_counts.completed
     client.batches.cancel(b.id)
     while client.batches.retrieve(b.id).status not in ("cancelled", "completed"):
         time.sleep(0.2)
     _wait_idle(url)
-    return {"ttft": busy, "rows_held": held, "lines_done": done}
+    return {"ttft": busy, "rows_held": held, "steps_interrupted": cut, "lines_done": done}
 
 
 def main() -> None:
@@ -134,7 +139,8 @@ def main() -> None:
                 rounds.append({"alone": a, **b})
                 print(f"round {r}: alone {statistics.median(a) * 1000:.1f} ms, "
                       f"batch {statistics.median(b['ttft']) * 1000:.1f} ms, "
-                      f"rows held {b['rows_held']:.0f}", flush=True)  # fmt: skip
+                      f"rows held {b['rows_held']:.0f}, "
+                      f"steps given up {b['steps_interrupted']:.0f}", flush=True)  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(30)

@@ -6,6 +6,10 @@ computes an online request's prompt delay that request's first token. The schedu
 schedules background rows last, and not at all in a step that computes an online prompt;
 they keep their blocks and resume the next step. No deadlock follows: a step holds background
 rows back only when online prompt tokens are computed in it, and a prompt is finite.
+
+A step of background rows only is *interruptible*: an online request that arrives while it
+runs has it given up between layers (``worker/step_interrupt.py``), so it waits for one
+layer instead of a whole step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from collections.abc import Iterable
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import SchedulerOutput
 
-__all__ = ["computes_prompt", "holds_background_back", "online_prefill_scheduled"]
+__all__ = [
+    "background_only",
+    "computes_prompt",
+    "holds_background_back",
+    "online_prefill_scheduled",
+]
 
 
 def computes_prompt(req: Request) -> bool:
@@ -35,3 +44,15 @@ def holds_background_back(out: SchedulerOutput, waiting: Iterable[Request]) -> b
     prompt is computed in it or an online request waits (it goes first; background requests
     hold no blocks while waiting, so holding them back blocks nothing)."""
     return online_prefill_scheduled(out) or any(not r.background for r in waiting)
+
+
+def background_only(out: SchedulerOutput, waiting: Iterable[Request]) -> bool:
+    """Whether the step may be given up for an online request that arrives while it runs
+    (``SchedulerOutput.interruptible``, worker/step_interrupt.py): it computes background rows
+    only, and no online request already waits (one that waits was not admitted this step, so
+    giving the step up would not start it sooner)."""
+    return (
+        bool(out.scheduled)
+        and all(r.background for r in out.scheduled)
+        and not any(not r.background for r in waiting)
+    )

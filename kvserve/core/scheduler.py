@@ -40,7 +40,11 @@ from __future__ import annotations
 import time
 
 from kvserve.config import CacheConfig, KVPolicy, SchedulerConfig, SpeculativeConfig
-from kvserve.core.background import holds_background_back, online_prefill_scheduled
+from kvserve.core.background import (
+    background_only,
+    holds_background_back,
+    online_prefill_scheduled,
+)
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_for
 from kvserve.core.preemption import PreemptionMixin
@@ -183,6 +187,7 @@ class Scheduler(PreemptionMixin, OutputUpdateMixin):
                 req.metrics.first_scheduled_time = now
         self._grammar_bitmask(out)
         out.propose = self.speculating()  # the batch after admissions: worth proposing for?
+        out.interruptible = background_only(out, self.waiting)
         if out.scheduled:
             self.stats.num_steps += 1
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))

@@ -119,6 +119,9 @@ class SchedulerOutput:
     # the request's tokens in its scheduled count; vLLM's scheduled_spec_decode_tokens)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose: bool = False  # speculative decoding: propose the next step's tokens after this one
+    # Every row background and no online request waiting: the runner may give the step up
+    # between layers for an online request that arrives (worker/step_interrupt.py)
+    interruptible: bool = False
     # requests that finished or were aborted since the last step (runner-side state goes)
     finished_req_ids: set[str] = field(default_factory=set)
     # The runner's input: requests it sees for the first time, and the changes of the others
@@ -166,6 +169,8 @@ class SchedulerStats:
     num_preemptions: int = 0  # total preemptions since start
     # background (Batch API) rows held out of steps that computed an online prompt, total
     num_background_rows_held: int = 0
+    # background-only steps given up between layers for an online request, total
+    num_background_steps_interrupted: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests, total
     num_generation_tokens: int = 0  # tokens sampled, total
     num_steps: int = 0  # engine steps that computed anything

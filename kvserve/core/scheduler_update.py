@@ -36,6 +36,14 @@ class OutputUpdateMixin:
 
         def _refresh_stats(self) -> None: ...
 
+    def discard_step(self, out: SchedulerOutput) -> None:
+        """The runner gave an interruptible step up (``worker/step_interrupt.py``): nothing
+        of it is applied. Its rows keep their blocks and computed counts and are scheduled
+        again; K/V slots its finished layers wrote lie past their computed counts and are
+        written again."""
+        assert out.interruptible, "only a background-only step can be given up"
+        self.stats.num_background_steps_interrupted += 1
+
     def update_from_output(
         self,
         out: SchedulerOutput,

@@ -163,13 +163,15 @@ class DecodeLayers : public torch::CustomClassHolder {
   // x: [T, hidden] embeddings (T decode rows, one token each); cos, sin: [T, D];
   // slot_mapping: [T]; block_tables: [T, nb]; seq_lens: [T]; caches: one K and one V per
   // layer; lora_slots: each row's adapter slot [T] int64 (-1: none), or none for a step
-  // without adapters. Returns (the last layer's MLP output, the residual stream), as the
-  // Python loop.
+  // without adapters; stop: the engine's StepInterrupt flag [1] int32 for a background-only
+  // step (worker/step_interrupt.py), read between layers, or none. Returns (the last layer's
+  // MLP output, the residual stream), as the Python loop, or nothing when the flag was set.
   std::vector<at::Tensor> run(at::Tensor x, at::Tensor cos, at::Tensor sin,
                               at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, std::vector<at::Tensor> k_caches,
                               std::vector<at::Tensor> v_caches,
-                              std::optional<at::Tensor> lora_slots) const {
+                              std::optional<at::Tensor> lora_slots,
+                              std::optional<at::Tensor> stop) const {
     const int64_t n = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(k_caches.size()) == n &&
                     static_cast<int64_t>(v_caches.size()) == n,
@@ -180,7 +182,15 @@ class DecodeLayers : public torch::CustomClassHolder {
     const at::Tensor no_rows = seq_lens.slice(0, 0, 0);  // every row is a decode row
     at::Tensor residual;
     const at::Tensor* slots = lora_slots.has_value() ? &*lora_slots : nullptr;
+    TORCH_CHECK(!stop.has_value() || (stop->scalar_type() == at::kInt && stop->numel() == 1),
+                "DecodeLayers.run: stop must be one int32");
+    // Written by another thread (a plain store through NumPy): read atomically, no ordering
+    // needed (a layer later is as good).
+    const int32_t* stop_flag = stop.has_value() ? stop->data_ptr<int32_t>() : nullptr;
     for (int64_t i = 0; i < n; ++i) {
+      if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
+        return {};  // given up: the caller raises StepInterrupted
+      }
       const Layer& l = layers_[i];
       at::Tensor h = at::empty_like(x);
       if (i == 0) {

@@ -315,6 +315,8 @@ class AsyncLLMEngine(EngineThreadMixin):
             self._check_queue_room(cmd)
             self._streams[request_id] = weakref.ref(stream)
             self._commands.append(cmd)
+            if not request.background:  # the step in flight gives way if it may (background)
+                self.engine.step_interrupt.set()
             self._pending_seqs += cmd.n
             self._pending_tokens += cmd.num_tokens
             self._cond.notify()

@@ -96,6 +96,8 @@ class EngineThreadMixin:
                 while self._orphans:
                     self._abort_locked(self._orphans.popleft())
                 commands, self._commands = self._commands, []
+                # set by an online request queued since the last take (worker/step_interrupt.py)
+                self.engine.step_interrupt.clear()
             try:
                 self._apply(commands)
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []

@@ -45,6 +45,7 @@ from kvserve.worker.execution_paths import ExecutionPaths
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.model_setup import resolve_max_model_len
 from kvserve.worker.runner_output import ModelRunnerOutput, StepTimings
+from kvserve.worker.step_interrupt import StepInterrupt
 
 __all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
 
@@ -78,6 +79,12 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
         self.executor: Executor = create_executor(config)
         # The runner itself when it lives in this process (the default), else None.
         self.runner: ModelRunner | None = self.executor.runner
+        # Background-only steps give way to online requests between layers; the flag is set
+        # by the async engine's submitting thread, so only an in-process runner can read it
+        # (worker/step_interrupt.py; worker processes run every step to its end).
+        self.step_interrupt = StepInterrupt()
+        if self.runner is not None:
+            self.runner.step_interrupt = self.step_interrupt
         info = self.executor.info
         self.warmup_tokens = info.warmup_tokens  # tokens of the start-up dummy prefill (0: none)
         self.kv = KVCacheManager(
@@ -349,6 +356,9 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
         if not sched.scheduled and self.scheduler.waiting_for_grammar:
             self._wait_for_grammars()
         out = self._execute(sched)
+        if out.interrupted:  # given up for an online request: it is scheduled next step
+            self.scheduler.discard_step(sched)
+            return []
         t1 = time.perf_counter()
         failed_parents = self._fail_step(sched, out)
         forks, holds = self._beam_step(out)

@@ -8,7 +8,7 @@ protocol, never a concrete class, so a new architecture changes nothing there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from transformers import PretrainedConfig
@@ -16,6 +16,9 @@ from transformers import PretrainedConfig
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.paged import AttentionMetadata
 from kvserve.lora.punica import LoRAMapping
+
+if TYPE_CHECKING:
+    from kvserve.worker.step_interrupt import StepInterrupt
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, Hkv, bs, D]
 
@@ -38,6 +41,9 @@ class ForwardBatch:
     # Multi-LoRA: each token row's adapter slot, grouped by slot (kvserve/lora/punica.py),
     # read by the adapted linears; None: every row runs the base model.
     lora: LoRAMapping | None = None
+    # A background-only step (worker/step_interrupt.py): the layer loops call its check()
+    # between layers and the step is given up once an online request waits; None: run on.
+    interrupt: StepInterrupt | None = None
 
     @property
     def num_tokens(self) -> int:

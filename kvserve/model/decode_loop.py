@@ -45,6 +45,7 @@ from kvserve.model.wide_linear import WideLinear
 from kvserve.ops import cpu_kernels
 from kvserve.ops.packed_linear import PackedLinear
 from kvserve.quantization.qlinear import QuantLinear
+from kvserve.worker.step_interrupt import StepInterrupted
 
 if TYPE_CHECKING:
     from kvserve.lora.layers import LayerLoRA
@@ -106,11 +107,15 @@ class DecodeLoop:
         dec = md.decode
         assert dec is not None
         cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [T, D]
-        out, residual = self.layers.run(
+        out_res = self.layers.run(
             x, cos, sin, md.slot_mapping, dec.block_tables, dec.seq_lens,
             [k for k, _ in kv_caches], [v for _, v in kv_caches],
             None if batch.lora is None else batch.lora.token_slots,
+            None if batch.interrupt is None else batch.interrupt.flag,
         )  # fmt: skip
+        if batch.interrupt is not None and not out_res:
+            raise StepInterrupted  # the flag was set between two layers
+        out, residual = out_res
         self.steps += 1
         self.lora_steps += batch.lora is not None
         return out, residual

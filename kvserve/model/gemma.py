@@ -174,6 +174,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         ropes = self.rotary.lookup(batch.positions, x.dtype)
         residual = None
         for layer, kv, key in zip(self.layers, batch.kv_caches, self.rope_keys, strict=True):
+            if batch.interrupt is not None:
+                batch.interrupt.check()  # a background step gives way to an online one
             x, residual = layer(ropes[key], x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]

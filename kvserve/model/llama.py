@@ -432,6 +432,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.decode_loop.run(x, rope, batch)
         else:
             for layer, kv in zip(self.layers, batch.kv_caches, strict=True):
+                if batch.interrupt is not None:
+                    batch.interrupt.check()  # a background step gives way to an online one
                 x, residual = layer(rope, x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]

@@ -28,6 +28,7 @@ executor stops the engine (``RankFailedError``).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -66,6 +67,7 @@ from kvserve.worker.prompt_logprobs import (
 )
 from kvserve.worker.row_sampling import RowSampler
 from kvserve.worker.runner_output import ModelRunnerOutput, RunnerInfo, StepTimings
+from kvserve.worker.step_interrupt import StepInterrupt, StepInterrupted
 
 __all__ = [
     "ModelRunner",
@@ -137,6 +139,9 @@ class ModelRunner:
         self.timings = StepTimings()
         self.pooler = Pooler()  # embedding requests: mean-pooling sums across prefill chunks
         self.input_batch = InputBatch(device)  # the runner's state of each request
+        # the engine's flag for giving background-only steps up (set by the engine when the
+        # runner is in its process: worker/step_interrupt.py); None: never given up
+        self.step_interrupt: StepInterrupt | None = None
         # custom batch-level logits processors (vLLM v1's interface), one instance each
         processors = [cls(config, device, False) for cls in mc.logits_processors]
         self.sampler = RowSampler(processors, torch.Generator(device=device).manual_seed(mc.seed))
@@ -386,7 +391,9 @@ class ModelRunner:
         states = [r.generator.get_state() for r in seeded if r.generator is not None]
         phases = {"prepare": time.perf_counter() - t0}
         try:
-            out = self._run(rows, sched, phases)
+            out = self._run(rows, sched, phases, self._interrupt_for(sched))
+        except StepInterrupted:  # before sampling: nothing advanced, the engine applies nothing
+            return ModelRunnerOutput({}, timings=phases, interrupted=True)
         except Exception:
             if self.tp.world_size > 1:
                 raise  # no per-request retry across ranks (see the module doc)
@@ -407,12 +414,22 @@ class ModelRunner:
         self.timings.steps += 1
         return out
 
+    def _interrupt_for(self, sched: SchedulerOutput) -> StepInterrupt | None:
+        """The engine's flag for a background-only step (``worker/step_interrupt.py``); None
+        for any other step, or where the engine gave the runner none (worker processes)."""
+        return self.step_interrupt if sched.interruptible else None
+
     def _run(
-        self, rows: StepRows, sched: SchedulerOutput, phases: dict[str, float]
+        self,
+        rows: StepRows,
+        sched: SchedulerOutput,
+        phases: dict[str, float],
+        interrupt: StepInterrupt | None = None,
     ) -> ModelRunnerOutput:
         """Forward, logits, prompt logprobs, pooling, sampling and proposals of ``rows``
         (the step's, or one request of them); the runner's per-request results are committed
-        only when all of it succeeded. Reads only plain fields of ``sched``."""
+        only when all of it succeeded. Reads only plain fields of ``sched``. ``interrupt``:
+        the forward may raise ``StepInterrupted`` between layers (nothing done yet)."""
         t0 = time.perf_counter()
         graph_hidden = self._graph_forward(rows)
         if graph_hidden is not None:  # decode only: one row per request, each sampled
@@ -420,6 +437,8 @@ class ModelRunner:
             hidden = sampled = graph_hidden  # [B, hidden]
         else:
             batch, logits_idx = self._prepare(rows)
+            if interrupt is not None:
+                batch = dataclasses.replace(batch, interrupt=interrupt)
             t1 = time.perf_counter()
             hidden = self.model(batch)  # [T, hidden]
             # the rows as a device tensor: indexing with a list copies it with a sync on CUDA

@@ -83,6 +83,9 @@ class ModelRunnerOutput:
     # seconds of this call per phase (prepare, forward, sample, propose), for the engine's
     # StepTimings (the runner may live in another process)
     timings: dict[str, float] = field(default_factory=dict)
+    # the step was given up between layers for an online request (worker/step_interrupt.py):
+    # nothing above is set and the engine applies nothing
+    interrupted: bool = False
 
     def update(self, other: ModelRunnerOutput) -> None:
         """Merge the output of a part of the batch (per-request retries)."""

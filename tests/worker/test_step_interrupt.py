@@ -1,0 +1,217 @@
+"""Background-only steps given up between layers for an online request
+(``kvserve/worker/step_interrupt.py``): a given-up step changes nothing, the tokens of every
+request stay those of a run that was never interrupted (greedy and seeded), only
+background-only steps are given up, and an online request queued during such a step on the
+async engine gives it up."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserve.core.background import background_only
+from kvserve.core.request import Request
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.llm import build_engine_config
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.step_interrupt import StepInterrupt, StepInterrupted
+from tests.engine.utils import random_prompts
+
+PROMPTS = random_prompts([5, 11, 3, 17])
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.8, seed=3, max_tokens=10, ignore_eos=True),
+]
+
+
+def make(path: Path, **kw: object) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    return LLMEngine(build_engine_config(str(path), dtype="float32", block_size=4, **kw))  # type: ignore[arg-type]
+
+
+def add(engine: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams, bg: bool) -> None:
+    request = engine.processor.process({"prompt_token_ids": prompt}, sp, 0)
+    engine.add_validated(rid, dataclasses.replace(request, background=bg))
+
+
+def state(engine: LLMEngine) -> dict[str, tuple[int, list[int]]]:
+    """Each live request's computed count and tokens."""
+    return {
+        rid: (r.num_computed_tokens, list(r.all_token_ids))
+        for rid, r in engine.scheduler.requests.items()
+    }
+
+
+def run(engine: LLMEngine, interrupt_every: int = 0) -> tuple[dict[str, list[int]], int]:
+    """Every prompt as a background request, to the end, checking KV after each step; with
+    ``interrupt_every`` k, the flag is set before every k-th step. Returns the tokens and the
+    steps that returned nothing because they were given up."""
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        add(engine, str(i), p, sp, bg=True)
+    done: dict[str, list[int]] = {}
+    given_up, step = 0, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        before = state(engine)
+        if interrupt_every and step % interrupt_every == 0:
+            engine.step_interrupt.set()
+        outs = engine.step()
+        engine.step_interrupt.clear()
+        if engine.scheduler.stats.num_background_steps_interrupted > given_up:
+            given_up += 1
+            assert outs == [] and state(engine) == before  # nothing of the step applied
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.kv.check_integrity()
+    return done, given_up
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> dict[str, list[int]]:
+    done, given_up = run(make(tiny_llama))
+    assert given_up == 0 and len(done) == len(PROMPTS)
+    return done
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["decode-loop", "python-layers"])
+def test_given_up_steps_change_no_token(
+    tiny_llama: Path, reference: dict[str, list[int]], eager: bool
+) -> None:
+    engine = make(tiny_llama, enforce_eager=eager)
+    loop = engine.runner.model.decode_loop  # type: ignore[union-attr]
+    assert (loop is None) == eager, "the C++ decode loop runs unless enforce_eager"
+    done, given_up = run(engine, interrupt_every=3)
+    assert done == reference
+    # 12 steps run to the end (one prefill step, then 11 decode steps to 12 tokens); every
+    # third step is given up, so it takes 17: steps 3, 6, 9, 12 and 15 were given up
+    assert given_up == engine.scheduler.stats.num_background_steps_interrupted == 5
+    if loop is not None:
+        assert loop.steps == 11  # the decode steps that ran to the end, each in the loop
+
+
+def test_given_up_between_layers_rewrites_the_slots(
+    tiny_llama: Path, reference: dict[str, list[int]]
+) -> None:
+    """The flag set while layer 0 runs (the tiny model has two): layer 0 wrote the step's K/V
+    slots, the step is given up before layer 1, and the rows written again next step give the
+    same tokens."""
+    engine = make(tiny_llama, enforce_eager=True)
+    layers = engine.runner.model.layers  # type: ignore[union-attr]
+    calls = {"n": 0}
+
+    def set_flag(*_: object) -> None:
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:
+            engine.step_interrupt.set()
+
+    assert len(layers) == 2
+    handle = layers[0].register_forward_hook(set_flag)
+    try:
+        done, given_up = run(engine)
+    finally:
+        handle.remove()
+    assert done == reference
+    # every fourth forward is given up at layer 1: 12 steps to the end take 15
+    assert given_up == engine.scheduler.stats.num_background_steps_interrupted == 3
+
+
+def test_steps_with_online_rows_run_to_the_end(tiny_llama: Path) -> None:
+    engine = make(tiny_llama)
+    add(engine, "online", PROMPTS[0], PARAMS[0], bg=False)
+    add(engine, "batch", PROMPTS[1], PARAMS[1], bg=True)
+    steps = 0
+    while "online" in engine.scheduler.requests:
+        engine.step_interrupt.set()
+        engine.step()
+        steps += 1
+    assert steps == 12  # one prefill step, then one token per step: none given up
+    assert engine.scheduler.stats.num_background_steps_interrupted == 0
+
+
+def test_background_only() -> None:
+    """The scheduler's rule: background rows only, and no online request waiting."""
+    sp = SamplingParams(max_tokens=1)
+    bg = Request("b", [1, 2], sp, 1, [0], background=True)
+    online = Request("o", [1, 2], sp, 1, [0])
+    out = type("Out", (), {})()
+    out.scheduled = [bg]
+    assert background_only(out, [])  # type: ignore[arg-type]
+    assert background_only(out, [bg])  # type: ignore[arg-type]
+    assert not background_only(out, [online])  # type: ignore[arg-type]
+    out.scheduled = [bg, online]
+    assert not background_only(out, [])  # type: ignore[arg-type]
+    out.scheduled = []
+    assert not background_only(out, [])  # type: ignore[arg-type]
+
+
+def test_flag() -> None:
+    flag = StepInterrupt()
+    flag.check()
+    flag.set()
+    assert flag.is_set() and int(flag.flag.item()) == 1  # the tensor the C++ loop reads
+    with pytest.raises(StepInterrupted):
+        flag.check()
+    flag.clear()
+    assert not flag.is_set() and int(flag.flag.item()) == 0
+
+
+@pytest.fixture
+def async_engine(tiny_llama: Path) -> Iterator[AsyncLLMEngine]:
+    cfg = build_engine_config(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=64,
+                              enforce_eager=True)  # fmt: skip
+    engine = AsyncLLMEngine(LLMEngine(cfg))
+    yield engine
+    engine.shutdown()
+
+
+def test_an_online_request_gives_the_background_step_up(async_engine: AsyncLLMEngine) -> None:
+    """A background step held in its first layer until an online request is queued: it is
+    given up at the next layer, and both requests get the tokens they get alone."""
+    engine = async_engine.engine
+    layer0 = engine.runner.model.layers[0]  # type: ignore[union-attr]
+    entered, go = threading.Event(), threading.Event()
+    armed = {"on": False}
+
+    def hold(*_: object) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            entered.set()
+            assert go.wait(30)
+
+    layer0.register_forward_hook(hold)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def main() -> tuple[list[int], list[int]]:
+        batch = async_engine.generate({"prompt_token_ids": PROMPTS[3]}, long, "b",
+                                      background=True)  # fmt: skip
+        first = await batch.__anext__()  # decoding now
+        armed["on"] = True
+        assert await asyncio.to_thread(entered.wait, 30)
+        online = async_engine.generate({"prompt_token_ids": PROMPTS[0]}, short, "o")
+        assert engine.step_interrupt.is_set()
+        go.set()
+        outs = [o async for o in online]
+        rest = [o async for o in batch]
+        return outs[-1].outputs[0].token_ids, (rest or [first])[-1].outputs[0].token_ids
+
+    online_ids, batch_ids = asyncio.run(main())
+    assert engine.scheduler.stats.num_background_steps_interrupted == 1
+    alone = LLMEngine(engine.config)
+    for rid, p, sp in (("o", PROMPTS[0], short), ("b", PROMPTS[3], long)):
+        alone.add_request(rid, {"prompt_token_ids": p}, sp)
+    done = {}
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert online_ids == done["o"] and batch_ids == done["b"]
