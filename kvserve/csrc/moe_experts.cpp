@@ -24,9 +24,10 @@
 // rows); dense experts sum in wide_linear's order, not F.linear's (float32 within ~1e-6).
 //
 // Work split: an expert holding at least 1/threads of the step's rows runs alone, each kernel
-// parallel over its output channels; the others run side by side, one expert per task with
-// single-threaded kernels (a nested at::parallel_for runs inline). A decode step's experts
-// hold a few rows each, too few to split one product well across threads.
+// parallel over its output channels; the others run side by side, each thread taking the next
+// expert (most rows first) with single-threaded kernels (a nested at::parallel_for runs
+// inline). A decode step's experts hold a few rows each, too few to split one product well
+// across threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -36,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -197,10 +199,17 @@ class MoEExperts : public torch::CustomClassHolder {
     }
     for (int64_t e : big) expert(e, xs, ys, g);
     if (!small.empty()) {
+      // One task per thread taking the next expert, most rows first, until none is left:
+      // a thread the (shared) host preempts takes fewer, instead of holding up a fixed share.
+      std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) {
+        return g.offsets[a + 1] - g.offsets[a] > g.offsets[b + 1] - g.offsets[b];
+      });
+      const int64_t count = static_cast<int64_t>(small.size());
+      std::atomic<int64_t> next{0};
       const at::ThreadLocalState state;  // grad/inference mode for the pool's threads
-      at::parallel_for(0, static_cast<int64_t>(small.size()), 1, [&](int64_t b, int64_t end) {
+      at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
         at::ThreadLocalStateGuard guard(state);
-        for (int64_t i = b; i < end; ++i) expert(small[i], xs, ys, g);
+        for (int64_t i = next++; i < count; i = next++) expert(small[i], xs, ys, g);
       });
     }
     const at::Tensor w = weights.contiguous().to(at::kFloat);
