@@ -26,7 +26,6 @@ from kvserve.quantization.qlinear import QuantLinear
 # csrc/moe_experts.cpp's codes (its linear kinds are decode_layers.cpp's numbers)
 _ACT = {GluKind.SILU: 0, GluKind.GELU_TANH: 1, GluKind.CLAMPED_SWIGLU: 2}
 _A8, _QUANT, _WIDE = 0, 1, 4
-_DTYPES = (torch.float32, torch.bfloat16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # wide_linear's
 
 # stacked dense weights [E, N, K], or one layer per expert (QuantLinear)
@@ -90,12 +89,3 @@ def experts_kernel(
                 _add_quant(op, part)
     op.set_biases(*(None if b is None else b.detach() for b in (gate_up_bias, down_bias)))
     return op
-
-
-def run_experts_kernel(
-    op: torch.ScriptObject, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """``x [T, H]`` (float32 or bf16), routing ``weights`` / ``ids [T, k]`` -> ``[T, H]``."""
-    if x.dtype not in _DTYPES:
-        raise ExpertsKernelRefused(f"activations in {x.dtype}")
-    return op.run(x, weights, ids)
