@@ -92,6 +92,7 @@ class GptOssMoeBlock(nn.Module):
         act = GluActivation(GluKind.CLAMPED_SWIGLU, float(config.swiglu_alpha),
                             float(config.swiglu_limit))  # fmt: skip
         self.experts.act_and_mul = act_and_mul_for(act)
+        self.experts.glu = act
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``lora`` must be None (no adapters here)."""

@@ -43,8 +43,15 @@ from kvserve.model.llama import (
     RMSNorm,
     layer_window,
 )
-from kvserve.moe.experts import ActAndMul, FusedExperts
+from kvserve.moe.experts import (
+    ActAndMul,
+    FusedExperts,
+    GluActivation,
+    GluKind,
+    log_kernel_fallback,
+)
 from kvserve.moe.router import RouterConfig, route
+from kvserve.ops import cpu_kernels
 from kvserve.ops.fused_kernels import fused_kernels_for
 from kvserve.ops.malloc_tuning import trim_heap
 from kvserve.quantization.apply import RTN_METHODS, layer_weight, quantized_layer, rtn_weight
@@ -85,6 +92,10 @@ def _act_and_mul(act: Callable[[torch.Tensor], torch.Tensor]) -> ActAndMul:
     return run
 
 
+# hidden_act -> the experts' activation policy (the C++ experts op's)
+_GLU_KINDS = {"silu": GluKind.SILU, "gelu_pytorch_tanh": GluKind.GELU_TANH}
+
+
 class SparseMoeBlock(nn.Module):
     """A layer's routed experts (and a gated shared expert where the family has one)."""
 
@@ -107,6 +118,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = RouterLinear(hidden, router.num_experts)
         self.experts = FusedExperts(router.num_experts, hidden, intermediate, tp)
         self.experts.act_and_mul = _act_and_mul(ACTIVATIONS[act][0])
+        self.experts.glu = GluActivation(_GLU_KINDS[act]) if act in _GLU_KINDS else None
         self.fused_act_and_mul = ACTIVATIONS[act][1]  # the C++ op enable_fused_ops switches to
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: RouterLinear | None = None
@@ -234,7 +246,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         return DecoderLayer(config, _attention(config, arch, layer, self.tp), self.tp, mlp=mlp)
 
     def enable_fused_ops(self) -> bool:
-        """As Llama's, and the experts' act(gate) * up on the same kernel module too."""
+        """As Llama's, and the experts' act(gate) * up on the same kernel module too; on the
+        CPU each layer's routed experts run as one C++ call (``moe/experts_kernel.py``)."""
         if not super().enable_fused_ops():
             return False
         param = self.embed_tokens.weight
@@ -242,6 +255,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         for m in self.modules():
             if isinstance(m, SparseMoeBlock):
                 m.experts.act_and_mul = getattr(kernels, m.fused_act_and_mul.__name__)
+            if isinstance(m, FusedExperts):
+                m.use_kernel = kernels is cpu_kernels
+                if kernels is not cpu_kernels:
+                    log_kernel_fallback(f"on {param.device.type} (a CPU op)")
         return True
 
     @torch.no_grad()

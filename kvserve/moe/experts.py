@@ -23,6 +23,7 @@ clamped SwiGLU.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,12 +33,25 @@ from torch.nn import functional as F
 
 from kvserve.distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
 
+logger = logging.getLogger(__name__)
+
 # act(gate) * up for gate_up = [N, 2 * I] -> [N, I] (llama.ACTIVATIONS' PyTorch or C++ op)
 ActAndMul = Callable[[torch.Tensor], torch.Tensor]
 # (expert, rows [n, K]) -> [n, N]: one expert's projection, e.g. its quantized layer
 ExpertLinear = Callable[[int, torch.Tensor], torch.Tensor]
 # stacked dense weights [E, N, K], or a function per expert
 ExpertWeights = torch.Tensor | ExpertLinear
+
+
+_logged: set[str] = set()
+
+
+def log_kernel_fallback(reason: str) -> None:
+    """Say once per process and reason why MoE experts keep the PyTorch grouped path."""
+    message = f"MoE experts on the PyTorch grouped path: the C++ op cannot run {reason}"
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
 
 
 def _linear(w: ExpertWeights) -> ExpertLinear:
@@ -49,6 +63,11 @@ def _linear(w: ExpertWeights) -> ExpertLinear:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -64,6 +83,7 @@ def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) ->
 
 class GluKind(enum.Enum):
     SILU = "silu"  # silu(gate) * up (Qwen, Mixtral, OLMoE)
+    GELU_TANH = "gelu_tanh"  # gelu(gate, approximate="tanh") * up (hidden_act gelu_pytorch_tanh)
     CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss: clamped, sigmoid(alpha * gate), (up + 1)
 
 
@@ -81,6 +101,8 @@ def act_and_mul_for(act: GluActivation) -> ActAndMul:
     """The PyTorch function computing ``act``: ``gate_up [N, 2I]`` -> ``[N, I]``."""
     if act.kind is GluKind.SILU:
         return silu_and_mul
+    if act.kind is GluKind.GELU_TANH:
+        return gelu_tanh_and_mul
     return lambda gate_up: clamped_swiglu_and_mul(gate_up, act.alpha, act.limit)
 
 
@@ -192,7 +214,12 @@ class FusedExperts(nn.Module):
             self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
             self.down_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.act_and_mul: ActAndMul = silu_and_mul
+        # what act_and_mul computes, for the C++ op (None: a function it does not know)
+        self.glu: GluActivation | None = GluActivation()
         self.use_reference = False  # one token at a time (tests)
+        # the C++ op (experts_kernel.py) instead of grouped_experts: enable_fused_ops sets it
+        self.use_kernel = False
+        self._kernel: torch.ScriptObject | None = None  # built at the first forward
         # per-expert quantized layers (set_quantized); None: the stacked dense weights
         self.q_gate_up: nn.ModuleList | None = None
         self.q_down: nn.ModuleList | None = None
@@ -202,6 +229,7 @@ class FusedExperts(nn.Module):
         ``[2I, H]`` / ``[H, I]`` weights) and free the dense stacked weights."""
         assert len(gate_up) == len(down) == self.num_experts
         self.q_gate_up, self.q_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self._kernel = None  # the op holds the old weights
         dtype = self.gate_up_proj.dtype
         self.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
@@ -262,7 +290,29 @@ class FusedExperts(nn.Module):
                 self.load_expert(e, "gate", tensor[e, :full_i])
                 self.load_expert(e, "up", tensor[e, full_i:])
 
+    def kernel(self) -> torch.ScriptObject | None:
+        """The C++ op over this layer's experts (built once), or None with the reason logged
+        once per process: ``grouped_experts`` then runs them."""
+        from kvserve.moe.experts_kernel import ExpertsKernelRefused, experts_kernel
+
+        if self._kernel is None and self.use_kernel:
+            gate_up = self.q_gate_up if self.q_gate_up is not None else self.gate_up_proj
+            down = self.q_down if self.q_down is not None else self.down_proj
+            try:
+                if self.glu is None:
+                    raise ExpertsKernelRefused("an activation it does not implement")
+                down_bias = self.down_bias if self.tp.rank == 0 else None
+                self._kernel = experts_kernel(gate_up, down, self.glu, self.gate_up_bias,
+                                              down_bias)  # fmt: skip
+            except ExpertsKernelRefused as e:
+                self.use_kernel = False
+                log_kernel_fallback(str(e))
+        return self._kernel
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        op = self.kernel() if self.use_kernel and not self.use_reference else None
+        if op is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return all_reduce(op.run(x, weights, ids), self.tp)
         run = reference_experts if self.use_reference else grouped_experts
         gate_up: ExpertWeights = self.gate_up_proj
         down: ExpertWeights = self.down_proj

@@ -36,6 +36,7 @@ _SOURCES = [
     _CSRC / "wide_linear.cpp",
     _CSRC / "lora_ops.cpp",
     _CSRC / "decode_layers.cpp",  # after the kernels it calls (it looks them up at first use)
+    _CSRC / "moe_experts.cpp",  # likewise
 ]
 
 # Compile the kernels with the vector width torch itself dispatches to on this CPU, so

@@ -105,8 +105,8 @@ def test_quantized_experts_equal_dequantized(gpt_oss: Native, tmp_path: Path) ->
 
 def test_bf16_fused_ops_keep_outputs(gpt_oss: Native) -> None:
     """bf16 with the fused C++ ops (norms, RoPE + KV write after the biased q/k/v) gives the
-    PyTorch chain's tokens; the experts keep their PyTorch clamped SwiGLU and the C++ decode
-    loop (no MoE, no sinks) stays off."""
+    PyTorch chain's tokens, the experts (biases, clamped SwiGLU) as one C++ call per layer;
+    the C++ decode loop (no MoE, no sinks) stays off."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = []
@@ -114,6 +114,7 @@ def test_bf16_fused_ops_keep_outputs(gpt_oss: Native) -> None:
         llm = LLM(str(gpt_oss.path), dtype="bfloat16", num_kv_blocks=128, fused_ops=fused)
         model = llm.engine.runner.model
         assert model.norm.fused == fused and model.decode_loop is None
+        assert (model.layers[0].mlp.experts.kernel() is not None) == fused
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
     assert model.embed_tokens.weight.dtype == torch.bfloat16

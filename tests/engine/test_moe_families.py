@@ -14,6 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.moe import MoEForCausalLM
+from kvserve.moe.experts import FusedExperts
 from tests.engine.test_native_families import SHARED, Native
 from tests.engine.utils import random_prompts, run_engine_checked
 from tests.model.tiny_moe import MOE_ARCHS, WINDOW, make_moe_model
@@ -67,8 +68,9 @@ def test_ngram_speculative_decoding(moe: dict[str, Native]) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
 def test_bf16_fused_ops_keep_outputs(moe: dict[str, Native], arch: str) -> None:
-    """bf16 with the fused C++ ops (norms, SiLU*up in the experts and the shared expert,
-    RoPE + KV write after OLMoE's whole-projection norms) gives the PyTorch chain's tokens."""
+    """bf16 with the fused C++ ops (norms, SiLU*up in the shared expert, the routed experts
+    as one C++ call per layer, RoPE + KV write after OLMoE's whole-projection norms) gives the
+    PyTorch chain's tokens."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = []
@@ -76,6 +78,8 @@ def test_bf16_fused_ops_keep_outputs(moe: dict[str, Native], arch: str) -> None:
         llm = LLM(str(moe[arch].path), dtype="bfloat16", num_kv_blocks=128, fused_ops=fused)
         model = llm.engine.runner.model
         assert model.norm.fused == fused and model.decode_loop is None
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        assert experts and all((m.kernel() is not None) == fused for m in experts)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
     assert model.embed_tokens.weight.dtype == torch.bfloat16

@@ -69,6 +69,7 @@ def test_quantized_experts_equal_dequantized(
     assert isinstance(experts, FusedExperts) and experts.q_gate_up is not None
     assert all(isinstance(m, QuantLinear) for m in [*experts.q_gate_up, *experts.q_down])
     assert experts.gate_up_proj.numel() == 0  # the dense stacked weights are freed
+    assert experts.kernel() is not None  # the quantized experts ran as one C++ call per layer
     assert model.quant_report.layers == 4 + 2 + 2 + 4 * 2
     _, dense = run(tmp_path / "dense")
     assert quantized == dense
