@@ -111,7 +111,9 @@ def _moe_extra(config: PretrainedConfig, arch: str) -> dict[str, int]:
     if arch == "llama":  # Mixtral: experts of intermediate_size
         return {"num_local_experts": int(experts)}
     shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-    return {"num_experts": int(experts), "moe_intermediate_size": int(config.moe_intermediate_size),
+    # OLMoE's experts are of intermediate_size (it has no moe_intermediate_size)
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return {"num_experts": int(experts), "moe_intermediate_size": int(inter),
             "shared_expert_intermediate_size": int(shared)}  # fmt: skip
 
 
