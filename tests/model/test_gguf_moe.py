@@ -208,6 +208,8 @@ def test_experts_equal_gguf_dequantizer(quantized: tuple[str, PreTrainedModel, P
     source = GGUFLinears(path, model.config)
     experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
     assert sorted(source.experts) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    # every expert matrix comes from the blocks: the loader reads none of them densely
+    assert len({n for n in source.checkpoint_names if ".experts." in n}) == 2 * experts * 3
     for layer in range(2):
 
         def stacked(kind: str, e: int, layer: int = layer) -> np.ndarray:
