@@ -458,9 +458,11 @@ def process_tree(pid: int) -> list[int]:
 def memory_mib(pid: int) -> dict[str, float | None]:
     """Peak (VmHWM) and current (VmRSS) resident memory of ``pid`` and its descendants in MiB:
     each process's own, summed (for a server of several processes, the peaks' sum bounds the
-    peak of the whole from above)."""
+    peak of the whole from above: vLLM's engine core and worker, kvserve's grammar compile
+    workers, ~0.2 GB each), and ``pid``'s alone (``main_peak_rss_mib``)."""
     out: dict[str, float | None] = {"peak_rss_mib": None, "rss_mib": None}
-    for p in process_tree(pid):
+    tree = process_tree(pid)
+    for p in tree:
         try:
             lines = Path(f"/proc/{p}/status").read_text().splitlines()
         except OSError:
@@ -470,6 +472,8 @@ def memory_mib(pid: int) -> dict[str, float | None]:
             if key in ("VmHWM", "VmRSS"):
                 name = "peak_rss_mib" if key == "VmHWM" else "rss_mib"
                 out[name] = (out[name] or 0.0) + int(value.split()[0]) / 1024
+        if p == pid:
+            out["main_peak_rss_mib"] = out["peak_rss_mib"]
     return out
 
 

@@ -129,14 +129,17 @@ def rows_to_runs(rows: list[dict]) -> list[dict]:
 
 def test_memory_of_a_process_tree() -> None:
     """A server of several processes (vLLM's API server, engine core, worker) counts whole."""
-    code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', " \
-           "'import time; b = bytearray(200 << 20); time.sleep(30)']); time.sleep(30)"  # fmt: skip
+    child = "import time; b = b'x' * (200 << 20); time.sleep(120)"  # 200 MiB touched
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+    code += "time.sleep(120)"
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
-        for _ in range(100):  # the child up and its 200 MiB touched
+        deadline = time.monotonic() + 60  # the child up and its 200 MiB touched (loaded box)
+        while True:
             tree = quantization.process_tree(parent.pid)
             mem = quantization.memory_mib(parent.pid)
-            if len(tree) == 2 and (mem["peak_rss_mib"] or 0) > 200:
+            one = quantization.memory_mib(tree[-1])["peak_rss_mib"] or 0
+            if (len(tree) == 2 and one > 200) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert len(tree) == 2 and tree[0] == parent.pid
