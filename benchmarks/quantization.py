@@ -34,6 +34,7 @@ Hugging Face tokenizer (the probe records it: 127 of 128 on the built-in model).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shlex
@@ -66,13 +67,14 @@ class Setting:
     """One server configuration of the side by side."""
 
     key: str
-    engine: str  # "kvserve" or "llamacpp"
+    engine: str  # "kvserve", "llamacpp" or "vllm" (benchmarks/moe.py)
     quantization: str | None = None  # kvserve serve --quantization (None: bf16 weights)
     gguf_type: str | None = None  # the GGUF served (llama.cpp; kvserve --quantization gguf)
     # kvserve --quantization-activations (None: the default, auto: int8 on VNNI CPUs)
     activations: str | None = None
     lm_head: bool = False  # kvserve --quantization-lm-head (int8, or a GGUF's output type)
     eager: bool = False  # kvserve --enforce-eager (the Python layer loop on decode steps too)
+    dtype: str = "bfloat16"  # kvserve / vLLM --dtype (the KV cache's too)
 
 
 SETTINGS = (
@@ -203,8 +205,10 @@ def summarize(
     servers: Sequence[dict[str, Any]],
     settings: Sequence[Setting],
     concurrency: Sequence[int],
+    peer_of: dict[str, str] = PEER_OF,
 ) -> list[dict[str, Any]]:
-    """One row per (concurrency, setting) measured: medians over repeats, ratios, peak RSS."""
+    """One row per (concurrency, setting) measured: medians over repeats, ratios (to kvserve
+    bf16, and to ``peer_of`` the setting's peer), peak RSS."""
     rows = []
     for c in concurrency:
         for s in settings:
@@ -223,7 +227,7 @@ def summarize(
             })  # fmt: skip
     tput = {(r["setting"], r["concurrency"]): r["output_tok_s"] for r in rows}
     for row in rows:
-        for name, other in (("x_bf16", BASELINE), ("x_llamacpp", PEER_OF.get(row["setting"]))):
+        for name, other in (("x_bf16", BASELINE), ("x_llamacpp", peer_of.get(row["setting"]))):
             den = tput.get((other, row["concurrency"])) if other else None
             ok = den and row["output_tok_s"] is not None and other != row["setting"]
             row[name] = row["output_tok_s"] / den if ok else None
@@ -231,11 +235,16 @@ def summarize(
 
 
 def markdown(
-    rows: Sequence[dict[str, Any]], roof: dict[str, Any] | None, cfg: Any, context: int
+    rows: Sequence[dict[str, Any]],
+    roof: dict[str, Any] | None,
+    cfg: Any,
+    context: int,
+    peer: str = "llama.cpp",
 ) -> str:
-    """The result table; the floor is the roofline's least decode step at the mean context."""
+    """The result table; the floor is the roofline's least decode step at the mean context;
+    ``peer`` names the ``x_llamacpp`` column's peer."""
     lines = [
-        "| c | setting | output tok/s | x bf16 | x llama.cpp | TTFT p50 ms | TPOT p50 ms "
+        f"| c | setting | output tok/s | x bf16 | x {peer} | TTFT p50 ms | TPOT p50 ms "
         "| floor ms | floor / TPOT | peak RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -260,11 +269,13 @@ def markdown(
     return "\n".join(lines)
 
 
-def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's speed targets that this run can judge, each with its measured ratio."""
+def targets(
+    rows: Sequence[dict[str, Any]], goals: Sequence[tuple[str, str, int, float]] = TARGETS
+) -> list[dict[str, Any]]:
+    """The issue's speed targets (``goals``) that this run can judge, each with its ratio."""
     tput = {(r["setting"], r["concurrency"]): r["output_tok_s"] for r in rows}
     out = []
-    for num, den, c, least in TARGETS:
+    for num, den, c, least in goals:
         a, b = tput.get((num, c)), tput.get((den, c))
         if a is None or not b:
             continue
@@ -299,6 +310,10 @@ def ensure_tinyllama() -> Path:
 
 
 def resolve_model(name: str, pre_tokenizer: str | None) -> Model:
+    from benchmarks.moe_model import SHAPES, ensure_moe_model
+
+    if name in SHAPES:  # random OLMoE-layout models (benchmarks/moe.py) with SmolLM2's BPE
+        return Model(name, ensure_moe_model(name), "smollm")
     if name == "builtin":
         from kvserve.model.builtin import builtin_model_path
 
@@ -308,7 +323,8 @@ def resolve_model(name: str, pre_tokenizer: str | None) -> Model:
         return Model("tinyllama", ensure_tinyllama(), "smollm")
     path = Path(name).expanduser().resolve()
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name!r}: expected builtin, tinyllama or a model folder")
+        raise ValueError(f"--model {name!r}: expected builtin, tinyllama, {', '.join(SHAPES)} "
+                         "or a model folder")  # fmt: skip
     return Model(path.name, path, pre_tokenizer)
 
 
@@ -318,10 +334,11 @@ def slot_tokens(args: argparse.Namespace) -> int:
     return args.input_len + args.output_len + 64
 
 
-def kv_cache_bytes(cfg: Any, tokens: int) -> int:
-    """Bytes of a 16-bit KV cache holding ``tokens`` tokens (K and V of every layer)."""
+def kv_cache_bytes(cfg: Any, tokens: int, elem_bytes: int = 2) -> int:
+    """Bytes of a KV cache holding ``tokens`` tokens (K and V of every layer), 16-bit unless
+    ``elem_bytes`` says."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem_bytes
 
 
 def server_command(
@@ -340,13 +357,14 @@ def server_command(
         )  # fmt: skip
         return [*cmd, *shlex.split(args.llamacpp_args)]
     served = str(ggufs[setting.gguf_type]) if setting.gguf_type else str(model.path)
-    kv = args.kv_cache_memory or str(kv_cache_bytes(args.model_cfg, slots * tokens))
+    elem = 4 if setting.dtype == "float32" else 2
+    kv = args.kv_cache_memory or str(kv_cache_bytes(args.model_cfg, slots * tokens, elem))
     size = args.quantization_group_size
     group = ["--quantization-group-size", str(size)] if size else []
     return [
         sys.executable, "-m", "kvserve.cli", "serve", served,
         "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--num-threads", str(args.threads),
+        "--dtype", setting.dtype, "--num-threads", str(args.threads),
         "--max-num-seqs", str(slots), "--max-model-len", str(tokens),
         "--kv-cache-memory", kv, "--no-access-log",
         *(["--quantization", setting.quantization] if setting.quantization else []),
@@ -426,17 +444,36 @@ def probe(args: argparse.Namespace, model: Model, url: str) -> dict[str, Any]:
     }
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (vLLM serves from an engine-core child process)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the process ended meanwhile
+                pids += [int(c) for c in task.read_text().split()]
+        i += 1
+    return pids
+
+
 def memory_mib(pid: int) -> dict[str, float | None]:
-    """Peak (VmHWM) and current (VmRSS) resident memory of ``pid`` in MiB."""
+    """Peak (VmHWM) and current (VmRSS) resident memory of ``pid`` and its descendants in MiB:
+    each process's own, summed (for a server of several processes, the peaks' sum bounds the
+    peak of the whole from above: vLLM's engine core and worker, kvserve's grammar compile
+    workers, ~0.2 GB each), and ``pid``'s alone (``main_peak_rss_mib``)."""
     out: dict[str, float | None] = {"peak_rss_mib": None, "rss_mib": None}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    tree = process_tree(pid)
+    for p in tree:
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
             key, _, value = line.partition(":")
             if key in ("VmHWM", "VmRSS"):
                 name = "peak_rss_mib" if key == "VmHWM" else "rss_mib"
-                out[name] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
+                out[name] = (out[name] or 0.0) + int(value.split()[0]) / 1024
+        if p == pid:
+            out["main_peak_rss_mib"] = out["peak_rss_mib"]
     return out
 
 
@@ -489,6 +526,25 @@ def serve_setting(
     return server, runs
 
 
+def measure(
+    args: argparse.Namespace,
+    settings: Sequence[Setting],
+    command: Callable[..., list[str]],
+    model: Model,
+    ggufs: dict[str, Path],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every setting's server in turn, ``args.repeats`` times (the order reversed every other
+    repeat); ``command(setting, model, ggufs, port)`` is a server's command line."""
+    servers, runs = [], []
+    for rep in range(args.repeats):
+        for setting in settings if rep % 2 == 0 else settings[::-1]:
+            cmd = partial(command, setting, model, ggufs)
+            server, mine = serve_setting(args, setting.key, cmd, model, rep)
+            servers.append(server)
+            runs.extend(mine)
+    return servers, runs
+
+
 RESULT_KEYS = (
     "completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
     "duration", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -519,7 +575,9 @@ def roofline(args: argparse.Namespace, model: Model, ggufs: dict[str, Path]) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="builtin", help="builtin, tinyllama or a model folder")
+    ap.add_argument(
+        "--model", default="builtin", help="builtin, tinyllama, olmoe-* (moe_model.py) or a folder"
+    )
     ap.add_argument(
         "--settings",
         type=parse_settings,
@@ -585,14 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(s.engine == "llamacpp" for s in args.settings):
         doc["llamacpp_version"] = args.build.version()
     roof = None if args.no_roofline else roofline(args, model, ggufs)
-    servers, runs = [], []
-    for rep in range(args.repeats):
-        order = args.settings if rep % 2 == 0 else args.settings[::-1]
-        for setting in order:
-            command = partial(server_command, args, setting, model, ggufs)
-            server, mine = serve_setting(args, setting.key, command, model, rep)
-            servers.append(server)
-            runs.extend(mine)
+    servers, runs = measure(args, args.settings, partial(server_command, args), model, ggufs)
     summary = summarize(runs, servers, args.settings, args.concurrency)
     context = args.input_len + args.output_len // 2  # mean tokens per request while decoding
     table = markdown(summary, roof, args.model_cfg, context)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_ROOT = REPO / ".peers" / "llamacpp"
+# setup_llamacpp.sh's folder; $KVSERVE_LLAMACPP_DIR points at one built elsewhere (a worktree)
+DEFAULT_ROOT = Path(os.environ.get("KVSERVE_LLAMACPP_DIR") or REPO / ".peers" / "llamacpp")
 # Q8_0 / Q4_0: issue 16's side by side; Q4_K_M / Q5_K_M: issue 34's (llama-quantize's mixed
 # recipes: Q4_K / Q5_K with Q6_K for the LM head and some layers' attn_v / ffn_down)
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M")
@@ -111,8 +112,12 @@ def ensure_ggufs(
     pure: bool = False,
     out_dir: Path | None = None,
     pre_tokenizer: str | None = None,
+    keep_base: bool = True,
 ) -> dict[str, Path]:
-    """GGUF files of ``model_dir``, made once: ``{"base": unquantized, "Q8_0": ..., ...}``."""
+    """GGUF files of ``model_dir``, made once: ``{"base": unquantized, "Q8_0": ..., ...}``.
+    The unquantized file is converted only while a quantized one is missing; ``keep_base=False``
+    deletes it once they are all made (the OLMoE-1B-7B shape's is 13.8 GB), and "base" is then
+    left out of the answer."""
     bad = [t for t in types if t not in QUANT_TYPES]
     if bad:
         raise ValueError(f"unsupported GGUF types {bad}; choose from {QUANT_TYPES}")
@@ -120,14 +125,17 @@ def ensure_ggufs(
     out_dir = out_dir or bench_models_dir() / "gguf" / model_dir.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
     outtype = base_outtype(model_dir)
-    files = {"base": out_dir / gguf_name(outtype.upper(), pure)}
-    if not files["base"].is_file():
-        convert(build, model_dir, files["base"], outtype, pre_tokenizer)
-    for qtype in types:
-        files[qtype] = out_dir / gguf_name(qtype, pure)
-        if not files[qtype].is_file():
-            quantize(build, files["base"], files[qtype], qtype, pure)
-    return files
+    base = out_dir / gguf_name(outtype.upper(), pure)
+    files = {qtype: out_dir / gguf_name(qtype, pure) for qtype in types}
+    missing = [q for q, path in files.items() if not path.is_file()]
+    if (missing or keep_base) and not base.is_file():
+        convert(build, model_dir, base, outtype, pre_tokenizer)
+    for qtype in missing:
+        quantize(build, base, files[qtype], qtype, pure)
+    if not keep_base:
+        base.unlink(missing_ok=True)
+        return files
+    return {"base": base, **files}
 
 
 def convert(

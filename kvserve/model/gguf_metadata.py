@@ -28,7 +28,7 @@ from kvserve.model.gguf_rope import llama3_rope_scaling
 # adds q/k/v biases, qwen3 and gemma3 per-head q/k norms, gemma2/3 sandwich norms, phi3 fuses
 # q/k/v and gate/up (gguf_convert). A phi3 file with a sliding window is written as Mistral
 # (Llama with a window on every layer, as transformers' Phi3 applies it); a llama file with
-# experts (`llama.expert_count`) as Mixtral.
+# experts (`llama.expert_count`) as Mixtral. olmoe's q/k norms span the whole projection.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -39,7 +39,10 @@ ARCHITECTURES = {
     "phi3": "LlamaForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# MoE architectures whose files must name their experts (`{arch}.expert_count`)
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's gemma2 / gemma3 27B shapes (by layer count) scale queries by hidden / heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -130,8 +133,8 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
     n_head = int(_require(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
-    if arch in ("qwen2", "qwen2moe") and head_dim != hidden // n_head:
-        # Qwen2Config has no head_dim: it is always hidden / heads.
+    if arch in ("qwen2", "qwen2moe", "olmoe") and head_dim != hidden // n_head:
+        # Qwen2Config and OlmoeConfig have no head_dim: it is always hidden / heads.
         raise ValueError(f"{arch} GGUF with head dim {head_dim} != {hidden} / {n_head}")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -238,18 +241,22 @@ def _layer_types(pattern: Any, layers: int) -> list[str]:
 
 def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:
     """Expert counts and sizes; top-k renormalisation as llama.cpp's graphs do it (qwen3moe
-    and llama-with-experts renormalise, qwen2moe not) unless ``expert_weights_norm`` says."""
+    and llama-with-experts renormalise, qwen2moe and olmoe not) unless ``expert_weights_norm``
+    says."""
     experts = _field(reader, f"{arch}.expert_count")
     if not experts:
-        if arch in ("qwen2moe", "qwen3moe"):
+        if arch in _MOE_ARCHS:
             raise ValueError(f"GGUF metadata is missing required key '{arch}.expert_count'")
         return {}
-    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+    if arch not in ("llama", *_MOE_ARCHS):
         raise ValueError(f"{arch} GGUF with experts ({arch}.expert_count) is not supported")
     used = int(_require(reader, f"{arch}.expert_used_count"))
     if arch == "llama":  # Mixtral
         return {"num_local_experts": int(experts), "num_experts_per_tok": used}
     norm = _field(reader, f"{arch}.expert_weights_norm")
+    if arch == "olmoe":  # experts of feed_forward_length; llama.cpp's graph has no clip_qkv
+        return {"num_experts": int(experts), "num_experts_per_tok": used,
+                "norm_topk_prob": bool(norm), "clip_qkv": None}  # fmt: skip
     extra = {
         "num_experts": int(experts), "num_experts_per_tok": used,
         "moe_intermediate_size": int(_require(reader, f"{arch}.expert_feed_forward_length")),
@@ -298,6 +305,8 @@ def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
     if arch == "qwen3moe":
         return transformers.Qwen3MoeConfig, {"head_dim": hp.head_dim, "attention_bias": False,
                                              **hp.extra}  # fmt: skip
+    if arch == "olmoe":  # whole-projection q/k norms and no biases are built in
+        return transformers.OlmoeConfig, dict(hp.extra)
     if hf_architecture(hp) == "MistralForCausalLM":
         return transformers.MistralConfig, {"head_dim": hp.head_dim, **hp.extra}
     if hf_architecture(hp) == "MixtralForCausalLM":  # no window: llama.cpp's llama graph
@@ -359,14 +368,16 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
-    from transformers import AutoTokenizer, GemmaTokenizer
+    from transformers import AutoTokenizer, GemmaTokenizer, PreTrainedTokenizerFast
 
     # A local folder + gguf_file never touches the hub; transformers converts the GGUF vocab,
     # merges and special tokens into a fast tokenizer and copies the chat template over.
     arch = read_architecture(reader)
     # transformers' AutoTokenizer refuses a GGUF whose architecture its model loader lacks
-    # (gemma 1), though its GGUF tokenizer builder takes any: name the class for those.
-    tokenizer_class = GemmaTokenizer if arch == "gemma" else AutoTokenizer
+    # (gemma 1, olmoe), though its GGUF tokenizer builder takes any: name the class for those.
+    tokenizer_class = {"gemma": GemmaTokenizer, "olmoe": PreTrainedTokenizerFast}.get(
+        arch, AutoTokenizer
+    )
     tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
     tokens = _field(reader, "tokenizer.ggml.tokens")

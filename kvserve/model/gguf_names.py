@@ -82,6 +82,7 @@ _ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
     "phi3": ("attn_qkv", "attn_output", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"),
     "qwen2moe": (*_ATTN, *_QKV_BIAS, *_EXPERTS, *_SHARED),
     "qwen3moe": (*_ATTN, "attn_q_norm", "attn_k_norm", *_EXPERTS),
+    "olmoe": (*_ATTN, "attn_q_norm", "attn_k_norm", *_EXPERTS),
     "llama+experts": (*_ATTN, *_EXPERTS),  # Mixtral: a llama file with llama.expert_count
 }
 _PHI3_FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}
@@ -147,7 +148,7 @@ def _names(hp: LlamaHParams) -> dict[str, str]:
     family = _family(hp)
     if family in ("gemma2", "gemma3"):
         return _GEMMA23_MAP
-    if family in ("qwen2moe", "qwen3moe"):
+    if family in ("qwen2moe", "qwen3moe", "olmoe"):
         return _QWEN_MOE_MAP
     return _MIXTRAL_MAP if family == "llama+experts" else BLOCK_TENSOR_MAP
 
@@ -175,6 +176,8 @@ def expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
     h, q_rows = hp.hidden_size, hp.num_attention_heads * hp.head_dim
     kv_rows = hp.num_key_value_heads * hp.head_dim
     experts, inter, shared = moe_sizes(hp)
+    # q/k norm weights: one head's (qwen3, gemma3), or the whole projection's (olmoe)
+    q_norm, k_norm = (q_rows, kv_rows) if hp.architecture == "olmoe" else (hp.head_dim,) * 2
     return {
         "attn_q": (q_rows, h), "attn_k": (kv_rows, h), "attn_v": (kv_rows, h),
         "attn_output": (h, q_rows),
@@ -182,7 +185,7 @@ def expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         "ffn_down": (h, hp.intermediate_size),
         "attn_norm": (h,), "ffn_norm": (h,), "post_attention_norm": (h,), "post_ffw_norm": (h,),
         "attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,),
-        "attn_q_norm": (hp.head_dim,), "attn_k_norm": (hp.head_dim,),
+        "attn_q_norm": (q_norm,), "attn_k_norm": (k_norm,),
         "ffn_gate_inp": (experts, h),
         "ffn_gate_exps": (inter, h), "ffn_up_exps": (inter, h), "ffn_down_exps": (h, inter),
         "ffn_gate_inp_shexp": (1, h),

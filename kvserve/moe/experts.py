@@ -230,9 +230,12 @@ class FusedExperts(nn.Module):
         assert len(gate_up) == len(down) == self.num_experts
         self.q_gate_up, self.q_down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self._kernel = None  # the op holds the old weights
-        dtype = self.gate_up_proj.dtype
-        self.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        # emptied in place, not replaced: the loader's parameter dict (``load_weights``) holds
+        # these objects until every layer is in, and replaced ones kept every layer's dense
+        # experts resident to the end (the OLMoE-1B-7B shape's int4 load: 14.5 GB and rising)
+        for p in (self.gate_up_proj, self.down_proj):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.requires_grad_(False)
 
     @torch.no_grad()
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
@@ -252,6 +255,8 @@ class FusedExperts(nn.Module):
             raise ValueError(
                 f"expert {expert} {part} weight has shape {tuple(tensor.shape)}, expected {want}"
             )
+        if tensor.is_meta:  # not read: its quantized layer comes from elsewhere (a GGUF's
+            return  # blocks), and the stacked weight's pages stay untouched
         dst.copy_(tensor.narrow(dim, r * i, i))
 
     @torch.no_grad()

@@ -111,7 +111,9 @@ def _moe_extra(config: PretrainedConfig, arch: str) -> dict[str, int]:
     if arch == "llama":  # Mixtral: experts of intermediate_size
         return {"num_local_experts": int(experts)}
     shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-    return {"num_experts": int(experts), "moe_intermediate_size": int(config.moe_intermediate_size),
+    # OLMoE's experts are of intermediate_size (it has no moe_intermediate_size)
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return {"num_experts": int(experts), "moe_intermediate_size": int(inter),
             "shared_expert_intermediate_size": int(shared)}  # fmt: skip
 
 
@@ -128,7 +130,8 @@ class GGUFLinears:
     """The decoder layers' quantized projections of a GGUF, fused as kvserve's model fuses them.
     ``modules``: kvserve module path (``layers.3.self_attn.qkv_proj``) -> its parts;
     ``checkpoint_names``: the converted folder's tensors they stand for
-    (``model.layers.3.self_attn.q_proj.weight``), which the loader need not read.
+    (``model.layers.3.self_attn.q_proj.weight``, and each expert's matrices of the MoE layers
+    in ``experts``), which the loader need not read.
 
     A fused module any part of which is stored as floats (F32/F16/BF16) or in a type with no
     quantized layer (``dense_types``: the IQ1/IQ2/IQ3 grids, TQ1_0, TQ2_0, MXFP4, ...) is left
@@ -149,6 +152,7 @@ class GGUFLinears:
         planned = [p for t in reader.tensors if t.name.startswith("blk.")
                    for p in plan_block(t, hp, shapes, reader.path_of[t.name])]  # fmt: skip
         experts: dict[str, dict[tuple[int, str], _Tensor]] = {}  # layers.3.mlp.experts -> parts
+        expert_names: dict[str, set[str]] = {}  # layers.3.mlp.experts -> its folder names
         for p in planned:
             module = p.hf_name.removeprefix("model.").removesuffix(".weight")
             is_expert = p.kind in _EXPERT_PARTS
@@ -169,6 +173,7 @@ class GGUFLinears:
             )  # fmt: skip
             if is_expert:
                 experts.setdefault(module, {})[(p.row_start // n, _EXPERT_PARTS[p.kind])] = t
+                expert_names.setdefault(module, set()).add(p.hf_name)
             else:
                 parts[module] = t
         # each MoE layer's experts, all kept quantized (a layer with a dense part stays dense)
@@ -180,7 +185,11 @@ class GGUFLinears:
                         len([m for m, t in dense.items() if t in self.dense_types]))  # fmt: skip
         self._tensors = {m: t for m, t in parts.items() if _fused_name(m) not in dense}
         self.modules = fused_modules(self._tensors)
-        self.checkpoint_names = {f"model.{p}.weight" for p in self._tensors}
+        # the experts kept in the file's blocks are not read densely either: dequantizing the
+        # OLMoE-1B-7B shape's 3072 expert matrices to float32 took most of a 390 s load
+        self.checkpoint_names = {f"model.{p}.weight" for p in self._tensors} | {
+            name for module in self.experts for name in expert_names[module]
+        }
 
     def take(self, module: str) -> QuantizedWeight:
         """``module``'s weight, its parts read, decoded and fused."""

@@ -21,7 +21,7 @@ import pytest
 
 from tests.model.test_gguf_gemma_phi3 import make_model, write_gguf
 from tests.model.test_gguf_moe import ARCHS as MOE_ARCHS
-from tests.model.test_gguf_moe import write_moe_gguf
+from tests.model.test_gguf_moe import EPS, write_moe_gguf
 from tests.model.tiny_moe import make_moe_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
         folder = work / family
         if family in MOE_ARCHS:
             gguf_arch, _, overrides = MOE_ARCHS[family]
-            make_moe_model(family, folder, rms_norm_eps=2.0**-10, **overrides)
+            make_moe_model(family, folder, **{"rms_norm_eps": EPS, **overrides})
             ours = write_moe_gguf(folder, gguf_arch, work / f"{family}.ours.gguf")
         else:
             model = make_model(family)

@@ -1,6 +1,6 @@
-"""Mixture-of-experts GGUF files (``qwen2moe``, ``qwen3moe``, and ``llama`` with experts as
-llama.cpp writes Mixtral), written with the ``gguf`` package as llama.cpp's converter writes
-them (experts stacked ``[E, rows, cols]`` as ``ffn_{gate,up,down}_exps``, the router as
+"""Mixture-of-experts GGUF files (``qwen2moe``, ``qwen3moe``, ``olmoe``, and ``llama`` with
+experts as llama.cpp writes Mixtral), written with the ``gguf`` package as llama.cpp's converter
+writes them (experts stacked ``[E, rows, cols]`` as ``ffn_{gate,up,down}_exps``, the router as
 ``ffn_gate_inp``, Qwen2-MoE's shared expert as ``*_shexp``) from the tiny random models of
 ``tiny_moe``: the converted folder holds the original checkpoint's tensors exactly, under its
 names, and kvserve's greedy tokens equal transformers'."""
@@ -33,7 +33,11 @@ ARCHS = {
     "qwen2_moe": ("qwen2moe", "Qwen2MoeForCausalLM", {"mlp_only_layers": []}),
     "qwen3_moe": ("qwen3moe", "Qwen3MoeForCausalLM", {}),
     "mixtral": ("llama", "MixtralForCausalLM", {"sliding_window": None}),
+    # llama.cpp's olmoe graph has no clip_qkv (its converter drops it), and its converter
+    # writes an RMSNorm epsilon of 1e-5 whatever the config says (OlmoeModel)
+    "olmoe": ("olmoe", "OlmoeForCausalLM", {"clip_qkv": None, "rms_norm_eps": 1e-5}),
 }
+EPS = 2.0**-10  # the tiny models' RMSNorm epsilon, where ARCHS does not name one
 _ATTN = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
@@ -97,7 +101,7 @@ def write_moe_gguf(
             w.add_value_length(c["head_dim"])
         w.add_expert_count(c.get("num_experts") or c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
-        if gguf_arch != "llama":
+        if gguf_arch in ("qwen2moe", "qwen3moe"):  # olmoe's: feed_forward_length
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         if gguf_arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
@@ -121,7 +125,7 @@ def moe_family(
     family = request.param
     gguf_arch, _, overrides = ARCHS[family]
     folder = tmp_path_factory.mktemp(family)
-    model = make_moe_model(family, folder, rms_norm_eps=2.0**-10, **overrides)
+    model = make_moe_model(family, folder, **{"rms_norm_eps": EPS, **overrides})
     path = write_moe_gguf(folder, gguf_arch, folder.parent / f"{family}.gguf")
     return family, model, folder, path
 
@@ -204,6 +208,8 @@ def test_experts_equal_gguf_dequantizer(quantized: tuple[str, PreTrainedModel, P
     source = GGUFLinears(path, model.config)
     experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
     assert sorted(source.experts) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    # every expert matrix comes from the blocks: the loader reads none of them densely
+    assert len({n for n in source.checkpoint_names if ".experts." in n}) == 2 * experts * 3
     for layer in range(2):
 
         def stacked(kind: str, e: int, layer: int = layer) -> np.ndarray:

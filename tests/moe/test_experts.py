@@ -146,6 +146,24 @@ def test_load_expert_checks_shapes() -> None:
         layer.load_expert(2, "down", torch.ones(INTER, H))
     with pytest.raises(ValueError, match="expert 8 out of range"):
         layer.load_expert(8, "gate", torch.ones(INTER, H))
+    # a matrix kept quantized elsewhere (a GGUF's blocks) comes as a meta tensor: checked, not
+    # copied (the stacked weight's pages stay untouched)
+    layer.load_expert(2, "gate", torch.empty(INTER, H, device="meta"))
+    assert torch.equal(layer.gate_up_proj[2, INTER:], torch.ones(INTER, H))
+    with pytest.raises(ValueError, match="expert 1 gate weight has shape"):
+        layer.load_expert(1, "gate", torch.empty(H, H, device="meta"))
+
+
+def test_set_quantized_frees_the_dense_weights() -> None:
+    """The loader's parameter dict still holds the stacked weights when a layer's experts are
+    quantized: they are emptied in place, so that dict keeps no layer's dense experts."""
+    layer = FusedExperts(E, H, INTER)
+    held = dict(layer.named_parameters())
+    experts = [torch.nn.Identity() for _ in range(E)]
+    layer.set_quantized(list(experts), list(experts))
+    assert held["gate_up_proj"] is layer.gate_up_proj and held["down_proj"] is layer.down_proj
+    assert held["gate_up_proj"].numel() == held["down_proj"].numel() == 0
+    assert held["gate_up_proj"].untyped_storage().nbytes() == 0
 
 
 def gpt_oss_experts(limit: float) -> tuple[GptOssExperts, FusedExperts]:

