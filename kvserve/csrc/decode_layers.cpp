@@ -37,13 +37,13 @@ enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide 
 struct Linear {
   LinearKind kind;
   at::Tensor w;  // a8: pack_a8's buffer; quant: pack_codes' codes; packed: oneDNN weight;
-                // dense: the [N, K] weight; wide: the [N, K] bf16/fp16 weight;
+                // dense: the [N, K] weight; wide: the [ceil(N / 16), K, 16] bf16/fp16
+                // packed weight (wide_linear.cpp's packed layout);
                 // invariant: the [N, K] weight (float32/bf16/fp16), bias float32
   at::Tensor scales;  // quant only: [K / g, N] (else undefined)
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
   int64_t out_features, bits, group, offset, direct_rows;
-  int64_t panel_rows;  // wide only: WideLinear's (-1: the kernel's default)
   bool half_scales, has_zeros;
   // Multi-LoRA slot weights (add_lora), or undefined: A [S, n*R, K], Bt_i [S, R, N_i]
   at::Tensor lora_a;
@@ -81,7 +81,7 @@ using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, bool, bool);
 using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        int64_t, int64_t);
+                        int64_t, int64_t);  // wide_linear and wide_linear_packed alike
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 using LoraAdd = void(at::Tensor, const at::Tensor&, const at::Tensor&, at::TensorList,
@@ -100,6 +100,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantA8> quant_a8 = kvserve_op<QuantA8>("kvserve::quant_linear_a8");
   c10::TypedOperatorHandle<Quant> quant = kvserve_op<Quant>("kvserve::quant_linear");
   c10::TypedOperatorHandle<Wide> wide = kvserve_op<Wide>("kvserve::wide_linear");
+  c10::TypedOperatorHandle<Wide> wide_packed = kvserve_op<Wide>("kvserve::wide_linear_packed");
   c10::TypedOperatorHandle<LoraAdd> lora_add = kvserve_op<LoraAdd>("kvserve::lora_add");
   // oneDNN's packed linear has no C++ API in ATen: called boxed (one call per linear).
   c10::OperatorHandle packed =
@@ -119,19 +120,19 @@ class DecodeLayers : public torch::CustomClassHolder {
   // One linear layer, appended; add_layer takes the last four (qkv, o, gate_up, down).
   // kind 0 (a8): w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed;
   // 2 (packed): w = oneDNN's packed weight; 3 (dense): w = the [N, K] weight, bias passed to
-  // at::linear as F.linear takes it; 4 (wide): w = WideLinear's 16-bit weight, bias likewise,
-  // direct_rows and panel_rows WideLinear's; 5 (invariant): batch-invariant mode's BatchInvariantLinear,
+  // at::linear as F.linear takes it; 4 (wide): w = WideLinear's packed 16-bit weight, bias
+  // likewise, direct_rows WideLinear's; 5 (invariant): batch-invariant mode's BatchInvariantLinear,
   // wide_linear on float32 x with no row limit (ops/batch_invariant.invariant_linear's calls).
   // Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
-                  int64_t group, int64_t offset, int64_t direct_rows, int64_t panel_rows,
-                  bool half_scales, bool has_zeros) {
+                  int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
+                  bool has_zeros) {
     TORCH_CHECK(kind >= kA8 && kind <= kInvariant, "DecodeLayers: unknown linear kind ",
                 kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
-                              offset, direct_rows, panel_rows, half_scales, has_zeros,
+                              offset, direct_rows, half_scales, has_zeros,
                               at::Tensor(), {}});
   }
 
@@ -234,7 +235,8 @@ class DecodeLayers : public torch::CustomClassHolder {
       return at::linear(x, lin.w, lin.bias);
     }
     if (lin.kind == kWide) {
-      return o.wide.call(x, lin.w, lin.bias, lin.direct_rows, lin.panel_rows);  // -1: default
+      // WideLinear.forward's call (direct_rows -1: the kernel's default)
+      return o.wide_packed.call(x, lin.w, lin.bias, lin.out_features, lin.direct_rows);
     }
     if (lin.kind == kInvariant) {  // invariant_linear: widen, every row in the kernel, round
       return o.wide.call(x.to(at::kFloat), lin.w, lin.bias, 0, -1).to(x.scalar_type());

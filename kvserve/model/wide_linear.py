@@ -7,6 +7,11 @@ the product of the stored weights, exactly as ``F.linear(x, W.float())`` compute
 in another order. A checkpoint stored in bf16 (most are) loses nothing; a float32 one is
 rounded to bf16 once, at load.
 
+The weights are stored once, at load, in the layout the kernel reads (``pack_wide_weight``):
+``[ceil(N / 16), K, 16]``, strips of 16 output channels with the 16 channels of each k
+contiguous (channels past N zeros), so no call transposes or widens them into a buffer.
+``unpack_wide_weight`` gives the ``[N, K]`` weight back.
+
 The reference is ``reference_wide_linear``; tests hold the kernel to it.
 """
 
@@ -32,6 +37,26 @@ _PLAIN = (nn.Linear, ColumnParallelLinear, MergedColumnParallelLinear, QKVParall
           RowParallelLinear, ParallelLMHead)  # fmt: skip
 
 
+STRIP = 16  # output channels per strip of the packed layout (kStrip in csrc/wide_linear.cpp)
+
+
+def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` (same dtype): ``packed[s, k, j]`` is
+    ``weight[16 * s + j, k]``, zero past N."""
+    n, k = weight.shape
+    strips = -(-n // STRIP)
+    padded = weight
+    if n % STRIP:
+        padded = weight.new_zeros(strips * STRIP, k)  # [N16, K]
+        padded[:n] = weight
+    return padded.reshape(strips, STRIP, k).transpose(1, 2).contiguous()
+
+
+def unpack_wide_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_wide_weight``'s inverse: ``[ceil(N / 16), K, 16]`` -> a new ``[N, K]``."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].clone()
+
+
 def reference_wide_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -49,30 +74,38 @@ class WideLinear(nn.Module):
             raise ValueError(f"weight_dtype must be bfloat16 or float16, got {weight_dtype}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # Plain attributes, as PackedLinear's: model.to(dtype) must not widen them again.
-        self.weight = linear.weight.detach().to(weight_dtype).contiguous()  # [N, K]
+        # Plain attributes, as PackedLinear's: model.to(dtype) must not widen them again. The
+        # only copy of the weights: the C++ decode loop reads this very tensor.
+        self.packed_weight = pack_wide_weight(
+            linear.weight.detach().to(weight_dtype)
+        )  # [ceil(N / 16), K, 16]
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         # the most rows the kernel takes before a widened copy goes to F.linear (-1: the
         # kernel's default, 256; 0: every row, batch-invariant mode, model/batch_invariant.py)
         self.direct_rows = -1
-        # the fewest rows that take the widened panels (-1: the kernel's default, 24; above
-        # direct_rows: never, the weight-stationary loop for every row count up to it)
-        self.panel_rows = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.kvserve.wide_linear(
+        y = torch.ops.kvserve.wide_linear_packed(
             x.reshape(-1, self.in_features),
-            self.weight,
+            self.packed_weight,
             self.bias,
+            self.out_features,
             self.direct_rows,
-            self.panel_rows,
         )  # [M, N]
         return y.view(*shape[:-1], self.out_features)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.packed_weight.dtype
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """A new ``[N, K]`` copy of the stored weight (tests, references)."""
+        return unpack_wide_weight(self.packed_weight, self.out_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight_dtype={self.weight.dtype}")  # fmt: skip
+                f"weight_dtype={self.weight_dtype}")  # fmt: skip
 
 
 def widen_linears(model: nn.Module, weight_dtype: torch.dtype) -> int:

@@ -50,7 +50,7 @@ def weight_storage(model: nn.Module, dtype: torch.dtype, quantization: str | Non
     from kvserve.model.wide_linear import WideLinear
 
     wide = next((m for m in model.modules() if isinstance(m, WideLinear)), None)
-    return _dtype_name(wide.weight.dtype if wide is not None else dtype)
+    return _dtype_name(wide.weight_dtype if wide is not None else dtype)
 
 
 def kernel_flags() -> tuple[str, ...]:

@@ -117,3 +117,15 @@ def test_quantized_models_alone_equal_batched(
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.path == "a8" or m.direct_rows == UNLIMITED_ROWS for m in layers)
     _alone_equal_batched(llm)
+
+
+def test_widened_float32_model_alone_equals_batched(tmp_path: Path) -> None:
+    """float32 compute on bf16-stored weights (the AVX2 kind's dtype=auto): every row count
+    through the packed kernel, in the Python layers and the C++ decode loop."""
+    make_tiny_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", weight_dtype="bfloat16", batch_invariant=True,
+              num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)  # fmt: skip
+    model = llm.engine.runner.model
+    wide = [m for m in model.modules() if isinstance(m, WideLinear)]
+    assert len(wide) == 9 and all(m.direct_rows == 0 for m in wide)
+    _alone_equal_batched(llm)

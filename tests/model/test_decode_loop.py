@@ -114,13 +114,16 @@ def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: 
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_float32_loop_equals_python_layers(models: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "wdtype"), [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")]
+)
+def test_float32_loop_equals_python_layers(models: dict[str, Path], arch: str, wdtype: str) -> None:
     """float32 (``dtype=auto`` on AVX2-only CPUs): plain q/k/v, o and down linears
-    (``nn.Linear`` through at::linear) beside the prepacked gate/up, fused float32 ops."""
-    eager = engine(models[arch], "float32", enforce_eager=True)
+    (``nn.Linear`` through at::linear) beside the prepacked gate/up, fused float32 ops; or
+    every linear a ``WideLinear`` on packed bf16 weights (batches of 1-8 rows: every tile)."""
+    eager = engine(models[arch], "float32", enforce_eager=True, weight_dtype=wdtype)
     want, want_steps = run_staggered(eager)
-    e = engine(models[arch], "float32")
+    e = engine(models[arch], "float32", weight_dtype=wdtype)
     assert e.runner is not None
     loop = e.runner.model.decode_loop
     assert loop is not None and e.runner.model.fused_ops_enabled
@@ -183,7 +186,7 @@ def test_a_layer_takes_four_linears() -> None:
     with pytest.raises(RuntimeError, match="a layer takes exactly 4 linears, got 0"):
         layers.add_layer(w, 1e-6, w, 1e-6, None, None, 1e-6, 0, 0.0, 0.25)
     with pytest.raises(RuntimeError, match="unknown linear kind 7"):
-        layers.add_linear(7, w, w, w, None, 64, 8, 32, 0, 0, -1, False, False)
+        layers.add_linear(7, w, w, w, None, 64, 8, 32, 0, 0, False, False)
 
 
 def test_no_kernel_build_off_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

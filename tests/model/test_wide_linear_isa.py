@@ -1,7 +1,8 @@
 """``csrc/wide_linear.cpp`` built for a forced instruction set, whatever the CPU at hand picks:
 its AVX2 path (what AVX2-only CPUs run; an AVX-512 build would take it too) and its scalar
 path (CPUs without AVX2/FMA/F16C), each built alone under its own op namespace and held to the
-reference, so that CI tests both variants on any CPU kind that can run them."""
+reference on the [N, K] weights and on the packed ones (the one layout every build reads), so
+that CI tests both variants on any CPU kind that can run them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model.wide_linear import reference_wide_linear
+from kvserve.model.wide_linear import pack_wide_weight, reference_wide_linear
 
 SOURCE = Path(__file__).resolve().parents[2] / "kvserve" / "csrc" / "wide_linear.cpp"
 VARIANTS = {
@@ -60,11 +61,18 @@ def test_forced_isa_build_equals_reference(isa: str) -> None:
     for wdtype in (torch.bfloat16, torch.float16):
         for n, k in ((13, 64), (40, 131), (70, 300)):
             w = torch.randn(n, k, generator=g).to(wdtype)
+            packed = pack_wide_weight(w)
             bias = torch.randn(n, generator=g)
-            # the panels from wide_linear_panel_rows() rows (0: the scalar build has none)
-            for rows in (1, 3, 25, 40, int(ops.wide_linear_direct_rows())):
+            # the [N, K] path's panels from wide_linear_panel_rows() rows (0: the scalar build
+            # has none); the packed path's tiles of 1-6 rows and groups of 6
+            for rows in (1, 2, 3, 4, 5, 25, 40, int(ops.wide_linear_direct_rows())):
                 x = torch.randn(rows, k, generator=g)
-                got = ops.wide_linear(x, w, bias).double()
                 want = reference_wide_linear(x.double(), w, bias.double())
-                tol = 4 * k * 2.0**-24 * float((x.abs() @ w.float().abs().t()).max())
-                assert float((got - want).abs().max()) <= tol + 1e-6, (wdtype, n, k, rows)
+                tol = 4 * k * 2.0**-24 * float((x.abs() @ w.float().abs().t()).max()) + 1e-6
+                got = ops.wide_linear(x, w, bias).double()
+                assert float((got - want).abs().max()) <= tol, (wdtype, n, k, rows)
+                got = ops.wide_linear_packed(x, packed, bias, n).double()
+                assert float((got - want).abs().max()) <= tol, (wdtype, n, k, rows, "packed")
+                # batch-invariant mode's setting: the same bits for a row alone
+                whole = ops.wide_linear_packed(x, packed, bias, n, 0)
+                assert torch.equal(ops.wide_linear_packed(x[-1:], packed, bias, n, 0), whole[-1:])
