@@ -251,11 +251,12 @@ class CompileLane:
         return self._worker
 
     def _kill(self, worker: _Worker, why: str) -> None:
+        # counted first: whoever sees the worker gone also sees it counted
+        self.killed += 1
         worker.kill()
         with self._cond:
             self._worker = None
             self._warm = True  # fork the next worker now, not when the next job comes
-        self.killed += 1
         logger.warning(
             "killed grammar compile worker pid %d (%s lane): %s", worker.pid, self.name, why
         )

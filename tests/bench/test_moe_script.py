@@ -88,7 +88,8 @@ def test_server_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm[vllm.index("--max-num-seqs") + 1] == "32"
     assert vllm[vllm.index("--max-model-len") + 1] == "256"
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so vllm_env's writes are undone after the test
+        monkeypatch.delenv(key)
     moe.vllm_env(args, args.model_cfg)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 8 MiB, in whole GiB

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 # rounds can fault: small allocations may split the freed block until the heap settles.)
 PROBE = """
 import resource, torch
+import kvserve.engine.llm  # the engine's process, as a server's: its imports shape the heap
 from kvserve.ops.malloc_tuning import keep_freed_memory
 print(keep_freed_memory())
 for _ in range(3):
