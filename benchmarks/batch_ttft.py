@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -59,9 +60,15 @@ def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[byt
         time.sleep(0.5)
 
 
-def _ttfts(client: openai.OpenAI, n: int, offset: int) -> list[float]:
+def _ttfts(client: openai.OpenAI, n: int, offset: int, gap: float = 0.0) -> list[float]:
+    """TTFTs of ``n`` sequential streamed chats, each closed at its first token; ``gap``: a
+    pause of up to that many seconds (seeded) before each, so a request arrives at a random
+    moment of the engine's work rather than right behind the previous one, which is still
+    being aborted and would share the step in flight."""
     out = []
+    pauses = random.Random(offset)
     for i in range(offset, offset + n):
+        time.sleep(pauses.uniform(0, gap))
         start = time.perf_counter()
         stream = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Tell me about the number {i}"}],
@@ -103,7 +110,7 @@ def _batch_round(client: openai.OpenAI, url: str, args: argparse.Namespace, r: i
         time.sleep(0.2)
     held = _metric(url, "kvserve:num_background_rows_held_total")
     cut = _metric(url, INTERRUPTED)
-    busy = _ttfts(client, args.requests, 1000 * r + 500)
+    busy = _ttfts(client, args.requests, 1000 * r + 500, args.gap)
     held = _metric(url, "kvserve:num_background_rows_held_total") - held
     cut = _metric(url, INTERRUPTED) - cut
     done = client.batches.retrieve(b.id).request_counts.completed
@@ -121,6 +128,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--lines", type=int, default=400)
     p.add_argument("--batch-max-concurrency", type=int, default=4)
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        help="random pause of up to this many seconds before each online request",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     alone: list[float] = []
@@ -132,7 +145,7 @@ def main() -> None:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
             _ttfts(client, 3, 0)  # warm
             for r in range(args.rounds):
-                a = _ttfts(client, args.requests, 1000 * r)
+                a = _ttfts(client, args.requests, 1000 * r, args.gap)
                 b = _batch_round(client, url, args, r)
                 alone += a
                 busy += b["ttft"]
