@@ -277,7 +277,7 @@ def poll_health(client: httpx.Client) -> list[float]:
 
 def test_health_answers_while_big_chats_are_templated(big_chats: Server) -> None:
     """12 concurrent 1 MB single-message chats (issue 28's reproducer froze /health for 13.5 s)
-    leave /health answering in under 100 ms: templating and tokenizing run off the loop."""
+    leave /health answering in under 500 ms: templating and tokenizing run off the loop."""
     content = ("All work and no play makes Jack a dull boy. " * 25_000)[:CHAT_BYTES]
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1})
     started = threading.Event()
@@ -304,7 +304,10 @@ def test_health_answers_while_big_chats_are_templated(big_chats: Server) -> None
             results = list(answers)
             in_flight_after_polls = time.perf_counter() - polls_done
     print(f"/health seconds, idle: {idle}, under 12 1 MB chats: {loaded}")
-    assert max(loaded) < 0.1, f"under load: {loaded}; idle: {idle}"
+    # 0.5 s: one chat templated on the loop would block it ~1.7 s (20 s for 12); the GIL
+    # shared with the templating threads and a second test worker on 2 cores put one poll at
+    # 125 ms (one full-suite run, 2026-11-29), past the 100 ms this bound first was
+    assert max(loaded) < 0.5, f"under load: {loaded}; idle: {idle}"
     # the polls ran while the chats were still being templated and tokenized
     assert in_flight_after_polls > 1.0
     # Each prompt (~250k tokens) is far beyond the tiny model's 1024-token context.
