@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             # Leave without interpreter finalization, as `serve` does after a forced stop:
             # the engine's C++ state met finalization with "terminate called without an
             # active exception" (exit -6) after an orderly shutdown here.
-            _leave(run_batch(args))
+            _leave(run_batch(args), run_atexit=True)
         from kvserve.bench.cli import run_bench
 
         return run_bench(args)

@@ -119,9 +119,9 @@ def holder(tiny_model_dir: Path, batch_dir: Path, tmp_path_factory: pytest.TempP
     h.server.stop()
 
 
-def _long_lines(n: int, prefix: str) -> bytes:
-    """n lines of 32 tokens each (ignore_eos: exactly 32), run one at a time."""
-    body = {"model": MODEL, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+def _long_lines(n: int, prefix: str, max_tokens: int = 32) -> bytes:
+    """n lines of ``max_tokens`` tokens each (ignore_eos: exact), run one at a time."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return _jsonl([_line(f"{prefix}{i}", "/v1/completions", {**body, "prompt": f"line {i}"})
                    for i in range(n)])  # fmt: skip
 
@@ -227,7 +227,9 @@ def test_limits(holder: Holder) -> None:
 
 def test_cancel_and_job_limit(holder: Holder) -> None:
     client = holder.server.client()
-    a = _submit(client, _long_lines(20, "a"))  # runs first (oldest), one line at a time
+    # runs first (oldest), one line at a time; lines of 320 tokens, since 20 x 32 finished
+    # before the cancel once on an AVX512-BF16 EPYC (the cancel got a 400)
+    a = _submit(client, _long_lines(20, "a", max_tokens=320))
     b = _submit(client, _long_lines(2, "b"))  # waits behind a
     with pytest.raises(openai.RateLimitError, match="--max-batch-jobs"):
         _submit(client, _long_lines(2, "c"))
