@@ -43,7 +43,12 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
 from kvserve.model.base import CausalLM, ForwardBatch
 from kvserve.model.loader import load_hf_config
-from kvserve.ops.malloc_tuning import keep_freed_memory, own_mappings, trim_heap
+from kvserve.ops.malloc_tuning import (
+    keep_freed_memory,
+    load_in_own_mappings,
+    own_mappings,
+    trim_heap,
+)
 from kvserve.ops.packed_linear import packing_supported
 from kvserve.sample.host_io import tensor_to_device, to_device
 from kvserve.spec.build import build_proposer
@@ -102,6 +107,8 @@ class ModelRunner:
         self.block_size = cc.block_size
         hf_config = load_hf_config(mc.path)
         self.max_model_len = resolve_max_model_len(mc, hf_config)
+        if mc.enable_sleep_mode and device.type == "cpu":
+            load_in_own_mappings()  # so that sleep level 2 gives all of them back
         self.model: CausalLM = load_target(config, self.max_model_len, tp)
         draft = load_draft(config, hf_config, self.max_model_len)
         # LoRA adapters: device slots in every adapted layer, host LRU (kvserve/lora)

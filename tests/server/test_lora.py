@@ -45,7 +45,8 @@ def lora_server(
     try:
         srv = start_server(
             [str(tiny_model_dir), "--served-model-name", TINY, "--enable-lora", "--max-loras",
-             "2", "--num-kv-blocks", "200", "--lora-modules", f"a1={lora_dirs['a1']}",
+             "2", "--num-kv-blocks", "200", "--dtype", "float32",  # peft's reference
+             "--lora-modules", f"a1={lora_dirs['a1']}",
              json.dumps(a2)],
             log,
         )  # fmt: skip

@@ -89,6 +89,9 @@ def agent_server(
             str(builtin_model_dir), "--served-model-name", BUILTIN,
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--num-kv-blocks", "400", "--max-num-seqs", "8",
+            # float32 on every CPU: a bf16 prefill that hits the prefix cache computes only the
+            # suffix, whose other rounding changed the greedy text between two equal requests
+            "--dtype", "float32",
         ],
         log,
         api_key=API_KEY,
