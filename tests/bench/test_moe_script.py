@@ -65,7 +65,7 @@ def test_shapes() -> None:
     assert round(total / 1e9, 2) == 2.08 and round(active / 1e9, 2) == 1.28
 
 
-def test_server_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_server_commands() -> None:
     args = moe.build_parser().parse_args(["--vllm-python", "/v/python", "--threads", "2"])
     assert (args.concurrency, args.output_len, args.model) == ([1, 8, 32], 64, "olmoe-7b")
     args.build = llamacpp.LlamaCppBuild(Path("/x"))
@@ -83,16 +83,13 @@ def test_server_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     # 32 slots of 128 + 64 + 64 tokens, float32: 2 layers x K and V x 64 x 4 bytes a token
     assert f32[f32.index("--kv-cache-memory") + 1] == str(32 * 256 * 2 * 2 * 64 * 4)
     vllm = moe.server_command(args, by_key["vllm-f32"], model, ggufs, 1)
-    assert vllm[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"]
+    # vLLM's variables for its process only: 8 MiB of KV in whole GiB, threads on cores 0-1
+    assert vllm[:6] == ["env", "VLLM_CPU_OMP_THREADS_BIND=0-1", "VLLM_CPU_KVCACHE_SPACE=1",
+                        "/v/python", "-m", "vllm.entrypoints.openai.api_server"]  # fmt: skip
     assert vllm[vllm.index("--dtype") + 1] == "float32"
     assert vllm[vllm.index("--max-num-seqs") + 1] == "32"
     assert vllm[vllm.index("--max-model-len") + 1] == "256"
-    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
-        monkeypatch.setenv(key, "")  # recorded, so vllm_env's writes are undone after the test
-        monkeypatch.delenv(key)
-    moe.vllm_env(args, args.model_cfg)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 8 MiB, in whole GiB
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # this process's environment untouched
 
 
 def test_targets_and_rss() -> None:
