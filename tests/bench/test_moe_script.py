@@ -144,6 +144,7 @@ def test_memory_of_a_process_tree() -> None:
         one = quantization.memory_mib(tree[1])["peak_rss_mib"]
         assert one is not None and one > 200
         assert mem["peak_rss_mib"] is not None and mem["peak_rss_mib"] > one
+        assert mem["pss_mib"] is not None and mem["pss_mib"] > 200  # the child's own pages
     finally:
         for pid in quantization.process_tree(parent.pid)[::-1]:
             os.kill(pid, 9)

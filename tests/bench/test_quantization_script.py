@@ -227,6 +227,8 @@ def test_memory_of_this_process() -> None:
     mem = quantization.memory_mib(os.getpid())
     assert mem["peak_rss_mib"] is not None and mem["rss_mib"] is not None
     assert 0 < mem["rss_mib"] <= mem["peak_rss_mib"]
+    # one process: its PSS is at most its RSS (shared library pages split), and well above 0
+    assert mem["pss_mib"] is not None and mem["rss_mib"] / 4 < mem["pss_mib"] <= mem["rss_mib"]
     assert quantization.memory_mib(2**22 + 12345) == {"peak_rss_mib": None, "rss_mib": None}
 
 
