@@ -29,9 +29,11 @@
 #include <string>
 #include <vector>
 
+#include "kernel_ops.h"  // LinearKind, op<Sig>, the kernels' signatures
+
 namespace {
 
-enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide = 4, kInvariant = 5 };
+using namespace kvserve_ops;
 
 // One linear layer's weights as its Python module holds them (see add_linear).
 struct Linear {
@@ -61,16 +63,10 @@ struct Layer {
   double scale;     // softmax scale
 };
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> kvserve_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
 // The ops, with the C++ signatures their kernels were registered with.
 using RmsNorm = void(at::Tensor, const at::Tensor&, const at::Tensor&, double, bool);
 using AddRmsNorm = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, double,
                         bool);
-using SiluAndMul = void(at::Tensor, const at::Tensor&);
 using RopeWriteKv = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t,
                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -78,30 +74,24 @@ using RopeWriteKv = void(at::Tensor, const at::Tensor&, const at::Tensor&, const
 using PagedDecode = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                          int64_t, double, const std::optional<at::Tensor>&);
-using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                     int64_t, bool, bool);
-using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        int64_t, int64_t);  // wide_linear and wide_linear_packed alike
-using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 using LoraAdd = void(at::Tensor, const at::Tensor&, const at::Tensor&, at::TensorList,
                      const at::Tensor&);
 
 struct Ops {
-  c10::TypedOperatorHandle<RmsNorm> rms_norm = kvserve_op<RmsNorm>("kvserve::rms_norm");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("kvserve::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm =
-      kvserve_op<AddRmsNorm>("kvserve::add_rms_norm");
-  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul =
-      kvserve_op<SiluAndMul>("kvserve::silu_and_mul");
+      op<AddRmsNorm>("kvserve::add_rms_norm");
+  c10::TypedOperatorHandle<Act> silu_and_mul =
+      op<Act>("kvserve::silu_and_mul");
   c10::TypedOperatorHandle<RopeWriteKv> rope_write_kv =
-      kvserve_op<RopeWriteKv>("kvserve::rope_write_kv");
+      op<RopeWriteKv>("kvserve::rope_write_kv");
   c10::TypedOperatorHandle<PagedDecode> paged_decode =
-      kvserve_op<PagedDecode>("kvserve::paged_decode_attention");
-  c10::TypedOperatorHandle<QuantA8> quant_a8 = kvserve_op<QuantA8>("kvserve::quant_linear_a8");
-  c10::TypedOperatorHandle<Quant> quant = kvserve_op<Quant>("kvserve::quant_linear");
-  c10::TypedOperatorHandle<Wide> wide = kvserve_op<Wide>("kvserve::wide_linear");
-  c10::TypedOperatorHandle<Wide> wide_packed = kvserve_op<Wide>("kvserve::wide_linear_packed");
-  c10::TypedOperatorHandle<LoraAdd> lora_add = kvserve_op<LoraAdd>("kvserve::lora_add");
+      op<PagedDecode>("kvserve::paged_decode_attention");
+  c10::TypedOperatorHandle<QuantA8> quant_a8 = op<QuantA8>("kvserve::quant_linear_a8");
+  c10::TypedOperatorHandle<Quant> quant = op<Quant>("kvserve::quant_linear");
+  c10::TypedOperatorHandle<Wide> wide = op<Wide>("kvserve::wide_linear");
+  c10::TypedOperatorHandle<Wide> wide_packed = op<Wide>("kvserve::wide_linear_packed");
+  c10::TypedOperatorHandle<LoraAdd> lora_add = op<LoraAdd>("kvserve::lora_add");
   // oneDNN's packed linear has no C++ API in ATen: called boxed (one call per linear).
   c10::OperatorHandle packed =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

@@ -42,9 +42,11 @@
 #include <optional>
 #include <vector>
 
+#include "kernel_ops.h"  // LinearKind, op<Sig>, the kernels' signatures
+
 namespace {
 
-enum LinearKind : int64_t { kA8 = 0, kQuant = 1, kWide = 4 };  // decode_layers.cpp's numbers
+using namespace kvserve_ops;
 enum ActKind : int64_t { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 };
 
 struct Linear {
@@ -56,26 +58,14 @@ struct Linear {
   bool half_scales, has_zeros;
 };
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> kvserve_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-using Act = void(at::Tensor, const at::Tensor&);
-using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                     int64_t, bool, bool);
-using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        int64_t, int64_t);
-using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 
 struct Ops {
-  c10::TypedOperatorHandle<Act> silu_and_mul = kvserve_op<Act>("kvserve::silu_and_mul");
+  c10::TypedOperatorHandle<Act> silu_and_mul = op<Act>("kvserve::silu_and_mul");
   c10::TypedOperatorHandle<Act> gelu_tanh_and_mul =
-      kvserve_op<Act>("kvserve::gelu_tanh_and_mul");
-  c10::TypedOperatorHandle<QuantA8> quant_a8 = kvserve_op<QuantA8>("kvserve::quant_linear_a8");
-  c10::TypedOperatorHandle<Quant> quant = kvserve_op<Quant>("kvserve::quant_linear");
-  c10::TypedOperatorHandle<Wide> wide = kvserve_op<Wide>("kvserve::wide_linear");
+      op<Act>("kvserve::gelu_tanh_and_mul");
+  c10::TypedOperatorHandle<QuantA8> quant_a8 = op<QuantA8>("kvserve::quant_linear_a8");
+  c10::TypedOperatorHandle<Quant> quant = op<Quant>("kvserve::quant_linear");
+  c10::TypedOperatorHandle<Wide> wide = op<Wide>("kvserve::wide_linear");
 };
 
 const Ops& ops() {
