@@ -66,6 +66,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantA8> quant_a8 = op<QuantA8>("kvserve::quant_linear_a8");
   c10::TypedOperatorHandle<Quant> quant = op<Quant>("kvserve::quant_linear");
   c10::TypedOperatorHandle<Wide> wide = op<Wide>("kvserve::wide_linear");
+  c10::TypedOperatorHandle<Wide> wide_packed = op<Wide>("kvserve::wide_linear_packed");
 };
 
 const Ops& ops() {
@@ -140,15 +141,20 @@ class MoEExperts : public torch::CustomClassHolder {
 
   // One projection, appended: expert e's gate/up is linear 2e, its down 2e + 1. kind 0 (a8):
   // w = pack_a8's buffer; 1 (quant): w = codes, scales/zeros transposed ([K / g, N]); 4 (wide):
-  // w = the [N, K] weight. Unused tensors may be empty.
+  // w = the [N, K] weight, or a 16-bit one packed as [ceil(N / 16), K, 16]
+  // (wide_linear.cpp's packed layout, read by wide_linear_packed). Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   int64_t out_features, int64_t bits, int64_t group, int64_t offset,
                   int64_t direct_rows, bool half_scales, bool has_zeros) {
     TORCH_CHECK(kind == kA8 || kind == kQuant || kind == kWide,
                 "MoEExperts: unknown linear kind ", kind);
     if (kind == kWide) {
-      TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == out_features,
-                  "MoEExperts: a dense expert weight must be a contiguous [N, K] tensor");
+      const bool plain = w.dim() == 2 && w.size(0) == out_features;
+      const bool packed = w.dim() == 3 && w.size(2) == 16 && w.size(0) * 16 >= out_features &&
+                          (w.size(0) - 1) * 16 < out_features;
+      TORCH_CHECK(w.is_contiguous() && (plain || packed),
+                  "MoEExperts: a dense expert weight must be a contiguous [N, K] tensor or a "
+                  "[ceil(N / 16), K, 16] packed one");
     }
     linears_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), out_features, bits, group, offset, direct_rows,
@@ -244,7 +250,10 @@ class MoEExperts : public torch::CustomClassHolder {
     const Ops& o = ops();
     if (lin.kind == kWide) {
       const bool f32 = x.scalar_type() == at::kFloat;
-      at::Tensor y = o.wide.call(f32 ? x : x.to(at::kFloat), lin.w, std::nullopt, -1, -1);
+      const at::Tensor xf = f32 ? x : x.to(at::kFloat);
+      at::Tensor y = lin.w.dim() == 3
+                         ? o.wide_packed.call(xf, lin.w, std::nullopt, lin.out_features, -1)
+                         : o.wide.call(xf, lin.w, std::nullopt, -1, -1);
       if (!dst.has_value()) return f32 ? y : y.to(x.scalar_type());
       dst->copy_(y);  // rounds to bf16 once
       return *dst;

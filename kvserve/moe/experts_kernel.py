@@ -15,6 +15,7 @@ once. ``grouped_experts`` and ``reference_experts`` stay the references the test
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,8 +29,18 @@ _ACT = {GluKind.SILU: 0, GluKind.GELU_TANH: 1, GluKind.CLAMPED_SWIGLU: 2}
 _A8, _QUANT, _WIDE = 0, 1, 4
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # wide_linear's
 
-# stacked dense weights [E, N, K], or one layer per expert (QuantLinear)
-StackedOrLayers = torch.Tensor | Sequence[nn.Module]
+
+@dataclass(frozen=True)
+class PackedExpert:
+    """One expert's 16-bit weight packed as ``[ceil(N / 16), K, 16]`` (``pack_wide_weight``),
+    read by ``wide_linear_packed``; ``out_features`` its N."""
+
+    packed: torch.Tensor
+    out_features: int
+
+
+# stacked dense weights [E, N, K], one layer per expert (QuantLinear), or packed weights
+StackedOrLayers = torch.Tensor | Sequence[nn.Module] | Sequence[PackedExpert]
 
 
 class ExpertsKernelRefused(ValueError):
@@ -44,6 +55,12 @@ def _add_dense(op: torch.ScriptObject, w: torch.Tensor) -> None:
     op.add_linear(
         _WIDE, w.detach().contiguous(), empty, empty, w.shape[0], 0, 0, 0, 0, False, False
     )
+
+
+def _add_packed(op: torch.ScriptObject, w: PackedExpert) -> None:
+    """A dense expert's packed 16-bit weight, through ``wide_linear_packed``."""
+    empty = torch.empty(0)
+    op.add_linear(_WIDE, w.packed, empty, empty, w.out_features, 0, 0, 0, 0, False, False)
 
 
 def _add_quant(op: torch.ScriptObject, layer: nn.Module) -> None:
@@ -85,6 +102,8 @@ def experts_kernel(
         for part in (gate_up[e], down[e]):
             if isinstance(part, torch.Tensor):
                 _add_dense(op, part)
+            elif isinstance(part, PackedExpert):
+                _add_packed(op, part)
             else:
                 _add_quant(op, part)
     op.set_biases(*(None if b is None else b.detach() for b in (gate_up_bias, down_bias)))

@@ -189,3 +189,30 @@ def test_fused_experts_switch(caplog: pytest.LogCaptureFixture) -> None:
     ref_layer.path = "reference"
     with pytest.raises(ValueError, match="reference path"):
         experts_kernel([ref_layer] * E, quantized(down, 8, torch.float32), SILU)
+
+
+def test_bf16_stacks_are_packed_once_and_freed() -> None:
+    """bf16 experts under the op run from weights packed for ``wide_linear_packed``, which
+    become the only copy (the stacks are emptied); the op's output is the ``[N, K]`` op's
+    within float32 summation order, and the PyTorch paths over the packed weights (the
+    reference switch) give the stacks' numbers bit for bit. Odd sizes: N not a multiple of 16."""
+    h, inter = 40, 24  # gate_up N = 48, down N = 40: a partial strip
+    gate_up, down = stacked(h, inter, torch.bfloat16, seed=3)
+    layer = FusedExperts(E, h, inter).to(torch.bfloat16)
+    layer.load_stacked("gate_up_proj", gate_up)
+    layer.load_stacked("down_proj", down)
+    with torch.no_grad():
+        plain = experts_kernel(gate_up, down, SILU)  # the [N, K] path
+        layer.use_kernel = True
+        for x, w, ids in routings(21, h, torch.bfloat16):
+            got = layer(x, w, ids)
+            assert layer.gate_up_proj.numel() == layer.down_proj.numel() == 0
+            assert layer.gate_up_packed is not None and layer.down_packed is not None
+            assert tuple(layer.gate_up_packed.shape) == (E, 3, h, 16)
+            assert tuple(layer.down_packed.shape) == (E, 3, inter, 16)
+            torch.testing.assert_close(got, plain.run(x, w, ids), atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(got, grouped_experts(x, gate_up, down, w, ids),
+                                       **TOL[torch.bfloat16])  # fmt: skip
+            layer.use_reference = True
+            assert torch.equal(layer(x, w, ids), reference_experts(x, gate_up, down, w, ids))
+            layer.use_reference = False
