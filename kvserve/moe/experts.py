@@ -228,7 +228,6 @@ class FusedExperts(nn.Module):
         # [E, ceil(2I / 16), H, 16] and [E, ceil(H / 16), I, 16]; None: not packed
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
-        self._packed_n = (2 * local, hidden)  # their N (rows of each expert's [N, K])
 
     def set_quantized(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
         """Run expert ``e`` through ``gate_up[e]`` / ``down[e]`` (e.g. ``QuantLinear``s of its
@@ -341,9 +340,14 @@ class FusedExperts(nn.Module):
                 packed.append(out)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # in place (above)
             self.gate_up_packed, self.down_packed = packed
-        n_gu, n_down = self._packed_n
+        n_gu, n_down = self._packed_rows()
         return ([PackedExpert(w, n_gu) for w in self.gate_up_packed],
                 [PackedExpert(w, n_down) for w in self.down_packed])  # fmt: skip
+
+    def _packed_rows(self) -> tuple[int, int]:
+        """The packed experts' N: gate_up's 2I (this rank's), down's H (gate_up's K)."""
+        assert self.gate_up_packed is not None
+        return 2 * self.intermediate, self.gate_up_packed.shape[2]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         op = self.kernel() if self.use_kernel and not self.use_reference else None
@@ -353,8 +357,9 @@ class FusedExperts(nn.Module):
         gate_up: ExpertWeights = self.gate_up_proj
         down: ExpertWeights = self.down_proj
         if self.gate_up_packed is not None and self.down_packed is not None:
-            gate_up, down = self._unpacked(self.gate_up_packed, self._packed_n[0]), \
-                self._unpacked(self.down_packed, self._packed_n[1])
+            n_gu, n_down = self._packed_rows()
+            gate_up = self._unpacked(self.gate_up_packed, n_gu)
+            down = self._unpacked(self.down_packed, n_down)
         if self.q_gate_up is not None and self.q_down is not None:
             q_gate_up, q_down = self.q_gate_up, self.q_down
             gate_up = lambda e, rows: q_gate_up[e](rows)  # noqa: E731

@@ -53,14 +53,22 @@ def glibc_function(name: str) -> Any | None:
         return None
 
 
+def _mallopt() -> Any | None:
+    """glibc's ``mallopt`` ready to call, or None off glibc or with ``KVSERVE_MALLOC_TUNING=0``
+    (kvserve then leaves the allocator as it is)."""
+    if os.environ.get("KVSERVE_MALLOC_TUNING", "1") == "0":
+        return None
+    mallopt = glibc_function("mallopt")
+    if mallopt is not None:
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap/trim thresholds for this process; True if they were applied."""
-    if os.environ.get("KVSERVE_MALLOC_TUNING", "1") == "0":
-        return False
-    mallopt = glibc_function("mallopt")
+    mallopt = _mallopt()
     if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     if not ok:
@@ -107,9 +115,8 @@ def load_in_own_mappings() -> None:
     glibc's dynamic threshold (raised by the loader's freed temporaries), the tiny Qwen3
     sleep test's weights gave back 20 of their 24 MiB on an AVX512 EPYC, under the test's
     lower bound (it held on the AVX2 kind); loaded so, the test passes on both."""
-    mallopt = glibc_function("mallopt")
-    if mallopt is not None and os.environ.get("KVSERVE_MALLOC_TUNING", "1") != "0":
-        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt = _mallopt()
+    if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, OWN_MAPPING_THRESHOLD)
 
 
@@ -122,11 +129,10 @@ def own_mappings(tuned: bool) -> Iterator[None]:
     freed gave back 41 of its 64 MiB after ``malloc_trim`` (live blocks above it pin the
     rest); in its own mappings, all of it. Process-wide while it lasts (glibc's threshold is
     one), so it is for the engine thread while the engine is idle."""
-    mallopt = glibc_function("mallopt") if tuned else None
+    mallopt = _mallopt() if tuned else None
     if mallopt is None:
         yield
         return
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt(_M_MMAP_THRESHOLD, OWN_MAPPING_THRESHOLD)
     try:
         yield
