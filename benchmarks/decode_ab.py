@@ -9,6 +9,8 @@ server's own overhead is measured by ``benchmarks/quantization.py``.
 
     python benchmarks/decode_ab.py --model tinyllama --repeats 15 \\
         --settings bf16,int8,int8-lmhead,int4,int4-lmhead,int4-lmhead-eager
+    # AVX512-BF16 CPUs: bf16 linears on the packed layout (vdpbf16ps) against oneDNN's
+    python benchmarks/decode_ab.py --model tinyllama --repeats 5 --settings bf16-packed,bf16-onednn
     # AVX2-only CPUs (issue 31): float32 weights against bf16-stored ones
     python benchmarks/decode_ab.py --model tinyllama --repeats 9 \\
         --settings fp32,fp32-bf16w,fp32-unfused
@@ -45,6 +47,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fp32-unfused": {"dtype": "float32", "weight_dtype": "float32", "fused_ops": False},
     "bf16": {},
     "bf16-eager": {"enforce_eager": True},
+    # a bf16 model's dense linears on one kernel or the other (--cpu-linear-kernel)
+    "bf16-packed": {"cpu_linear_kernel": "packed"},
+    "bf16-onednn": {"cpu_linear_kernel": "onednn"},
     "int8": {"quantization": "int8"},
     "int8-lmhead": {"quantization": "int8", "quantization_lm_head": True},
     "int4": {"quantization": "int4"},

@@ -64,6 +64,16 @@ class ModelImpl(enum.Enum):
     TRANSFORMERS = "transformers"  # transformers' own class on kvserve's paged attention
 
 
+class CpuLinearKernel(enum.Enum):
+    """What a bf16 model's dense linear layers run on a CPU (``--cpu-linear-kernel``)."""
+
+    AUTO = "auto"  # packed where the kernels have AVX512-BF16 and the CPU no AMX, else oneDNN
+    ONEDNN = "onednn"  # oneDNN's prepacked weights (ops/packed_linear.py)
+    # kvserve's packed layout times bf16 activations: vdpbf16ps where the kernels have
+    # AVX512-BF16, else widened to float32 (model/wide_linear.py)
+    PACKED = "packed"
+
+
 class GenerationConfigSource(enum.Enum):
     """Where requests' default sampling values come from (vLLM's ``--generation-config``)."""
 
@@ -201,7 +211,9 @@ class ModelConfig:
     max_model_len: int | None = None  # context limit; None takes the model's own
     seed: int = 0  # seeds the engine's generator for unseeded sampling
     served_name: str | None = None  # the name clients use; None derives one from the path
-    prepack_weights: bool = True  # CPU bf16: oneDNN-prepacked linear weights (same numbers)
+    prepack_weights: bool = True  # CPU: linear weights repacked at load for a faster kernel
+    # CPU bf16: which kernel the dense linears run (auto: model/wide_linear.py's pick)
+    cpu_linear_kernel: CpuLinearKernel = CpuLinearKernel.AUTO
     # float32 on a CPU: linear weights stored in bfloat16/float16, widened in registers (half
     # the bytes a decode step reads); None: auto (the checkpoint's 16-bit dtype where that
     # applies, model/wide_linear.py); float32 (= dtype): off
@@ -257,6 +269,7 @@ class ModelConfig:
                 f"{self.max_logprobs}"
             )
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
+        object.__setattr__(self, "cpu_linear_kernel", CpuLinearKernel(self.cpu_linear_kernel))
         source = GenerationConfigSource(self.generation_config)
         object.__setattr__(self, "generation_config", source)
         backend = AttentionBackendEnum.parse(self.attention_backend)

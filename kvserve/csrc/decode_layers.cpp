@@ -14,8 +14,8 @@
 //   o = paged_decode_attention(q, ...)                           [T, H, D]
 //   h = add_rms_norm(o_proj(o), residual)
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
-// Linears: kvserve's quantized kernels (int8 activations or the model dtype), 16-bit weights
-// widened to float32 (wide_linear.cpp), oneDNN's prepacked weights, or a plain weight through
+// Linears: kvserve's quantized kernels (int8 activations or the model dtype), 16-bit packed
+// weights (wide_linear.cpp: widened to float32, or bf16 math), oneDNN's prepacked weights, or a plain weight through
 // at::linear (nn.Linear's own call: float32
 // layers that packing does not win on, and bf16 on CPUs whose oneDNN cannot pack bf16, i.e.
 // AVX2-only ones), with an optional bias (added as the Python layers add it).

@@ -14,7 +14,8 @@ namespace kvserve_ops {
 
 // A linear layer's kind: a8 = int8 activations (pack_a8's buffer), quant = weight-only codes
 // (pack_codes), packed = oneDNN's packed weight, dense = the [N, K] weight through
-// at::linear, wide = 16-bit weights widened in registers (wide_linear.cpp), invariant =
+// at::linear, wide = 16-bit packed weights (wide_linear.cpp: widened to float32 in registers,
+// or times bf16 activations with vdpbf16ps), invariant =
 // batch-invariant mode's linear.
 enum LinearKind : int64_t {
   kA8 = 0, kQuant = 1, kPacked = 2, kDense = 3, kWide = 4, kInvariant = 5

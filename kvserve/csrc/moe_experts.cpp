@@ -13,6 +13,7 @@
 //   a8 (0):     kvserve::quant_linear_a8  int8 activations (pack_a8)
 //   wide (4):   kvserve::wide_linear      a dense expert ([N, K] float32, bf16 or fp16) with
 //               float32 sums; bf16 x is widened exactly and the product rounded once to bf16
+//               (packed bf16 experts: bf16 x straight into wide_linear_packed's vdpbf16ps)
 // The activation: kvserve::silu_and_mul / gelu_tanh_and_mul, or gpt-oss's clamped SwiGLU as
 // the same ATen op chain clamped_swiglu_and_mul runs (the same kernels, the same numbers).
 //
@@ -249,12 +250,16 @@ class MoEExperts : public torch::CustomClassHolder {
                            std::optional<at::Tensor> dst) {
     const Ops& o = ops();
     if (lin.kind == kWide) {
-      const bool f32 = x.scalar_type() == at::kFloat;
-      const at::Tensor xf = f32 ? x : x.to(at::kFloat);
-      at::Tensor y = lin.w.dim() == 3
-                         ? o.wide_packed.call(xf, lin.w, std::nullopt, lin.out_features, -1)
-                         : o.wide.call(xf, lin.w, std::nullopt, -1, -1);
-      if (!dst.has_value()) return f32 ? y : y.to(x.scalar_type());
+      // bf16 x on packed bf16 weights: bf16 math (vdpbf16ps where the build has it; float32
+      // sums rounded once either way); other 16-bit x is widened exactly, rounded after
+      const bool packed = lin.w.dim() == 3;
+      const bool keep = x.scalar_type() == at::kFloat ||
+                        (packed && x.scalar_type() == at::kBFloat16 &&
+                         lin.w.scalar_type() == at::kBFloat16);
+      const at::Tensor xin = keep ? x : x.to(at::kFloat);
+      at::Tensor y = packed ? o.wide_packed.call(xin, lin.w, std::nullopt, lin.out_features, -1)
+                            : o.wide.call(xin, lin.w, std::nullopt, -1, -1);
+      if (!dst.has_value()) return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
       dst->copy_(y);  // rounds to bf16 once
       return *dst;
     }

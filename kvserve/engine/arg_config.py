@@ -122,6 +122,7 @@ def _model_config(
         seed=args.seed,
         served_name=served_name,
         prepack_weights=args.prepack_weights,
+        cpu_linear_kernel=args.cpu_linear_kernel,  # type: ignore[arg-type]
         weight_dtype=None if args.weight_dtype == "auto" else parse_dtype(args.weight_dtype),
         attention_backend=args.attention_backend,  # type: ignore[arg-type]
         fused_ops=args.fused_ops,

@@ -137,7 +137,18 @@ class EngineArgFields:
         True, "RMSNorm, SiLU*up and RoPE + KV write as fused kernels (same rounding): C++ on "
         "the CPU (bf16, float32), Triton on CUDA; --no-fused-ops keeps the PyTorch op chains",
     )  # fmt: skip
-    prepack_weights: bool = _opt(True, "CPU bf16: oneDNN-prepacked linear weights (same numbers)")
+    prepack_weights: bool = _opt(
+        True,
+        "CPU: linear weights repacked at load for a faster kernel "
+        "(bf16: --cpu-linear-kernel's; float32: oneDNN's, LM head and "
+        "gate/up)",
+    )
+    cpu_linear_kernel: str = _opt(
+        "auto", "CPU bf16: the dense linears' kernel: packed (kvserve's layout, vdpbf16ps on "
+        "AVX512-BF16), onednn (prepacked), auto (packed where the CPU has AVX512-BF16 and no "
+        "AMX, else onednn)",
+        choices=("auto", "onednn", "packed"),
+    )  # fmt: skip
     weight_dtype: str = _opt(
         "auto", "CPU float32: linear weights stored in bfloat16 or float16 and widened to "
         "float32 in registers (half the bytes per decode step); auto: the checkpoint's 16-bit "

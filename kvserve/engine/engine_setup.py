@@ -66,9 +66,10 @@ def log_engine_start(model_name: str, config: EngineConfig, info: RunnerInfo) ->
     )
     paths = info.paths
     logger.info(
-        "execution paths: CPU capability %s, %s math, %s weights, %d thread(s) per rank, "
-        "OpenMP threads on cores %s, OMP_WAIT_POLICY %s",
-        paths.cpu_capability, paths.dtype, paths.weight_dtype, paths.num_threads,
+        "execution paths: CPU capability %s, %s math, %s weights, linears %s, %d thread(s) "
+        "per rank, OpenMP threads on cores %s, OMP_WAIT_POLICY %s",
+        paths.cpu_capability, paths.dtype, paths.weight_dtype, paths.linears or "(unread)",
+        paths.num_threads,
         "|".join(",".join(map(str, c)) for c in paths.thread_cores) or "(unknown)",
         paths.omp_wait_policy or "unset",
     )  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from kvserve.config import ModelImpl, Quantization, QuantizedActivations
+from kvserve.config import CpuLinearKernel, ModelImpl, Quantization, QuantizedActivations
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.architectures import architecture_name, remote_code_error
 from kvserve.model.base import CausalLM
@@ -25,7 +25,7 @@ from kvserve.model.registry import (
     on_transformers_backend,
     resolve_model_class,
 )
-from kvserve.model.wide_linear import resolve_weight_dtype, widen_linears
+from kvserve.model.wide_linear import bf16_kernel_linears, resolve_weight_dtype, widen_linears
 from kvserve.ops.packed_linear import FLOAT32_PACKED, pack_linears, packing_supported
 from kvserve.quantization.apply import RTN_METHODS, QuantOptions, QuantReport, quantize_model
 from kvserve.quantization.checkpoint_linears import CheckpointLinears
@@ -125,6 +125,7 @@ def load_model(
     tp: TPGroup | None = None,
     decode_loop: bool = False,
     weight_dtype: torch.dtype | None = None,
+    linear_kernel: CpuLinearKernel | str = CpuLinearKernel.AUTO,
 ) -> CausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights: the
     native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
@@ -133,7 +134,8 @@ def load_model(
     ``load_model`` with the same arguments but ``tp``). ``decode_loop``: with the fused ops,
     decode-only steps run the layers in one C++ call where the model allows it.
     ``weight_dtype``: 16-bit stored linear weights computed in float32 (``wide_linear.py``;
-    None: auto, the checkpoint's 16-bit dtype where that applies)."""
+    None: auto, the checkpoint's 16-bit dtype where that applies). ``linear_kernel``: a bf16
+    model's dense linears (``bf16_kernel_linears``; auto only with ``prepack``)."""
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
@@ -187,12 +189,19 @@ def load_model(
         if quant.lm_head:
             quantize_lm_head(model, quant, torch.device(device), dtype, report)  # type: ignore[arg-type]
         model.quant_report = report  # type: ignore[attr-defined]
+    where = {
+        "native": not on_transformers_backend(cls),
+        "quantized": quant is not None and quant.method is not None,
+        "tp": tp.world_size if tp is not None else 1,
+    }
     wide = resolve_weight_dtype(
-        weight_dtype, dtype, torch.device(device), getattr(config, "dtype", None),
-        native=not on_transformers_backend(cls),
-        quantized=quant is not None and quant.method is not None,
-        tp=tp.world_size if tp is not None else 1,
-    )  # fmt: skip
+        weight_dtype, dtype, torch.device(device), getattr(config, "dtype", None), **where
+    )
+    kernel = CpuLinearKernel(linear_kernel)
+    if kernel is CpuLinearKernel.AUTO and not prepack:
+        kernel = CpuLinearKernel.ONEDNN  # no repacking: nn.Linear stays
+    if wide is None and bf16_kernel_linears(kernel, dtype, torch.device(device), **where):
+        wide = torch.bfloat16  # bf16 math on the packed layout (wide_linear.py)
     if wide is not None:  # before packing: the widened layers are packed no more
         widen_linears(model, wide)
     if prepack and packing_supported(torch.device(device), dtype):

@@ -33,6 +33,10 @@ class ExecutionPaths:
     cuda_graphs: tuple[int, ...] = ()
     # --batch-invariant: every row computed in a fixed order (model/batch_invariant.py)
     batch_invariant: bool = False
+    # the dense linears' kernel (linear_kernel): "packed-bf16" (vdpbf16ps on the packed
+    # layout), "packed-widened" (16-bit weights widened to float32), "onednn" (prepacked),
+    # "aten" (F.linear) or "quantized"; "" where not read
+    linears: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +55,28 @@ def weight_storage(model: nn.Module, dtype: torch.dtype, quantization: str | Non
 
     wide = next((m for m in model.modules() if isinstance(m, WideLinear)), None)
     return _dtype_name(wide.weight_dtype if wide is not None else dtype)
+
+
+def linear_kernel(model: nn.Module, dtype: torch.dtype) -> str:
+    """Which kernel the model's first linear layer runs (``ExecutionPaths.linears``)."""
+    from kvserve.model.batch_invariant import BatchInvariantLinear
+    from kvserve.model.wide_linear import WideLinear
+    from kvserve.ops.packed_linear import PackedLinear
+    from kvserve.quantization.qlinear import QuantLinear
+
+    for m in model.modules():
+        if isinstance(m, WideLinear):
+            native = torch.ops.kvserve.wide_linear_bf16_isa() == "avx512bf16"
+            return "packed-bf16" if dtype == torch.bfloat16 and native else "packed-widened"
+        if isinstance(m, PackedLinear):
+            return "onednn"
+        if isinstance(m, QuantLinear):
+            return "quantized"
+        if isinstance(m, BatchInvariantLinear):
+            return "invariant"
+        if isinstance(m, nn.Linear):
+            return "aten"
+    return ""
 
 
 def kernel_flags() -> tuple[str, ...]:
@@ -88,4 +114,5 @@ def collect_paths(
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
         cuda_graphs=cuda_graphs,
         batch_invariant=bool(getattr(model, "batch_invariant", False)),
+        linears=linear_kernel(model, dtype),
     )

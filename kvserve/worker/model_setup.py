@@ -102,6 +102,7 @@ def load_target(config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) 
         mc.prepack_weights and not invariant, mc.fused_ops, mc.model_impl, quant,
         tp if tp.world_size > 1 else None,
         decode_loop=not (mc.enforce_eager or invariant), weight_dtype=mc.weight_dtype,
+        linear_kernel=mc.cpu_linear_kernel,
     )  # fmt: skip
     if invariant:
         refusal = batch_invariant_refusal(model)  # type: ignore[arg-type]
@@ -135,7 +136,7 @@ def load_draft(
     return load_model(
         draft_path, mc.dtype, torch.device(config.device), max_model_len, mc.prepack_weights,
         mc.fused_ops, mc.model_impl, decode_loop=not mc.enforce_eager,
-        weight_dtype=mc.weight_dtype,
+        weight_dtype=mc.weight_dtype, linear_kernel=mc.cpu_linear_kernel,
     )  # fmt: skip
 
 

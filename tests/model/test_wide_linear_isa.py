@@ -1,8 +1,9 @@
 """``csrc/wide_linear.cpp`` built for a forced instruction set, whatever the CPU at hand picks:
-its AVX2 path (what AVX2-only CPUs run; an AVX-512 build would take it too) and its scalar
-path (CPUs without AVX2/FMA/F16C), each built alone under its own op namespace and held to the
-reference on the [N, K] weights and on the packed ones (the one layout every build reads), so
-that CI tests both variants on any CPU kind that can run them."""
+its AVX2 path (what AVX2-only CPUs run; an AVX-512 build would take it too), its scalar path
+(CPUs without AVX2/FMA/F16C) and its AVX512-BF16 path for bf16 activations, each built alone
+under its own op namespace and held to the reference on the [N, K] weights and on the packed
+ones (the one layout every build reads), so that CI tests every variant on any CPU kind that
+can run it. bf16 activations: the vdpbf16ps kernel, or the others' widened float32 path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ SOURCE = Path(__file__).resolve().parents[2] / "kvserve" / "csrc" / "wide_linear
 VARIANTS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],
     "scalar": ["-mno-avx2", "-mno-fma", "-mno-f16c"],
+    "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512bf16"],
 }
+NEEDS = {"avx2": {"avx2", "fma", "f16c"},
+         "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"}}  # fmt: skip
 
 
 def cpu_flags() -> set[str]:
@@ -42,8 +46,8 @@ def build_dir(ns: str) -> Path:
 @pytest.mark.slow  # one compile of one file per variant, ~20 s each (cached after)
 @pytest.mark.parametrize("isa", list(VARIANTS))
 def test_forced_isa_build_equals_reference(isa: str) -> None:
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA/F16C to run the AVX2 build")
+    if not NEEDS.get(isa, set()) <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(NEEDS[isa] - cpu_flags())} to run the {isa} build")
     from torch.utils import cpp_extension
 
     ns = f"kvserve_wide_{isa}"
@@ -55,8 +59,9 @@ def test_forced_isa_build_equals_reference(isa: str) -> None:
         extra_ldflags=["-fopenmp"], verbose=False,
     )  # fmt: skip
     ops = getattr(torch.ops, ns)
-    assert ops.wide_linear_isa() == isa
-    assert int(ops.wide_linear_panel_rows()) == (24 if isa == "avx2" else 0)
+    assert ops.wide_linear_isa() == ("scalar" if isa == "scalar" else "avx2")
+    assert ops.wide_linear_bf16_isa() == ("avx512bf16" if isa == "avx512bf16" else "float32")
+    assert int(ops.wide_linear_panel_rows()) == (0 if isa == "scalar" else 24)
     g = torch.Generator().manual_seed(7)
     for wdtype in (torch.bfloat16, torch.float16):
         for n, k in ((13, 64), (40, 131), (70, 300)):
@@ -76,3 +81,13 @@ def test_forced_isa_build_equals_reference(isa: str) -> None:
                 # batch-invariant mode's setting: the same bits for a row alone
                 whole = ops.wide_linear_packed(x, packed, bias, n, 0)
                 assert torch.equal(ops.wide_linear_packed(x[-1:], packed, bias, n, 0), whole[-1:])
+    # bf16 activations: small integers, so every float32 partial sum is exact and the one
+    # rounding gives the exact product rounded, bit for bit (odd K: the zero-paired last k)
+    for n, k in ((13, 64), (40, 131), (70, 513)):
+        w = torch.randint(-4, 5, (n, k), generator=g).bfloat16()
+        bias = torch.randint(-9, 10, (n,), generator=g).float()
+        for rows in (1, 2, 3, 4, 5, 6, 7, 25, 300):
+            x = torch.randint(-4, 5, (rows, k), generator=g).bfloat16()
+            got = ops.wide_linear_packed(x, pack_wide_weight(w), bias, n)
+            want = (x.double() @ w.double().t() + bias.double()).bfloat16()
+            assert torch.equal(got, want), (n, k, rows, "bf16")

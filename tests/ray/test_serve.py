@@ -155,6 +155,11 @@ def test_killed_replica_fails_or_retries_its_requests_and_is_restarted(ray_app: 
         if isinstance(result, str) and result:
             # answered in full: by the survivor (first, or after a retry), or before the kill
             assert replicas[i] != victim or ended[i] < killed_at + 0.5, (i, replicas, victim)
+        elif isinstance(result, openai.RateLimitError):
+            # refused before it started: 5 retries after Retry-After all met a full queue (the
+            # survivor alone holds the streams while the victim dies; a CI run on a loaded
+            # box). The designed refusal, not a lost stream.
+            assert i not in replicas and result.status_code == 429, (i, replicas)
         else:  # a stream the victim had started: its error event, never a hang
             assert isinstance(result, openai.APIError), repr(result)
             assert "replica died" in str(result) and replicas[i] == victim

@@ -229,7 +229,7 @@ def fake_engine(callbacks: list[Any]) -> Any:
         execution_paths=ExecutionPaths(
             fused_ops=True, decode_loop=False, cpu_capability="AVX2", kernel_cflags=("-O3", "-x"),
             dtype="float32", weight_dtype="bfloat16", num_threads=2, cpu_affinity=(0, 1),
-            thread_cores=((0,), (1,)), omp_wait_policy="PASSIVE",
+            thread_cores=((0,), (1,)), omp_wait_policy="PASSIVE", linears="packed-widened",
         ),
     )  # fmt: skip
 
@@ -253,7 +253,7 @@ def test_inter_token_latency_is_per_step_and_aborts_leave_no_state() -> None:
              "cpu_capability": "AVX2", "kernel_cflags": "-O3 -x", "dtype": "float32",
              "weight_dtype": "bfloat16", "num_threads": "2", "cpu_affinity": "0,1",
              "thread_cores": "0|1", "omp_wait_policy": "PASSIVE", "cuda_graphs": "",
-             "batch_invariant": "False"}  # fmt: skip
+             "batch_invariant": "False", "linears": "packed-widened"}  # fmt: skip
     assert metrics.registry.get_sample_value("kvserve:execution_paths_info", paths) == 1.0
 
     def sample(name: str) -> float:
