@@ -134,6 +134,19 @@ def widen_linears(model: nn.Module, weight_dtype: torch.dtype) -> int:
     return count
 
 
+def _model_refusal(device: torch.device, *, native: bool, quantized: bool, tp: int) -> str | None:
+    """Why a model's linears cannot take the packed layout (None: they can)."""
+    if device.type != "cpu":
+        return f"it is a CPU path, and the device is {device.type}"
+    if not native:
+        return "it needs one of kvserve's native model classes, not the transformers backend"
+    if quantized:
+        return "quantized linears keep their own weights"
+    if tp != 1:
+        return "it runs one rank (tensor_parallel_size 1)"
+    return None
+
+
 def bf16_kernel_linears(
     requested: CpuLinearKernel,
     dtype: torch.dtype,
@@ -152,18 +165,10 @@ def bf16_kernel_linears(
 
     if requested is CpuLinearKernel.ONEDNN:
         return False
-    why = None
+    why = _model_refusal(device, native=native, quantized=quantized, tp=tp)
     if dtype != torch.bfloat16:
         why = f"it is for bfloat16 models (dtype is {dtype}; float32: see --weight-dtype)"
-    elif device.type != "cpu":
-        why = f"it is a CPU path, and the device is {device.type}"
-    elif not native:
-        why = "it needs one of kvserve's native model classes, not the transformers backend"
-    elif quantized:
-        why = "quantized linears keep their own weights"
-    elif tp != 1:
-        why = "it runs one rank (tensor_parallel_size 1)"
-    elif not cpu_kernels.available():
+    elif why is None and not cpu_kernels.available():
         why = "its kernel needs kvserve's C++ CPU kernels, which are not built"
     if requested is CpuLinearKernel.PACKED:
         if why is not None:
@@ -192,17 +197,9 @@ def resolve_weight_dtype(
     """
     from kvserve.ops import cpu_kernels  # builds the kernels on first use
 
-    why = None
+    why = _model_refusal(device, native=native, quantized=quantized, tp=tp)
     if dtype != torch.float32:
         why = f"it is computed in float32, and dtype is {dtype}"
-    elif device.type != "cpu":
-        why = f"it is a CPU path, and the device is {device.type}"
-    elif not native:
-        why = "it needs one of kvserve's native model classes, not the transformers backend"
-    elif quantized:
-        why = "quantized linears keep their own weights"
-    elif tp != 1:
-        why = "it runs one rank (tensor_parallel_size 1)"
     if requested is None:
         ok = why is None and checkpoint_dtype in WEIGHT_DTYPES and cpu_kernels.available()
         return checkpoint_dtype if ok else None

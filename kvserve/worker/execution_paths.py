@@ -33,9 +33,10 @@ class ExecutionPaths:
     cuda_graphs: tuple[int, ...] = ()
     # --batch-invariant: every row computed in a fixed order (model/batch_invariant.py)
     batch_invariant: bool = False
-    # the dense linears' kernel (linear_kernel): "packed-bf16" (vdpbf16ps on the packed
-    # layout), "packed-widened" (16-bit weights widened to float32), "onednn" (prepacked),
-    # "aten" (F.linear) or "quantized"; "" where not read
+    # the first decoder linear's kernel (linear_kernel): "packed-bf16" (vdpbf16ps on the
+    # packed layout), "packed-widened" (16-bit weights widened to float32), "onednn"
+    # (prepacked), "aten" (F.linear; float32 packs only the LM head and gate/up), "quantized"
+    # or "invariant" (--batch-invariant); "" where not read
     linears: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -58,7 +59,8 @@ def weight_storage(model: nn.Module, dtype: torch.dtype, quantization: str | Non
 
 
 def linear_kernel(model: nn.Module, dtype: torch.dtype) -> str:
-    """Which kernel the model's first linear layer runs (``ExecutionPaths.linears``)."""
+    """Which kernel the model's first linear layer (in module order: the first layer's QKV)
+    runs (``ExecutionPaths.linears``)."""
     from kvserve.model.batch_invariant import BatchInvariantLinear
     from kvserve.model.wide_linear import WideLinear
     from kvserve.ops.packed_linear import PackedLinear
