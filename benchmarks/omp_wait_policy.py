@@ -9,6 +9,7 @@ decode step (wall time of a generation / its output tokens per sequence).
 
     python benchmarks/omp_wait_policy.py --rounds 2 --reps 1 --out results.json
     python benchmarks/omp_wait_policy.py --policies PASSIVE@auto PASSIVE@nobind  # binding
+    python benchmarks/omp_wait_policy.py --policies PASSIVE spin1k --busy 4  # oversubscribed
 """
 
 from __future__ import annotations
@@ -30,11 +31,18 @@ POLICIES: dict[str, dict[str, str]] = {
     "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},  # sleep at once
     "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},  # spin (almost) forever
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},  # ~a microsecond: the gap between a step's regions
 }
 BUSY = "while True: pass"
 
 
-def child(tokens: int, reps: int, cpu_cores: str | None) -> None:
+def start_busy(n: int, core: int) -> list[subprocess.Popen[bytes]]:
+    """One busy process pinned to ``core``, or ``n`` > 1 unpinned (an oversubscribed host)."""
+    pin = (lambda: os.sched_setaffinity(0, {core})) if n == 1 else None
+    return [subprocess.Popen([sys.executable, "-c", BUSY], preexec_fn=pin) for _ in range(n)]
+
+
+def child(tokens: int, reps: int, cpu_cores: str | None, busy: int) -> None:
     from kvserve import LLM, SamplingParams
 
     kwargs = {} if cpu_cores is None else {"cpu_cores": cpu_cores}
@@ -45,12 +53,8 @@ def child(tokens: int, reps: int, cpu_cores: str | None) -> None:
     results: dict[str, list[float]] = {}
     for _ in range(reps):
         for load in ("quiet", "busy"):
-            proc = None
-            if load == "busy":
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", BUSY],
-                    preexec_fn=lambda: os.sched_setaffinity(0, {busy_core}),
-                )
+            procs = start_busy(busy, busy_core) if load == "busy" else []
+            if procs:
                 time.sleep(0.3)
             try:
                 for batch in (1, 8):
@@ -59,7 +63,7 @@ def child(tokens: int, reps: int, cpu_cores: str | None) -> None:
                     ms = (time.perf_counter() - t0) * 1000 / tokens
                     results.setdefault(f"{load} b{batch}", []).append(ms)
             finally:
-                if proc is not None:
+                for proc in procs:
                     proc.kill()
                     proc.wait()
     print("PATHS " + json.dumps(run_paths(llm)), flush=True)
@@ -78,11 +82,14 @@ def main() -> None:
         help="names from POLICIES, each optionally @CORES (its --cpu-cores)",
     )
     ap.add_argument("--cpu-cores", default=None, help="passed to LLM(cpu_cores=...)")
+    ap.add_argument("--busy", type=int, default=1,
+                    help="busy processes in the busy phase: 1 pinned to the last core, or "
+                    "N > 1 unpinned (an oversubscribed host)")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.child:
-        child(args.tokens, args.reps, args.cpu_cores)
+        child(args.tokens, args.reps, args.cpu_cores, args.busy)
         return
     runs: dict[str, dict[str, list[float]]] = {p: {} for p in args.policies}
     paths: dict[str, str] = {}
@@ -94,7 +101,7 @@ def main() -> None:
             name, _, cores = policy.partition("@")  # PASSIVE@nobind: with --cpu-cores nobind
             env.update(POLICIES[name])
             cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps),
-                   "--tokens", str(args.tokens)]  # fmt: skip
+                   "--tokens", str(args.tokens), "--busy", str(args.busy)]  # fmt: skip
             if cores or args.cpu_cores is not None:
                 cmd += ["--cpu-cores", cores or args.cpu_cores]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
