@@ -2,16 +2,19 @@
 
 OLMoE-1B-7B's layer shape by default (hidden 2048, expert intermediate 1024, 64 experts,
 top-8), random weights and router logits (a new routing per call, cycling through 8, so the
-experts' weights come from memory as in a real step). Two weight kinds:
+experts' weights come from memory as in a real step). Three weight kinds:
 
 * ``bf16``: dense bf16 experts, bf16 activations (``grouped_experts``: F.linear per expert;
-  the op: ``wide_linear``, float32 sums of the bf16 weights);
+  the op: ``wide_linear`` on the ``[N, K]`` stacks, float32 sums of the widened weights);
+* ``bf16-packed``: the same experts, the op on the packed layout ``FusedExperts`` packs bf16
+  stacks into (``wide_linear_packed`` with bf16 tokens: ``vdpbf16ps`` where the kernels have
+  AVX512-BF16), what a bf16 MoE model runs;
 * ``int4``: int4 g32 ``QuantLinear`` experts (``--quantization int4``), float32 activations
   (what ``dtype=auto`` is on AVX2-only CPUs).
 
 Both paths use the C++ SiLU*up kernel (the fused ops). Prints the median ms per layer call.
 
-    python benchmarks/moe_experts.py --tokens 1,8,32 --threads 1,2 --kinds bf16,int4
+    python benchmarks/moe_experts.py --tokens 1,8,32 --threads 1,2 --kinds bf16,bf16-packed,int4
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.model.wide_linear import pack_wide_weight
 from kvserve.moe.experts import GluActivation, grouped_experts
-from kvserve.moe.experts_kernel import experts_kernel
+from kvserve.moe.experts_kernel import PackedExpert, experts_kernel
 from kvserve.moe.router import RouterConfig, route
 from kvserve.ops import cpu_kernels
 from kvserve.quantization.qlinear import QuantLinear
@@ -49,7 +53,7 @@ def weights(kind: str, e: int, h: int, inter: int) -> tuple[object, object, torc
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(e, 2 * inter, h, generator=g) * 0.02).bfloat16()  # [E, 2I, H]
     down = (torch.randn(e, h, inter, generator=g) * 0.02).bfloat16()  # [E, H, I]
-    if kind == "bf16":
+    if kind in ("bf16", "bf16-packed"):
         return gate_up, down, torch.bfloat16
     cpu = torch.device("cpu")
 
@@ -64,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,32", help="tokens per step (decode rows)")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--kinds", default="bf16,int4")
+    ap.add_argument("--kinds", default="bf16,bf16-packed,int4")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=64)
@@ -77,20 +81,31 @@ def main() -> None:
     print("kind  tokens threads  grouped (PyTorch)  C++ op  speedup")
     for kind in args.kinds.split(","):
         gate_up, down, dtype = weights(kind, e, h, inter)
+        # bf16-packed: the op on the layout FusedExperts packs bf16 stacks into (bf16 tokens
+        # through wide_linear_packed: vdpbf16ps where built); the grouped path on the stacks
+        op_parts = (packed(gate_up), packed(down)) if kind == "bf16-packed" else (gate_up, down)
         for t in (int(s) for s in args.tokens.split(",")):
             for threads in (int(s) for s in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                a, b = compare(gate_up, down, dtype, t, k, args.repeats)
+                a, b = compare(gate_up, down, op_parts, dtype, t, k, args.repeats)
                 print(f"{kind:5} {t:6} {threads:7} {a * 1e3:18.2f} {b * 1e3:7.2f} {a / b:7.2f}x",
                       flush=True)  # fmt: skip
 
 
+def packed(stack: object) -> list[PackedExpert]:
+    """Each expert of a stacked ``[E, N, K]`` bf16 tensor on the packed layout."""
+    assert isinstance(stack, torch.Tensor)
+    return [PackedExpert(pack_wide_weight(w), w.shape[0]) for w in stack]
+
+
 @torch.inference_mode()
 def compare(
-    gate_up: object, down: object, dtype: torch.dtype, t: int, k: int, repeats: int
-) -> tuple[float, float]:
-    """Median seconds per call of the grouped path and of the op, ``t`` tokens routed top-k."""
-    op = experts_kernel(gate_up, down, GluActivation())  # type: ignore[arg-type]
+    gate_up: object, down: object, op_parts: tuple[object, object], dtype: torch.dtype, t: int,
+    k: int, repeats: int,
+) -> tuple[float, float]:  # fmt: skip
+    """Median seconds per call of the grouped path and of the op (on ``op_parts``' weights),
+    ``t`` tokens routed top-k."""
+    op = experts_kernel(*op_parts, GluActivation())  # type: ignore[arg-type]
     fn_gate_up, fn_down = gate_up, down
     if isinstance(gate_up, list) and isinstance(down, list):
         fn_gate_up = lambda i, rows: gate_up[i](rows)  # noqa: E731
