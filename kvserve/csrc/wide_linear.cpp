@@ -352,6 +352,15 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor packed_bf16(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, int64_t n, int64_t direct_rows);
 
+// The packed path's tasks: panels of kStripsPerPanel strips, at least ATen's grain of weights
+// per task, so small layers stay on the calling thread (waking the pool costs more than ~32K
+// multiply-adds).
+int64_t panel_count(int64_t strips) { return (strips + kStripsPerPanel - 1) / kStripsPerPanel; }
+int64_t panel_grain(int64_t k) {
+  return std::max<int64_t>(
+      1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, kStripsPerPanel * kStrip * k));
+}
+
 // x [M, K] float32, w [ceil(N / 16), K, 16] bf16 or fp16 (the packed layout), bias [N] float32
 // or none, n = N -> [M, N] float32. direct_rows as wide_linear's (-1: kDirectRows; 0: every
 // row count here, batch-invariant mode). Every output is one sum along k in k order whatever
@@ -387,12 +396,7 @@ at::Tensor wide_linear_packed(const at::Tensor& x, const at::Tensor& w,
   const float* xp = xc.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (m > 0) {
-    // Panels per task: at least ATen's grain of weights, so small layers stay on the calling
-    // thread (waking the pool costs more than ~32K multiply-adds).
-    const int64_t count = (strips + kStripsPerPanel - 1) / kStripsPerPanel;
-    const int64_t grain = std::max<int64_t>(
-        1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, kStripsPerPanel * kStrip * k));
-    at::parallel_for(0, count, grain, [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, panel_count(strips), panel_grain(k), [&](int64_t p0, int64_t p1) {
       if (w.scalar_type() == at::kBFloat16) {
         packed_panels(xp, m, w.const_data_ptr<c10::BFloat16>(), k, yp, n, p0, p1);
       } else {
@@ -427,10 +431,7 @@ at::Tensor packed_bf16(const at::Tensor& x, const at::Tensor& w,
   const std::optional<at::Tensor> bc =
       bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (m > 0) {
-    const int64_t count = (strips + kStripsPerPanel - 1) / kStripsPerPanel;
-    const int64_t grain = std::max<int64_t>(
-        1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, kStripsPerPanel * kStrip * k));
-    at::parallel_for(0, count, grain, [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, panel_count(strips), panel_grain(k), [&](int64_t p0, int64_t p1) {
       panels_bf16(xc.const_data_ptr<c10::BFloat16>(), m, w.const_data_ptr<c10::BFloat16>(), k,
                   bc.has_value() ? bc->const_data_ptr<float>() : nullptr,
                   y.data_ptr<c10::BFloat16>(), n, p0, p1, kStripsPerPanel, kPackedK);
