@@ -4,7 +4,9 @@ and llama.cpp's llama-server on Q8_0 / Q4_0 GGUFs of the same model, over HTTP.
 One model per run (``--model``): ``builtin`` (SmolLM2-135M-Instruct, the float32 folder kvserve
 converts from its Q4_1 GGUF), ``tinyllama`` (a random-weight Llama of TinyLlama-1.1B's shape,
 bf16, seeded, SmolLM2's BPE cut to 32000 tokens; built once under
-``~/.cache/kvserve/bench-models/tinyllama-random``) or a model folder. The GGUFs are converted
+``~/.cache/kvserve/bench-models/tinyllama-random``), ``qwen3-0.6b`` (Qwen3-0.6B's config with
+random weights and SmolLM2's whole BPE, the vocabulary padded to Qwen3's 151,936 as Qwen's own
+is; ``qwen3-0.6b-random`` there) or a model folder. The GGUFs are converted
 from that folder once by ``benchmarks/peers/llamacpp.py`` (llama-quantize's default recipes).
 
 For each repeat the settings take turns (the order reversed every other repeat); each one's
@@ -97,6 +99,9 @@ SETTINGS = (
     # issue 34: llama-quantize's mixed K-quant files, kept quantized by kvserve
     Setting("kvserve-gguf-q4_k_m", "kvserve", "gguf", "Q4_K_M"),
     Setting("kvserve-gguf-q5_k_m", "kvserve", "gguf", "Q5_K_M"),
+    # the file's own LM head (Q6_K), as llama-server runs it, not a bf16 one
+    Setting("kvserve-gguf-q4_k_m-lmhead", "kvserve", "gguf", "Q4_K_M", lm_head=True),
+    Setting("kvserve-gguf-q5_k_m-lmhead", "kvserve", "gguf", "Q5_K_M", lm_head=True),
     Setting("llamacpp-q4_k_m", "llamacpp", None, "Q4_K_M"),
     Setting("llamacpp-q5_k_m", "llamacpp", None, "Q5_K_M"),
 )
@@ -109,6 +114,8 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0", "kvserve-int4-lmhead-eager": "llamacpp-q4_0",
     "kvserve-gguf-q4_0-lmhead-eager": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m": "llamacpp-q4_k_m", "kvserve-gguf-q5_k_m": "llamacpp-q5_k_m",
+    "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m",
+    "kvserve-gguf-q5_k_m-lmhead": "llamacpp-q5_k_m",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -128,6 +135,10 @@ TARGETS = (
     ("kvserve-gguf-q4_k_m", "llamacpp-q4_k_m", 64, 2.0),
     ("kvserve-gguf-q5_k_m", "llamacpp-q5_k_m", 1, 1.0),
     ("kvserve-gguf-q5_k_m", "llamacpp-q5_k_m", 64, 2.0),
+    ("kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_k_m", 1, 1.0),
+    ("kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_k_m", 64, 2.0),
+    ("kvserve-gguf-q5_k_m-lmhead", "llamacpp-q5_k_m", 1, 1.0),
+    ("kvserve-gguf-q5_k_m-lmhead", "llamacpp-q5_k_m", 64, 2.0),
 )
 
 
@@ -311,6 +322,14 @@ def ensure_tinyllama() -> Path:
     return folder
 
 
+def ensure_qwen3() -> Path:
+    """The Qwen3-0.6B-shaped random model (benchmarks/model_families.py's), built once."""
+    from benchmarks.model_families import QWEN3_06B, ensure_model, make_qwen3
+
+    folder = llamacpp.bench_models_dir() / "qwen3-0.6b-random"
+    return Path(ensure_model(folder, make_qwen3, QWEN3_06B["vocab_size"]))
+
+
 def resolve_model(name: str, pre_tokenizer: str | None) -> Model:
     from benchmarks.moe_model import SHAPES, ensure_moe_model
 
@@ -323,9 +342,12 @@ def resolve_model(name: str, pre_tokenizer: str | None) -> Model:
     if name == "tinyllama":
         # The cut vocabulary hides SmolLM2's BPE from the converter's hash (see llamacpp.py).
         return Model("tinyllama", ensure_tinyllama(), "smollm")
+    if name == "qwen3-0.6b":
+        return Model(name, ensure_qwen3(), "smollm")
     path = Path(name).expanduser().resolve()
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name!r}: expected builtin, tinyllama, {', '.join(SHAPES)} "
+        raise ValueError(f"--model {name!r}: expected builtin, tinyllama, qwen3-0.6b, "
+                         f"{', '.join(SHAPES)} "
                          "or a model folder")  # fmt: skip
     return Model(path.name, path, pre_tokenizer)
 
@@ -372,7 +394,9 @@ def server_command(
         *(["--quantization", setting.quantization] if setting.quantization else []),
         *(group if setting.quantization in ("int8", "int4") else []),
         *(["--quantization-activations", setting.activations] if setting.activations else []),
-        *(["--quantization-lm-head"] if setting.lm_head else []),
+        # explicit both ways: unset, a GGUF's own head is kept quantized (lm_head.py)
+        *(["--quantization-lm-head" if setting.lm_head else "--no-quantization-lm-head"]
+          if setting.quantization else []),
         *(["--enforce-eager"] if setting.eager else []),
         *shlex.split(args.kvserve_args),
     ]  # fmt: skip
@@ -596,7 +620,9 @@ def roofline(args: argparse.Namespace, model: Model, ggufs: dict[str, Path]) -> 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--model", default="builtin", help="builtin, tinyllama, olmoe-* (moe_model.py) or a folder"
+        "--model",
+        default="builtin",
+        help="builtin, tinyllama, qwen3-0.6b, olmoe-* (moe_model.py) or a folder",
     )
     ap.add_argument(
         "--settings",

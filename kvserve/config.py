@@ -238,8 +238,9 @@ class ModelConfig:
     quantization_group_size: int | None = None
     # how quantized linears take activations (int8 per 32 on CPUs with VNNI, or the dtype)
     quantization_activations: QuantizedActivations = QuantizedActivations.AUTO
-    # the LM head quantized too (int8 per channel, or a GGUF's own output tensor type)
-    quantization_lm_head: bool = False
+    # the LM head quantized too (int8 per channel, or a GGUF's own output tensor type); None:
+    # auto, the file's own head for gguf where it can (quantization/lm_head.wants_quantized_head)
+    quantization_lm_head: bool | None = None
     gguf_file: str | None = None  # the GGUF the model folder was converted from, if any
     model_impl: ModelImpl = ModelImpl.AUTO  # native class or transformers' (model/registry.py)
     # the defaults of the sampling fields a request leaves unset (engine/generation_defaults.py)

@@ -46,7 +46,8 @@ struct Linear {
   at::Tensor zeros;   // quant only: [K / g, N] or empty
   std::optional<at::Tensor> bias;  // [N]
   int64_t out_features, bits, group, offset, direct_rows;
-  bool half_scales, has_zeros;
+  int64_t scale_format;  // a8: quant_linear_a8's (0 float32, 1 float16, 2 super-blocks)
+  bool has_zeros;
   // Multi-LoRA slot weights (add_lora), or undefined: A [S, n*R, K], Bt_i [S, R, N_i]
   at::Tensor lora_a;
   std::vector<at::Tensor> lora_bts;
@@ -116,13 +117,13 @@ class DecodeLayers : public torch::CustomClassHolder {
   // Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   std::optional<at::Tensor> bias, int64_t out_features, int64_t bits,
-                  int64_t group, int64_t offset, int64_t direct_rows, bool half_scales,
+                  int64_t group, int64_t offset, int64_t direct_rows, int64_t scale_format,
                   bool has_zeros) {
     TORCH_CHECK(kind >= kA8 && kind <= kInvariant, "DecodeLayers: unknown linear kind ",
                 kind);
     pending_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), std::move(bias), out_features, bits, group,
-                              offset, direct_rows, half_scales, has_zeros,
+                              offset, direct_rows, scale_format, has_zeros,
                               at::Tensor(), {}});
   }
 
@@ -240,7 +241,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     }
     at::Tensor out = x.new_empty({x.size(0), lin.out_features});
     if (lin.kind == kA8) {
-      o.quant_a8.call(out, x, lin.w, lin.bits, lin.group, lin.offset, lin.half_scales,
+      o.quant_a8.call(out, x, lin.w, lin.bits, lin.group, lin.offset, lin.scale_format,
                       lin.has_zeros);
     } else {
       o.quant.call(out, x, lin.w, lin.scales, lin.zeros, lin.bits, lin.group, lin.offset,

@@ -30,7 +30,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // The C++ signatures the kernels were registered with.
 using Act = void(at::Tensor, const at::Tensor&);  // silu_and_mul, gelu_tanh_and_mul
 using QuantA8 = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                     int64_t, bool, bool);
+                     int64_t, int64_t, bool);  // ..., scale_format, has_zeros
 using Wide = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                         int64_t, int64_t);  // wide_linear and wide_linear_packed alike
 using Quant = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -56,7 +56,8 @@ struct Linear {
   at::Tensor scales;  // quant: [K / g, N] (else undefined)
   at::Tensor zeros;   // quant: [K / g, N] or empty
   int64_t out_features, bits, group, offset, direct_rows;
-  bool half_scales, has_zeros;
+  int64_t scale_format;  // a8: quant_linear_a8's (0 float32, 1 float16, 2 super-blocks)
+  bool has_zeros;
 };
 
 
@@ -146,7 +147,7 @@ class MoEExperts : public torch::CustomClassHolder {
   // (wide_linear.cpp's packed layout, read by wide_linear_packed). Unused tensors may be empty.
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scales, at::Tensor zeros,
                   int64_t out_features, int64_t bits, int64_t group, int64_t offset,
-                  int64_t direct_rows, bool half_scales, bool has_zeros) {
+                  int64_t direct_rows, int64_t scale_format, bool has_zeros) {
     TORCH_CHECK(kind == kA8 || kind == kQuant || kind == kWide,
                 "MoEExperts: unknown linear kind ", kind);
     if (kind == kWide) {
@@ -159,7 +160,7 @@ class MoEExperts : public torch::CustomClassHolder {
     }
     linears_.push_back(Linear{static_cast<LinearKind>(kind), std::move(w), std::move(scales),
                               std::move(zeros), out_features, bits, group, offset, direct_rows,
-                              half_scales, has_zeros});
+                              scale_format, has_zeros});
   }
 
   // gate_up_bias [E, 2I] and down_bias [E, H] in the model dtype (gpt-oss), or none.
@@ -265,7 +266,7 @@ class MoEExperts : public torch::CustomClassHolder {
     }
     at::Tensor out = dst.has_value() ? *dst : x.new_empty({x.size(0), lin.out_features});
     if (lin.kind == kA8) {
-      o.quant_a8.call(out, x, lin.w, lin.bits, lin.group, lin.offset, lin.half_scales,
+      o.quant_a8.call(out, x, lin.w, lin.bits, lin.group, lin.offset, lin.scale_format,
                       lin.has_zeros);
     } else {
       o.quant.call(out, x, lin.w, lin.scales, lin.zeros, lin.bits, lin.group, lin.offset,

@@ -21,11 +21,22 @@
 // channels, byte 4j + i = channel j, k = 4t + i (vpdpbusd's layout; also AMX's int8 B-tile
 // layout). One block's codes:
 //   int8: [8 quads][16][4] uint8 (u), 512 bytes;
-//   int4: [4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4, 256 bytes.
+//   int4: [4][16][4] uint8, low nibble = quad t, high nibble = quad t + 4, 256 bytes;
+//   5 and 6 bits (GGUF Q5_0/Q5_1/Q5_K, Q6_K): int4's 256 bytes of low nibbles, then one bit
+//   plane per higher bit: [8 quads] 64-bit masks, bit 4j + i of quad t's = that bit of u for
+//   channel j, k = 4t + i (64 bytes a plane). The kernel adds 16 (32) to a quad's nibbles
+//   under its mask (one vpaddb with a mask register), so a 6-bit code streams 6 bits, not 8.
 // Each vector is one stream of records, one per group of g values (g = 16: per block of 32,
 // holding both its groups): the group's 16 scales (float16 or float32; two groups' for g = 16),
 // its 16 zeros likewise if there are zeros (else zero 0), then the codes of its g / 32 blocks:
 //   [N / 16][K / g or K / 32][header + codes] bytes; g = 16 or a multiple of 32, 32 divides K.
+// Super-block records (scale format 2, GGUF K-quants: qweight.SuperScales): one record per 256
+// values along K (8 blocks of 32; g = 16 or 32, G = 256 / g groups): the 16 channels' float16
+// d, their float16 dmin if there are zeros, the G groups' int8 sc ([G][16]), their int8 m if
+// zeros, then the 8 blocks' codes. A group's scale is d * sc and its zero -(dmin * m), float32
+// products as gguf's dequantizer computes them, so the outputs equal the float32 records' bit
+// for bit. A Q4_K weight streams 4.6 bits per weight this way instead of 6 (a float32 scale
+// and zero per 32), Q6_K 8.6 instead of 10.
 // Scales beside their codes, as a GGUF block keeps them: with scales and zeros in streams of
 // their own ([N / 16][K / g][16] each), a one-row pass over 22 TinyLlama-1.1B layers' own int4
 // weights (g 32, with zeros) read 36.2 GB/s against 40.6 in records (the op called directly,
@@ -63,10 +74,18 @@ namespace {
 #if defined(KVSERVE_A8_VNNI)
 constexpr int64_t kRowChunk = 64;  // rows whose int8 activations stay in L2 for a tile
 constexpr int64_t kPrefetchBytes = 2048;
+// int4, 5- and 6-bit codes for at least this many rows: each tile's codes unpacked once into
+// an 8-bit copy (expand_codes), not once per micro-tile. All projections and the LM head of
+// TinyLlama-1.1B's Q4_K_M file, called directly, medians of 9: 16 / 32 / 256 rows 99 / 161 /
+// 1068 ms with the copy, 119 / 222 / 1647 unpacking in place; 8 rows: level, so not there.
+// Q5_K_M: 16 / 64 rows 0.77 / 0.84x of 8-bit records (0.74 / 0.65x in place).
+constexpr int64_t kExpandRows = 16;
 
 struct A8Args {
   const uint8_t* packed;  // pack_a8's records
   bool half_scales;       // scales / zeros are float16 (else float32)
+  bool supers;            // super-block records (scale format 2)
+  int64_t sc_at, m_at;    // supers: offsets of sc and m in a record's header
   bool zeros;             // the records hold zeros (else zero 0)
   int64_t group;          // g: 16 or a multiple of 32
   int64_t n, k;
@@ -76,6 +95,9 @@ struct A8Args {
   int64_t header;         // scale_bytes, twice with zeros
   int64_t record;         // header + the record's codes
   int64_t blocks_per_record;  // g / 32 (1 for g = 16)
+  int64_t planes;             // bit planes above the nibbles: 0 (int4), 1 (5 bits), 2 (6 bits)
+  int64_t block_bytes;        // one vector's codes for one block of 32
+  int64_t vec_base = 0;       // packed holds vectors vec_base.. (a tile's expanded copy)
 };
 
 struct A8Rows {  // x, quantized (quantize_rows)
@@ -95,6 +117,8 @@ inline __m512i bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
+
+#include "quant_linear_a8_gguf.h"  // GGUF records: super-block scales, bit planes
 
 // Rows r0..r1 of x [M, K] bf16 into int8 blocks of 32. inv = 127 / max|x| and round half to
 // even (the MXCSR default): the reference computes the same float32 values.
@@ -140,14 +164,14 @@ void quantize_rows(const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t k, in
 // independent latency.
 template <int MR, int NV, bool INT4, bool HALVES>
 void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
-  constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
+  const int64_t code_bytes = a.block_bytes;  // one vector's codes for one block of 32
   constexpr bool kOneChain = INT4 && !HALVES && MR * NV >= 8;
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup;
   const int64_t bpr = a.blocks_per_record;
   const int64_t records = nb / bpr;
   const int64_t elt = a.half_scales ? 2 : 4;
   const uint8_t* w[NV];  // each vector's first record
-  for (int v = 0; v < NV; ++v) w[v] = a.packed + (v0 + v) * records * a.record;
+  for (int v = 0; v < NV; ++v) w[v] = a.packed + (v0 + v - a.vec_base) * records * a.record;
   const int8_t* q[MR];
   for (int r = 0; r < MR; ++r) q[r] = rows.q + (r0 + r) * a.k;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -158,8 +182,8 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
   int64_t rec = 0, in_rec = 0;  // kb's record and its block in it (no division per block)
   for (int64_t kb = 0; kb < nb; ++kb) {
     // This block's bytes in each vector's stream: its record's header first if it starts one.
-    const int64_t first = rec * a.record + (in_rec == 0 ? 0 : a.header + in_rec * kBytes);
-    const int64_t len = in_rec == 0 ? a.header + kBytes : kBytes;
+    const int64_t first = rec * a.record + (in_rec == 0 ? 0 : a.header + in_rec * code_bytes);
+    const int64_t len = in_rec == 0 ? a.header + code_bytes : code_bytes;
     // Prefetch kPrefetchBytes ahead in each vector's stream: a one-row pass over
     // TinyLlama-1.1B's int4 weights took 15.6 ms with the hardware prefetchers alone, 14.4 /
     // 14.0 / 13.7 ms at 512 / 1024 / 2048 bytes ahead (8 rows: 35.4 against 30.5 ms).
@@ -168,7 +192,24 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
       for (int64_t line = 0; line < len; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
     // New group: its scales, and the zero term (z - o * s) * sum x for every row.
-    if (in_rec == 0) {
+    if (a.supers) {  // every block starts a group (two with HALVES), scales from its record
+      for (int h = 0; h < (HALVES ? 2 : 1); ++h) {
+        const int64_t gi = HALVES ? 2 * in_rec + h : in_rec;  // the group in the record
+        for (int v = 0; v < NV; ++v) {
+          const uint8_t* hdr = w[v] + rec * a.record;
+          __m512 s = _mm512_mul_ps(load16(true, hdr), load16_i8(hdr + a.sc_at + gi * 16));
+          __m512 z = a.zeros ? negate(_mm512_mul_ps(load16(true, hdr + 32),
+                                                    load16_i8(hdr + a.m_at + gi * 16)))
+                             : _mm512_setzero_ps();
+          z = _mm512_sub_ps(z, _mm512_mul_ps(off, s));
+          (h ? s1 : s0)[v] = s;
+          for (int r = 0; r < MR; ++r) {
+            __m512 xsum = _mm512_set1_ps(rows.xs[(r0 + r) * nz + (HALVES ? 2 * kb : kb) + h]);
+            total[r][v] = _mm512_fmadd_ps(z, xsum, total[r][v]);
+          }
+        }
+      }
+    } else if (in_rec == 0) {
       const int64_t g0 = HALVES ? 2 * kb : rec;
       for (int h = 0; h < (HALVES ? 2 : 1); ++h) {
         for (int v = 0; v < NV; ++v) {
@@ -190,11 +231,17 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
     for (int t = 0; t < 4; ++t) {
       __m512i lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
-        const uint8_t* p = w[v] + rec * a.record + a.header + in_rec * kBytes;
+        const uint8_t* p = w[v] + rec * a.record + a.header + in_rec * code_bytes;
         if constexpr (INT4) {
           __m512i packed = _mm512_loadu_si512(p + t * 64);
           lo[v] = _mm512_and_si512(packed, low4);
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          for (int64_t pl = 0; pl < a.planes; ++pl) {  // 5- and 6-bit codes: + 16 (32)
+            const uint8_t* bits = p + 256 + pl * 64;
+            const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));
+            lo[v] = _mm512_mask_add_epi8(lo[v], load_mask(bits + t * 8), lo[v], add);
+            hi[v] = _mm512_mask_add_epi8(hi[v], load_mask(bits + (t + 4) * 8), hi[v], add);
+          }
         } else {
           lo[v] = _mm512_loadu_si512(p + t * 64);
           hi[v] = _mm512_loadu_si512(p + (t + 4) * 64);
@@ -279,10 +326,14 @@ void a8_tile(const A8Args& a, const A8Rows& rows, int64_t m0, int64_t mc, int64_
     a8_rows<INT4, HALVES>(a, rows, m0, 1, v0, 4, out);
     return;
   }
-  // Rows per micro-tile: HALVES doubles the accumulators, kOneChain halves them.
-  constexpr int64_t kMR = HALVES ? 2 : (INT4 ? 5 : 4);
-  for (int64_t v = v0; v < v0 + nv; v += 2) {
-    const int64_t w = std::min<int64_t>(2, v0 + nv - v);
+  // Rows per micro-tile: HALVES doubles the accumulators, kOneChain halves them. 5- and
+  // 6-bit codes with g = 16 take one vector of 5 rows: their unpacking (masked adds of the
+  // bit planes) is paid once per micro-tile, and 2 rows did not repay it.
+  const bool tall = INT4 && HALVES && a.planes > 0;
+  const int64_t kMR = tall ? 5 : (HALVES ? 2 : (INT4 ? 5 : 4));
+  const int64_t kNV = tall ? 1 : 2;
+  for (int64_t v = v0; v < v0 + nv; v += kNV) {
+    const int64_t w = std::min<int64_t>(kNV, v0 + nv - v);
     for (int64_t r = m0; r < m0 + mc; r += kMR) {
       a8_rows<INT4, HALVES>(a, rows, r, std::min(kMR, m0 + mc - r), v, w, out);
     }
@@ -296,6 +347,19 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
   // Tiles per task: a small layer runs on the calling thread (waking the pool costs more
   // than ~64K weights of work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 64 * a.k));
+  if (INT4 && m >= kExpandRows) {  // each tile's codes unpacked once
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> buf;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t nv = std::min<int64_t>(4, vecs - 4 * t);
+        const A8Args e = expand_codes(a, 4 * t, nv, buf);
+        for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+          a8_tile<false, HALVES>(e, rows, m0, std::min(kRowChunk, m - m0), 4 * t, nv, out);
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
       const int64_t mc = std::min(kRowChunk, m - m0);
@@ -308,21 +372,35 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
 #endif
 
 void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t bits,
-                     int64_t group, int64_t offset, bool half_scales, bool has_zeros) {
+                     int64_t group, int64_t offset, int64_t scale_format, bool has_zeros) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
               "quant_linear_a8: x and out must be contiguous 2-D tensors");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && out.scalar_type() == x.scalar_type(),
               "quant_linear_a8: x and out must be both bfloat16 or both float32");
-  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_a8: bits must be 8 or 4");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 5 || bits == 6,
+              "quant_linear_a8: bits must be 4, 5, 6 or 8");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
               "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
-  const int64_t bpr = group == 16 ? 1 : group / 32;  // blocks of 32 per record
-  const int64_t scale_bytes = (group == 16 ? 32 : 16) * (half_scales ? 2 : 4);
-  const int64_t header = scale_bytes * (has_zeros ? 2 : 1);
-  const int64_t record = header + bpr * (bits == 8 ? 512 : 256);
+  TORCH_CHECK(scale_format >= 0 && scale_format <= 2,
+              "quant_linear_a8: scale_format is 0 (float32), 1 (float16) or 2 (super-blocks)");
+  const bool half_scales = scale_format == 1, supers = scale_format == 2;
+  TORCH_CHECK(!supers || (k % 256 == 0 && (group == 16 || group == 32)),
+              "quant_linear_a8: super-block records need K a multiple of 256 and g 16 or 32");
+  int64_t bpr = group == 16 ? 1 : group / 32;  // blocks of 32 per record
+  int64_t scale_bytes = (group == 16 ? 32 : 16) * (half_scales ? 2 : 4);
+  int64_t header = scale_bytes * (has_zeros ? 2 : 1);
+  const int64_t groups = 256 / group;  // supers: groups per record
+  const int64_t sc_at = 32 * (has_zeros ? 2 : 1), m_at = sc_at + 16 * groups;
+  if (supers) {  // d (dmin), sc (m)
+    bpr = 8;
+    header = (32 + 16 * groups) * (has_zeros ? 2 : 1);
+  }
+  const int64_t planes = bits == 8 ? 0 : bits - 4;  // bit planes above the nibbles
+  const int64_t block_bytes = bits == 8 ? 512 : 256 + 64 * planes;
+  const int64_t record = header + bpr * block_bytes;
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.numel() == (n / 16) * (k / 32 / bpr) * record,
               "quant_linear_a8: packed does not hold N x K weights in pack_a8's records");
@@ -330,8 +408,9 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
 #if defined(KVSERVE_A8_VNNI)
   if (bf16) {
     if (m == 0) return;
-    A8Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, group, n, k,
-             static_cast<float>(offset), zg, scale_bytes, header, record, bpr};
+    A8Args a{packed.data_ptr<uint8_t>(), half_scales, supers, sc_at, m_at, has_zeros, group, n, k,
+             static_cast<float>(offset), zg, scale_bytes, header, record, bpr, planes,
+             block_bytes};
     std::vector<int8_t> q(m * k);
     std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
     const auto* xp = x.data_ptr<c10::BFloat16>();
@@ -341,7 +420,7 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
     A8Rows rows{q.data(), d.data(), xs.data()};
     auto* op = out.data_ptr<c10::BFloat16>();
     const bool halves = group == 16;
-    if (bits == 4) {
+    if (bits != 8) {
       halves ? a8_run<true, true>(a, rows, m, op) : a8_run<true, false>(a, rows, m, op);
     } else {
       halves ? a8_run<false, true>(a, rows, m, op) : a8_run<false, false>(a, rows, m, op);
@@ -350,6 +429,10 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   }
 #endif
 #if defined(KVSERVE_A8_AVX2)
+  TORCH_CHECK(!supers && planes == 0,
+              "quant_linear_a8: super-block records and 5- or 6-bit codes run on AVX512-VNNI "
+              "only (bf16 activations); pack this weight with per-group records and 4- or "
+              "8-bit codes");
   if (m == 0) return;
   A8Avx2Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, n, k,
                static_cast<float>(offset), zg, scale_bytes, record, bpr};
@@ -388,7 +471,7 @@ std::string quant_linear_a8_isa() {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "quant_linear_a8(Tensor(a!) out, Tensor x, Tensor packed, int bits, int group, int offset, "
-      "bool half_scales, bool has_zeros) -> ()");
+      "int scale_format, bool has_zeros) -> ()");
   m.def("quant_linear_a8_supported() -> bool", &quant_linear_a8_supported);
   m.def("quant_linear_a8_isa() -> str", &quant_linear_a8_isa);
 }

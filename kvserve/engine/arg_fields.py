@@ -23,9 +23,11 @@ def _opt(
     type: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] | None = None,
     nargs: str | None = None,
+    switch: bool = False,
 ) -> Any:
-    """A field with what its CLI flag needs (booleans become ``--x/--no-x``)."""
-    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs}
+    """A field with what its CLI flag needs (booleans, and ``switch`` ones whose default is
+    None, become ``--x/--no-x``)."""
+    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs, "switch": switch}
     return field(default=default, metadata=meta)
 
 
@@ -211,11 +213,14 @@ class EngineArgFields:
         "VNNI kernel runs (bf16 on a CPU with VNNI), else none",
         choices=("auto", "int8", "none"),
     )  # fmt: skip
-    quantization_lm_head: bool = _opt(
-        False, "with --quantization: quantize the LM head too (a separate copy when it is tied "
+    quantization_lm_head: bool | None = _opt(
+        None, "with --quantization: quantize the LM head too (a separate copy when it is tied "
         "to the embeddings): int8 per output channel, or with --quantization gguf the file's "
         "own output tensor (llama.cpp's Q6_K for a Q4_0 model) where kvserve has its type; "
-        "native model classes only",
+        "native model classes only. Unset: on for --quantization gguf where the file's head "
+        "is of such a type and the model is native and unsharded (as llama.cpp runs the "
+        "file), else off",
+        switch=True,
     )  # fmt: skip
     task: str = _opt(
         "auto", "vLLM's flag: 'score' serves a causal-LM reranker (Qwen3-Reranker): /score, "

@@ -107,7 +107,7 @@ class EngineArgs(EngineArgFields):
                 continue
             meta = f.metadata
             kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
-            if isinstance(f.default, bool):
+            if isinstance(f.default, bool) or meta.get("switch"):
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = meta["type"] or type(f.default)

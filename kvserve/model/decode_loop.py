@@ -151,30 +151,30 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
     if type(lin) in _DENSE:  # F.linear's own call, in C++: the same numbers
         layers.add_linear(KIND_DENSE, lin.weight.detach(), empty, empty,
                           None if lin.bias is None else lin.bias.detach(), lin.out_features,
-                          0, 0, 0, 0, False, False)  # fmt: skip
+                          0, 0, 0, 0, 0, False)  # fmt: skip
         return
     if type(lin) is WideLinear:
         layers.add_linear(KIND_WIDE, lin.packed_weight, empty, empty, lin.bias,
-                          lin.out_features, 0, 0, 0, lin.direct_rows, False, False)  # fmt: skip
+                          lin.out_features, 0, 0, 0, lin.direct_rows, 0, False)  # fmt: skip
         return
     if type(lin) is BatchInvariantLinear:  # invariant_linear's very calls
         bias = None if lin.bias is None else lin.bias.detach().float()
         layers.add_linear(KIND_INVARIANT, lin.weight.detach().contiguous(), empty, empty, bias,
-                          lin.out_features, 0, 0, 0, 0, False, False)  # fmt: skip
+                          lin.out_features, 0, 0, 0, 0, 0, False)  # fmt: skip
         return
     if isinstance(lin, PackedLinear):
         layers.add_linear(KIND_PACKED, lin.packed_weight, empty, empty, lin.bias,
-                          lin.out_features, 0, 0, 0, 0, False, False)  # fmt: skip
+                          lin.out_features, 0, 0, 0, 0, 0, False)  # fmt: skip
         return
     assert isinstance(lin, QuantLinear)
     if lin.path == "a8":
         layers.add_linear(KIND_A8, lin.codes, empty, empty, lin.bias, lin.out_features,
-                          lin.bits, lin.group_size, lin.offset, 0, lin.half_scales,
+                          lin.code_bits, lin.group_size, lin.offset, 0, lin.scale_format,
                           lin.has_zeros)  # fmt: skip
     else:
         layers.add_linear(KIND_QUANT, lin.codes, lin.scales_t, lin.zeros_t, lin.bias,
                           lin.out_features, lin.bits, lin.group_size, lin.offset,
-                          lin.direct_rows, False, False)  # fmt: skip
+                          lin.direct_rows, 0, False)  # fmt: skip
 
 
 def _linear_ok(lin: nn.Module) -> bool:

@@ -33,7 +33,7 @@ from kvserve.quantization.compressed_tensors import (
     WeightScheme,
     checkpoint_scheme,
 )
-from kvserve.quantization.lm_head import quantize_lm_head
+from kvserve.quantization.lm_head import quantize_lm_head, wants_quantized_head
 from kvserve.quantization.streaming import PendingLinear, StreamingQuantizer
 
 
@@ -156,7 +156,7 @@ def load_model(
                 "kvserve's native models only, not the transformers backend; use int8 or "
                 "int4 on an unquantized checkpoint"
             )
-        if quant is not None and quant.lm_head:
+        if quant is not None and quant.lm_head:  # asked for (None: auto, off here)
             raise ValueError(
                 f"{path}: quantization_lm_head (--quantization-lm-head) needs one of kvserve's "
                 "native model classes, not the transformers backend"
@@ -168,7 +168,7 @@ def load_model(
         # the checkpoint's own codes, one fused module at a time (checkpoint_linears.py)
         source = CheckpointLinears(_safetensors_files(path), scheme)
         acts = quant.activations if quant is not None else QuantizedActivations.AUTO
-        head = quant is not None and quant.lm_head
+        head = quant.lm_head if quant is not None else None
         quant = QuantOptions(scheme.method, activations=acts, lm_head=head)
         model, streaming = _load_native(cls, config, dtype, device, max_positions, tp, quant,
                                         source)  # fmt: skip
@@ -186,7 +186,8 @@ def load_model(
     if quant is not None and quant.method is not None:
         if report is None:  # not quantized while loading: the whole model is swapped now
             report = quantize_model(model, quant, torch.device(device), dtype)  # type: ignore[arg-type]
-        if quant.lm_head:
+        tp_size = tp.world_size if tp is not None else 1
+        if wants_quantized_head(quant, not on_transformers_backend(cls), tp_size):
             quantize_lm_head(model, quant, torch.device(device), dtype, report)  # type: ignore[arg-type]
         model.quant_report = report  # type: ignore[attr-defined]
     where = {

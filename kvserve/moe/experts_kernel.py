@@ -53,14 +53,14 @@ def _add_dense(op: torch.ScriptObject, w: torch.Tensor) -> None:
         raise ExpertsKernelRefused(f"dense experts in {w.dtype} on {w.device.type}")
     empty = torch.empty(0)
     op.add_linear(
-        _WIDE, w.detach().contiguous(), empty, empty, w.shape[0], 0, 0, 0, 0, False, False
+        _WIDE, w.detach().contiguous(), empty, empty, w.shape[0], 0, 0, 0, 0, 0, False
     )
 
 
 def _add_packed(op: torch.ScriptObject, w: PackedExpert) -> None:
     """A dense expert's packed 16-bit weight, through ``wide_linear_packed``."""
     empty = torch.empty(0)
-    op.add_linear(_WIDE, w.packed, empty, empty, w.out_features, 0, 0, 0, 0, False, False)
+    op.add_linear(_WIDE, w.packed, empty, empty, w.out_features, 0, 0, 0, 0, 0, False)
 
 
 def _add_quant(op: torch.ScriptObject, layer: nn.Module) -> None:
@@ -73,12 +73,12 @@ def _add_quant(op: torch.ScriptObject, layer: nn.Module) -> None:
         )
     empty = torch.empty(0)
     if layer.path == "a8":
-        op.add_linear(_A8, layer.codes, empty, empty, layer.out_features, layer.bits,
-                      layer.group_size, layer.offset, 0, layer.half_scales,
+        op.add_linear(_A8, layer.codes, empty, empty, layer.out_features, layer.code_bits,
+                      layer.group_size, layer.offset, 0, layer.scale_format,
                       layer.has_zeros)  # fmt: skip
     else:
         op.add_linear(_QUANT, layer.codes, layer.scales_t, layer.zeros_t, layer.out_features,
-                      layer.bits, layer.group_size, layer.offset, layer.direct_rows, False,
+                      layer.bits, layer.group_size, layer.offset, layer.direct_rows, 0,
                       layer.has_zeros)  # fmt: skip
 
 

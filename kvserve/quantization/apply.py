@@ -50,7 +50,7 @@ class QuantOptions:
     group_size: int | None = None
     gguf_file: str | None = None
     activations: QuantizedActivations = QuantizedActivations.AUTO  # int8 or the model dtype
-    lm_head: bool = False  # quantize the LM head too (lm_head.py)
+    lm_head: bool | None = False  # quantize the LM head too (lm_head.py); None: auto
 
     @classmethod
     def of(cls, mc: ModelConfig) -> QuantOptions:
@@ -179,7 +179,7 @@ def quantized_layer(
     if error is not None:
         report.errors[name] = error
     report.layers += 1
-    report.weight_bytes += qw.nbytes()
+    report.weight_bytes += layer.nbytes  # as packed for its kernel
     report.dense_bytes += weight.numel() * weight.element_size()
     report.kernel &= layer.use_kernel
     return layer

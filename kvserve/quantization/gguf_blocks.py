@@ -20,9 +20,13 @@ bit (tests/quantization/test_gguf_weights.py holds every type to it):
 | IQ4_NL | 32 | kvalues[q] in [-127, 113] (int8) | d * kvalues[q] | float16 d |
 | IQ4_XS | 32 (of 256) | kvalues[q] (int8) | (d * (ls - 32)) * kvalues[q] | float32 |
 
-The 5-bit types and the IQ4 lookups ride the int8 packing (a byte per weight: 5.5 and 4.25
-bits in the file, 8.5 and 8.5 in memory), the 2- and 3-bit K-quants the int4 one: no new
-kernel, and the kernels' tests cover each (bits, group, zeros) combination used here.
+The 5-bit types and the IQ4 lookups ride the int8 codes, the 2- and 3-bit K-quants the int4
+ones: the kernels' tests cover each (bits, group, zeros) combination used here. Where the
+int8-activation kernel runs on AVX512-VNNI (bf16), it streams about the file's bytes instead
+(``qlinear.pack_a8``): 5- and 6-bit codes as nibbles plus bit planes, and the K-quants' scales
+in their two levels (the fourth element of ``Decoded``, ``qweight.SuperScales``): Q4_K 4.625
+bits per weight in memory (4.5 in the file), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q5_0
+5.5 (5.5); per-group float32 scales elsewhere (Q4_K 6, Q5_K and Q6_K 10).
 """
 
 from __future__ import annotations
@@ -43,11 +47,29 @@ SUPPORTED_TYPES = tuple(LAYOUTS)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)  # IQ4's 16 non-linear levels
 
-Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # codes [E] int8, scales, zeros [E/g]
+# A K-quant's two levels (qweight.SuperScales): d [nb] float16, sc [nb, groups] int8, and
+# dmin, m likewise or None
+Supers = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+# codes [E] int8, scales [E/g], zeros [E/g] or None, supers or None (not a K-quant)
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None, Supers | None]
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(col).view(np.float16).reshape(-1)
+
+
+def _two_level(
+    d: np.ndarray, sc: np.ndarray, dmin: np.ndarray | None = None, mn: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray | None, Supers]:
+    """Scales d * sc and zeros -(dmin * mn) per group (float32, as gguf computes them) from a
+    block's float16 ``d`` / ``dmin`` columns ``[nb, 2]`` bytes and integer ``sc`` / ``mn``
+    ``[nb, groups]``; and the two levels themselves."""
+    scales = (_f32(d) * sc.astype(np.float32)).reshape(-1)
+    sc8 = sc.astype(np.int8)
+    if dmin is None or mn is None:
+        return scales, None, (_f16(d), sc8, None, None)
+    zeros = -(_f32(dmin) * mn.astype(np.float32)).reshape(-1)
+    return scales, zeros, (_f16(d), sc8, _f16(dmin), mn.astype(np.int8))
 
 
 def _f32(col: np.ndarray) -> np.ndarray:
@@ -70,16 +92,18 @@ def _legacy(raw: np.ndarray, qtype: T) -> Decoded:
     """The 32-value block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL."""
     if qtype == T.Q8_0:
         b = raw.reshape(-1, 34)
-        return b[:, 2:].copy().view(np.int8).reshape(-1), _f16(b[:, :2]), None
+        return b[:, 2:].copy().view(np.int8).reshape(-1), _f16(b[:, :2]), None, None
     if qtype == T.Q4_0:
         b = raw.reshape(-1, 18)
-        return (_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).reshape(-1), _f16(b[:, :2]), None
+        q4 = (_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).reshape(-1)
+        return q4, _f16(b[:, :2]), None, None
     if qtype == T.Q4_1:
         b = raw.reshape(-1, 20)
-        return _nibbles(b[:, 4:]).astype(np.int8).reshape(-1), _f16(b[:, :2]), _f16(b[:, 2:4])
+        q4 = _nibbles(b[:, 4:]).astype(np.int8).reshape(-1)
+        return q4, _f16(b[:, :2]), _f16(b[:, 2:4]), None
     if qtype == T.IQ4_NL:
         b = raw.reshape(-1, 18)
-        return _KVALUES[_nibbles(b[:, 2:])].reshape(-1), _f16(b[:, :2]), None
+        return _KVALUES[_nibbles(b[:, 2:])].reshape(-1), _f16(b[:, :2]), None, None
     # Q5_0 / Q5_1: a uint32 of fifth bits (bit j: element j), then the nibbles as Q4_x
     head = 2 if qtype == T.Q5_0 else 4
     b = raw.reshape(-1, head + 20)
@@ -87,17 +111,16 @@ def _legacy(raw: np.ndarray, qtype: T) -> Decoded:
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [nb, 32]
     q = (_nibbles(b[:, head + 4 :]) | (high << 4)).astype(np.int8)  # [nb, 32] in [0, 31]
     if qtype == T.Q5_0:
-        return (q - np.int8(16)).reshape(-1), _f16(b[:, :2]), None
-    return q.reshape(-1), _f16(b[:, :2]), _f16(b[:, 2:4])
+        return (q - np.int8(16)).reshape(-1), _f16(b[:, :2]), None, None
+    return q.reshape(-1), _f16(b[:, :2]), _f16(b[:, 2:4]), None
 
 
 def _q2_k(raw: np.ndarray) -> Decoded:
     b = raw.reshape(-1, 84)
     sc = b[:, :16]  # [nb, 16]: scale in the low nibble, min in the high one
-    dl = _f32(b[:, 80:82]) * (sc & 0x0F).astype(np.float32)  # [nb, 16]
-    ml = _f32(b[:, 82:84]) * (sc >> 4).astype(np.float32)
+    scales, zeros, supers = _two_level(b[:, 80:82], sc & 0x0F, b[:, 82:84], sc >> 4)
     q = _bits(b[:, 16:80].reshape(-1, 2, 32), 2, 4)  # [nb, 2, 4, 32]: 16 groups of 16
-    return q.astype(np.int8).reshape(-1), dl.reshape(-1), (-ml).reshape(-1)
+    return q.astype(np.int8).reshape(-1), scales, zeros, supers
 
 
 def _q3_k(raw: np.ndarray) -> Decoded:
@@ -105,12 +128,12 @@ def _q3_k(raw: np.ndarray) -> Decoded:
     hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
     low = _bits(packed[:, :8], 4, 2).reshape(-1, 16)  # [nb, 16]: low 4 bits of each scale
     high = _bits(packed[:, 8:12], 2, 4).reshape(-1, 16)  # and its top 2
-    sc = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
-    dl = _f32(b[:, 108:110]) * sc  # [nb, 16]
+    sc = (low | (high << 4)).astype(np.int8) - np.int8(32)  # [nb, 16]
+    scales, _, supers = _two_level(b[:, 108:110], sc)
     ql = _bits(qs.reshape(-1, 2, 32), 2, 4).reshape(-1, 16, 16)
     qh = _bits(hmask, 1, 8).reshape(-1, 16, 16) ^ np.uint8(1)  # a clear bit subtracts 4
     q = ql.astype(np.int8) - (qh << 2).astype(np.int8)  # [nb, 16, 16] in [-4, 3]
-    return q.reshape(-1), dl.reshape(-1), None
+    return q.reshape(-1), scales, None, supers
 
 
 def _q45_k(raw: np.ndarray, qtype: T) -> Decoded:
@@ -118,25 +141,25 @@ def _q45_k(raw: np.ndarray, qtype: T) -> Decoded:
     size = 144 if qtype == T.Q4_K else 176
     b = raw.reshape(-1, size)
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [nb, 8] each
-    scales = (_f32(b[:, 0:2]) * sc.astype(np.float32)).reshape(-1)
-    zeros = -(_f32(b[:, 2:4]) * mn.astype(np.float32)).reshape(-1)
+    scales, zeros, supers = _two_level(b[:, 0:2], sc, b[:, 2:4], mn)
     qs = b[:, size - 128 :].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: groups 2c and 2c + 1
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # [nb, 8, 32]
     if qtype == T.Q5_K:  # group s's fifth bits: bit s of the 32 qh bytes
         q = q | (_bits(b[:, 16:48], 1, 8) << 4)
-    return q.astype(np.int8).reshape(-1), scales, zeros
+    return q.astype(np.int8).reshape(-1), scales, zeros, supers
 
 
 def _q6_k(raw: np.ndarray) -> Decoded:
     b = raw.reshape(-1, 210)
     ql, qh = b[:, :128], b[:, 128:192]
-    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [nb, 16]
+    sc = b[:, 192:208].copy().view(np.int8)  # [nb, 16]
     # two halves of 128 values: ql's 64 bytes give values 0..63 (low nibbles) and
     # 64..127 (high); qh's 32 bytes give bits 4-5 of values 0..31, 32..63, 64.., 96..
     low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2)
     high = _bits(qh.reshape(-1, 2, 32), 2, 4)  # [nb, 2, 4, 32]
     q = low.reshape(-1, 2, 4, 32) | (high << 4)
-    return q.astype(np.int8).reshape(-1) - np.int8(32), (_f32(b[:, 208:210]) * sc).reshape(-1), None
+    scales, _, supers = _two_level(b[:, 208:210], sc)
+    return q.astype(np.int8).reshape(-1) - np.int8(32), scales, None, supers
 
 
 def _iq4_xs(raw: np.ndarray) -> Decoded:
@@ -144,13 +167,14 @@ def _iq4_xs(raw: np.ndarray) -> Decoded:
     high = _bits(np.ascontiguousarray(b[:, 2:4]).view(np.uint16), 2, 8)  # [nb, 8, 1]
     low = _bits(b[:, 4:8], 4, 2).transpose(0, 2, 1).reshape(-1, 8)  # group 2i: byte i's low
     ls = (low | (high.reshape(-1, 8).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    dl = _f32(b[:, 0:2]) * ls.astype(np.float32)  # [nb, 8]
+    scales, _, supers = _two_level(b[:, 0:2], ls)  # [nb, 8] groups
     q = _nibbles(b[:, 8:].reshape(-1, 16))  # [nb * 8, 32]: a group's 16 bytes, low then high
-    return _KVALUES[q].reshape(-1), dl.reshape(-1), None
+    return _KVALUES[q].reshape(-1), scales, None, supers
 
 
 def decode_blocks(raw: np.ndarray, qtype: T) -> Decoded:
-    """One tensor's blocks (uint8) -> codes ``[E]`` int8, scales and zeros ``[E / g]``."""
+    """One tensor's blocks (uint8) -> codes ``[E]`` int8, scales and zeros ``[E / g]``, and
+    a K-quant's two levels of scales (else None)."""
     if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL):
         return _legacy(raw, qtype)
     if qtype == T.Q2_K:

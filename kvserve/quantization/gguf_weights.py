@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from kvserve.model.gguf_metadata import LlamaHParams, read_architecture
 from kvserve.model.gguf_names import GGUFFiles, expected_shapes, plan_block
 from kvserve.quantization.fusion import FUSED, fused_modules
 from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES, decode_blocks
-from kvserve.quantization.qweight import QuantizedWeight, concat_rows
+from kvserve.quantization.qweight import QuantizedWeight, SuperScales, concat_rows
 
 T = GGMLQuantizationType
 logger = logging.getLogger(__name__)
@@ -47,29 +48,39 @@ def check_supported(name: str, qtype: T) -> None:
 
 
 def tensor_to_qweight(name: str, qtype: T, raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
-    """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight``."""
+    """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight`` (with its
+    two-level ``SuperScales`` for the K-quants)."""
     check_supported(name, qtype)
     g, bits = LAYOUTS[qtype]
-    codes, scales, zeros = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1), qtype)
+    codes, scales, zeros, two = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1), qtype)
 
-    def rows(a: np.ndarray, width: int) -> torch.Tensor:
+    def rows(a: np.ndarray | None, width: int) -> torch.Tensor | None:
+        if a is None:
+            return None
         return torch.from_numpy(np.ascontiguousarray(a)).reshape(n, width)
 
-    return QuantizedWeight(
-        codes=rows(codes, k),
-        scales=rows(scales, k // g),
-        zeros=None if zeros is None else rows(zeros, k // g),
-        bits=bits,
-        group_size=g,
-    )
+    supers = None
+    if two is not None:
+        d, sc, dmin, m = (rows(a, k // w) for a, w in zip(two, (256, g, 256, g), strict=True))
+        assert d is not None and sc is not None
+        supers = SuperScales(d, sc, dmin, m)
+    codes_t, scale_t = rows(codes, k), rows(scales, k // g)
+    assert codes_t is not None and scale_t is not None
+    return QuantizedWeight(codes=codes_t, scales=scale_t,
+                           zeros=rows(zeros, k // g), bits=bits, group_size=g,
+                           supers=supers)  # fmt: skip
 
 
 def _unpermute(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
     z = None if qw.zeros is None else unpermute_rotary(qw.zeros, heads).contiguous()
+    supers = None
+    if qw.supers is not None:  # the same row order for every per-row field
+        order = unpermute_rotary(torch.arange(qw.shape[0]).unsqueeze(1), heads).squeeze(1)
+        supers = qw.supers.rows(order)
     return QuantizedWeight(
         unpermute_rotary(qw.codes, heads).contiguous(),
         unpermute_rotary(qw.scales, heads).contiguous(),
-        z, qw.bits, qw.group_size,
+        z, qw.bits, qw.group_size, supers=supers,
     )  # fmt: skip
 
 
@@ -208,14 +219,27 @@ class GGUFLinears:
         return qw if t.heads is None else _unpermute(qw, t.heads)
 
 
-def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:
-    """The LM head as the GGUF stores it, and its type's name: ``output.weight``, or
-    ``token_embd.weight`` where the file ties the two (no ``output.weight``); None when that
-    tensor is stored as floats or in a type kvserve has no quantized layer for."""
-    files = GGUFFiles(path)
+def _output_tensor(files: GGUFFiles) -> Any:
+    """The LM head's tensor: ``output.weight``, or ``token_embd.weight`` where the file ties
+    the two (no ``output.weight``); None when it is stored as floats or in a type kvserve has
+    no quantized layer for."""
     tensors = {t.name: t for t in files.tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if t is None or t.tensor_type not in SUPPORTED_TYPES:
+    return None if t is None or t.tensor_type not in SUPPORTED_TYPES else t
+
+
+def output_weight_type(path: str | Path) -> str | None:
+    """The type name of the LM head ``read_output_weight`` would read (headers only), or None."""
+    t = _output_tensor(GGUFFiles(path))
+    return None if t is None else str(t.tensor_type.name)
+
+
+def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:
+    """The LM head as the GGUF stores it (``_output_tensor``), and its type's name; None when
+    that tensor is stored as floats or in a type kvserve has no quantized layer for."""
+    files = GGUFFiles(path)
+    t = _output_tensor(files)
+    if t is None:
         return None
     k, n = (int(x) for x in t.shape.tolist())  # ggml order: innermost first
     raw = read_bytes(files.path_of[t.name], int(t.data_offset), int(t.n_bytes), t.name)

@@ -11,6 +11,10 @@ for a Q4_0 model). With the option:
 * gguf: the file's own output tensor (``token_embd.weight`` where the file ties them) when its
   type is one kvserve keeps quantized (Q8_0, Q6_K, Q4_0, Q4_1, Q4_K), else int8 as above.
 
+Unset (``None``, the default), the option is on exactly for ``--quantization gguf`` files whose
+head is of a kept type, on a native unsharded model (``wants_quantized_head``): llama.cpp runs
+the file's head, and a bf16 copy of it was a third of what a Qwen3-0.6B Q4_K_M decode step read.
+
 A tied LM head gets its own quantized copy; the embedding table keeps the dtype weight.
 The layer is a ``QuantLinear`` (same kernels, same activations option); a vocabulary that is
 not a multiple of 16 rows (the kernels' channel block) is padded with zero rows whose logits
@@ -28,7 +32,7 @@ from torch import nn
 from kvserve.config import Quantization
 from kvserve.quantization.apply import QuantOptions, QuantReport, rtn_weight
 from kvserve.quantization.qlinear import QuantLinear
-from kvserve.quantization.qweight import QuantizedWeight, concat_rows
+from kvserve.quantization.qweight import QuantizedWeight, SuperScales, concat_rows
 from kvserve.quantization.streaming import trim_heap
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,19 @@ class QuantLMHead(nn.Module):
         return logits[..., : self.vocab_size].contiguous()  # [N, vocab]
 
 
+def wants_quantized_head(quant: QuantOptions, native: bool, tp_size: int) -> bool:
+    """``quantization_lm_head`` resolved: as given, or unset (None) on for a GGUF whose own
+    head kvserve keeps quantized, on a native model without tensor parallelism."""
+    if quant.lm_head is not None:
+        return quant.lm_head
+    if quant.method is not Quantization.GGUF or not native or tp_size != 1:
+        return False
+    from kvserve.quantization.gguf_weights import output_weight_type
+
+    assert quant.gguf_file is not None  # ModelConfig checks it
+    return output_weight_type(quant.gguf_file) is not None
+
+
 def pad_rows(qw: QuantizedWeight, multiple: int = ROW_BLOCK) -> QuantizedWeight:
     """``qw`` with zero rows (code 0, scale 0, zero 0: weights 0) up to a multiple of rows."""
     n, k = qw.shape
@@ -60,9 +77,14 @@ def pad_rows(qw: QuantizedWeight, multiple: int = ROW_BLOCK) -> QuantizedWeight:
         return qw
     groups = qw.scales.shape[1]
     zeros = None if qw.zeros is None else torch.zeros(extra, groups, dtype=qw.zeros.dtype)
+    supers = None
+    if qw.supers is not None:  # zero rows of the two levels too, so the padded head keeps them
+        sup = qw.supers
+        supers = SuperScales(*(None if t is None else torch.zeros(extra, t.shape[1], dtype=t.dtype)
+                               for t in (sup.d, sup.sc, sup.dmin, sup.m)))  # fmt: skip
     pad = QuantizedWeight(torch.zeros(extra, k, dtype=torch.int8),
                           torch.zeros(extra, groups, dtype=qw.scales.dtype), zeros, qw.bits,
-                          qw.group_size)  # fmt: skip
+                          qw.group_size, supers=supers)  # fmt: skip
     return concat_rows([qw, pad])
 
 
@@ -104,7 +126,7 @@ def quantize_lm_head(
     del head
     trim_heap()
     layer = QuantLinear(pad_rows(qw), None, device, dtype, quant.activations)
-    nbytes = qw.nbytes()
+    nbytes = layer.nbytes  # as packed for its kernel
     del qw
     model.lm_head = QuantLMHead(layer, vocab)
     trim_heap()

@@ -17,6 +17,7 @@ every call.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from kvserve.config import QuantizedActivations
 from kvserve.ops import cpu_kernels
-from kvserve.quantization.qweight import INT4_RANGES, QuantizedWeight
+from kvserve.quantization.qweight import INT4_RANGES, SUPER_BLOCK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +74,49 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     return packed.permute(0, 2, 1).contiguous(), off
 
 
+def plane_offset(codes: torch.Tensor, bits: int) -> int | None:
+    """The offset ``o`` putting ``codes`` in [0, 2^bits - 1] (2^(bits-1) for symmetric codes,
+    0 for codes from 0), or None if they span more."""
+    lo, hi = int(codes.min()), int(codes.max())
+    for first in (-(1 << (bits - 1)), 0):
+        if first <= lo and hi <= first + (1 << bits) - 1:
+            return -first
+    return None
+
+
+def a8_code_bits(qw: QuantizedWeight, vnni: bool) -> int:
+    """The bits the int8-activation kernel streams per code: 5 or 6 for the byte codes of GGUF
+    Q5_0/Q5_1/Q5_K/Q6_K (int4 nibbles plus bit planes; the VNNI kernel only), else
+    ``qw.bits``."""
+    if vnni and qw.bits == 8:
+        for bits in (5, 6):
+            if plane_offset(qw.codes, bits) is not None:
+                return bits
+    return qw.bits
+
+
 def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     """Codes ``[N, K]`` in the int8-activation kernel's layout, and the offset ``o`` added to
-    them (128 for int8, 8 or 0 for int4): vpdpbusd multiplies unsigned bytes by signed ones.
+    them (128 for int8, 8 or 0 for int4, ``plane_offset`` for 5 and 6 bits): vpdpbusd
+    multiplies unsigned bytes by signed ones.
 
     int8: ``[N/16, K/32, 8, 16, 4]`` bytes ``c + o``; quad t of a block of 32 holds k = 4t..4t+3
     of 16 channels. int4: ``[N/16, K/32, 4, 16, 4]``, quad t in the low nibbles and quad t + 4
-    in the high ones. See ``csrc/quant_linear_a8.cpp``.
+    in the high ones. 5 and 6 bits: int4's nibbles, then per higher bit a plane of 8 quads'
+    64-bit masks (bit 4j + i: channel j, k = 4t + i), ``[N/16, K/32, 256 + 64 * planes]``.
+    See ``csrc/quant_linear_a8.cpp``.
     """
     n, k = codes.shape
-    off = 128 if bits == 8 else int4_offset(codes)
+    if bits == 8:
+        off = 128
+    elif bits == 4:
+        off = int4_offset(codes)
+    else:
+        plane = plane_offset(codes, bits)
+        if plane is None:
+            raise ValueError(f"codes span [{int(codes.min())}, {int(codes.max())}], more than "
+                             f"{bits} bits")  # fmt: skip
+        off = plane
     # c + o in uint8, wrapping: the bytes of c read unsigned are c + 256 for c < 0, and every
     # c + o lies in [0, 255]. No int16 copy: it was the largest temporary of an LM head's pack.
     u = codes.view(torch.uint8) + off  # [N, K]
@@ -90,7 +124,17 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     quads = blocks.permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, t, ch, i]
     if bits == 8:
         return quads.contiguous(), off
-    return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous(), off
+    nibbles = quads & 15 if bits > 4 else quads
+    packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).contiguous()  # [N/16, K/32, 4, 16, 4]
+    if bits == 4:
+        return packed, off
+    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)  # bit b of a mask byte
+    parts = [packed.reshape(n // 16, k // 32, 256)]
+    for plane in range(bits - 4):
+        bit = (quads >> (4 + plane)) & 1  # [N/16, K/32, half, t, ch, i]: quad 4 half + t
+        masks = (bit.reshape(n // 16, k // 32, 8, 8, 8) * weights).sum(-1, dtype=torch.uint8)
+        parts.append(masks.reshape(n // 16, k // 32, 64))  # 8 quads' 8-byte masks
+    return torch.cat(parts, dim=2), off
 
 
 def pack_scales_a8(scales: torch.Tensor) -> torch.Tensor:
@@ -100,13 +144,52 @@ def pack_scales_a8(scales: torch.Tensor) -> torch.Tensor:
     return scales.reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
 
 
+class A8Scales(enum.IntEnum):
+    """How ``pack_a8``'s records hold the scales (the op's ``scale_format``)."""
+
+    FLOAT32 = 0
+    FLOAT16 = 1  # every scale and zero is a float16 (GGUF's legacy types, kvserve's RTN)
+    SUPERS = 2  # GGUF K-quants' two levels (qweight.SuperScales): VNNI kernel only
+
+
 def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
     """float16 when scales and zeros are all float16 (GGUF, kvserve's RTN), else float32."""
     zeros = qw.zeros.dtype if qw.zeros is not None else torch.float16
     return torch.float16 if qw.scales.dtype == zeros == torch.float16 else torch.float32
 
 
-def pack_a8(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
+def a8_scale_format(qw: QuantizedWeight, vnni: bool) -> A8Scales:
+    """Super-block records where the weight has them and the VNNI kernel runs it (the AVX2
+    path reads per-group records only), else the scales' own precision."""
+    if vnni and qw.supers is not None and qw.group_size in (16, 32):
+        return A8Scales.SUPERS
+    return A8Scales.FLOAT16 if a8_scale_dtype(qw) == torch.float16 else A8Scales.FLOAT32
+
+
+def _pack_supers(qw: QuantizedWeight, codes: torch.Tensor) -> torch.Tensor:
+    """``pack_a8``'s super-block records (see ``csrc/quant_linear_a8.cpp``): per vector and
+    256 values of K, d [16] float16, dmin [16], sc [G][16] int8, m [G][16], then 8 blocks'
+    codes (``codes``: ``pack_codes_a8``'s ``[N/16, K/32, ...]``)."""
+    sup = qw.supers
+    assert sup is not None
+    n, k = qw.shape
+    blocks = k // SUPER_BLOCK
+
+    def per_vector(t: torch.Tensor) -> torch.Tensor:  # [N, K/256 * G] -> [N/16, K/256, G*16]
+        groups = t.shape[1] // blocks
+        v = t.reshape(n // 16, 16, blocks, groups).permute(0, 2, 3, 1)  # [N/16, K/256, G, 16]
+        return v.contiguous().view(torch.uint8).reshape(n // 16, blocks, -1)
+
+    heads = [sup.d] if sup.dmin is None else [sup.d, sup.dmin]
+    ints = [sup.sc] if sup.m is None else [sup.sc, sup.m]
+    parts = [per_vector(t) for t in (*heads, *ints)]
+    parts.append(codes.reshape(n // 16, blocks, -1))
+    return torch.cat(parts, dim=2).contiguous()
+
+
+def pack_a8(
+    qw: QuantizedWeight, scales: A8Scales | None = None, bits: int | None = None
+) -> tuple[torch.Tensor, int]:
     """The int8-activation kernel's one buffer for ``qw``, and the offset ``o`` of its codes.
 
     Per 16-channel vector, one record per group (per block of 32 when g = 16, whose two
@@ -114,13 +197,20 @@ def pack_a8(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
     its codes (``pack_codes_a8``'s blocks): ``[N/16, records, header + codes]`` bytes. Each
     vector is then one sequential stream, as a GGUF block keeps its scale beside its codes;
     with scales and zeros in streams of their own a one-row int4 pass read 11% slower
-    (see ``csrc/quant_linear_a8.cpp``). Scales and zeros are stored as ``a8_scale_dtype``.
+    (see ``csrc/quant_linear_a8.cpp``). Scales and zeros are stored as ``scales`` says
+    (default: ``a8_scale_dtype``; ``A8Scales.SUPERS``: ``_pack_supers``' records), the codes
+    in ``bits`` (default ``qw.bits``; 5 or 6: ``pack_codes_a8``'s bit planes).
     """
     n, k = qw.shape
-    codes, off = pack_codes_a8(qw.codes, qw.bits)  # [N/16, K/32, ...]
+    codes, off = pack_codes_a8(qw.codes, bits or qw.bits)  # [N/16, K/32, ...]
+    if scales is A8Scales.SUPERS:
+        return _pack_supers(qw, codes), off
     g = qw.group_size
     records = k // 32 if g == 16 else k // g
-    dtype = a8_scale_dtype(qw)
+    if scales is None:
+        dtype = a8_scale_dtype(qw)
+    else:
+        dtype = torch.float16 if scales is A8Scales.FLOAT16 else torch.float32
     floats = [qw.scales] if qw.zeros is None else [qw.scales, qw.zeros]
     parts = [pack_scales_a8(f.to(dtype)).view(torch.uint8).reshape(n // 16, records, -1)
              for f in floats]  # fmt: skip
@@ -285,10 +375,14 @@ class QuantLinear(nn.Module):
         # direct path are one fixed sequence whatever the number of rows, the tiles' are not)
         self.direct_rows = DIRECT_ROWS
         self.qweight: QuantizedWeight | None = None
-        self.half_scales = a8_scale_dtype(qw) == torch.float16  # int8-activation kernel
+        # int8-activation kernel: how its records hold the scales
+        vnni = dtype == torch.bfloat16 and _a8_kernel()
+        self.scale_format = int(a8_scale_format(qw, vnni))
+        self.code_bits = a8_code_bits(qw, vnni)  # the kernel's codes: 4, 5, 6 or 8 bits
         self.has_zeros = qw.zeros is not None
         if self.path == "a8":  # one buffer: scales, zeros and codes per group (pack_a8)
-            self.codes, self.offset = pack_a8(qw)
+            self.codes, self.offset = pack_a8(qw, A8Scales(self.scale_format), self.code_bits)
+            self.nbytes = int(self.codes.numel())
         elif self.use_kernel:
             self.codes, self.offset = pack_codes(qw.codes, qw.bits)
             self.scales_t = _transposed(qw.scales)  # [K/g, N]
@@ -319,7 +413,8 @@ class QuantLinear(nn.Module):
         out = x2.new_empty(x2.shape[0], self.out_features)  # [M, N]
         if self.path == "a8":
             torch.ops.kvserve.quant_linear_a8(
-                out, x2, self.codes, self.bits, self.group_size, self.offset, self.half_scales,
+                out, x2, self.codes, self.code_bits, self.group_size, self.offset,
+                self.scale_format,
                 self.has_zeros,
             )  # fmt: skip
         else:

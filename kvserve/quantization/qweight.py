@@ -14,6 +14,59 @@ from dataclasses import dataclass
 
 import torch
 
+SUPER_BLOCK = 256  # weights along K that share a GGUF K-quant's d (and dmin)
+
+
+@dataclass(frozen=True)
+class SuperScales:
+    """A GGUF K-quant's scales as the file stores them (Q2_K..Q6_K, IQ4_XS): per super-block
+    of 256 along K a float16 ``d`` (and ``dmin``), per group a small integer ``sc`` (and
+    ``m``), so that ``scale = float32(d) * sc`` and ``zero = -(float32(dmin) * m)`` are the
+    ``QuantizedWeight``'s float32 scales and zeros exactly. The int8-activation kernel reads
+    these (``pack_a8``'s super-block records) instead of a float32 scale and zero per group:
+    a Q4_K weight then streams 4.6 bits per weight instead of 6, a Q6_K one 8.6 instead of 10.
+    """
+
+    d: torch.Tensor  # [N, K / 256] float16
+    sc: torch.Tensor  # [N, K / g] int8
+    dmin: torch.Tensor | None  # [N, K / 256] float16; None: no zeros
+    m: torch.Tensor | None  # [N, K / g] int8, with dmin
+
+    def check(self, n: int, k: int, group_size: int, zeros: bool) -> None:
+        """Raise unless the shapes fit ``n x k`` weights in groups of ``group_size``."""
+        if k % SUPER_BLOCK or SUPER_BLOCK % group_size:
+            raise ValueError(f"super-block scales need K ({k}) in blocks of {SUPER_BLOCK} "
+                             f"and groups ({group_size}) that divide one")  # fmt: skip
+        if (self.dmin is None) != (self.m is None) or (self.dmin is not None) != zeros:
+            raise ValueError("super-block dmin and m go together, exactly when there are zeros")
+        for t, width, dtype in ((self.d, SUPER_BLOCK, torch.float16),
+                                (self.sc, group_size, torch.int8),
+                                (self.dmin, SUPER_BLOCK, torch.float16),
+                                (self.m, group_size, torch.int8)):  # fmt: skip
+            if t is not None and (t.shape != (n, k // width) or t.dtype != dtype):
+                raise ValueError(f"super-block scales: {tuple(t.shape)} {t.dtype}, expected "
+                                 f"{(n, k // width)} {dtype}")  # fmt: skip
+
+    def scales(self) -> torch.Tensor:
+        """The float32 scale of every group ``[N, K / g]``: d * sc, rounded once."""
+        return self._widen(self.d) * self.sc.float()
+
+    def zeros(self) -> torch.Tensor | None:
+        """The float32 zero of every group, -(dmin * m), or None."""
+        if self.dmin is None or self.m is None:
+            return None
+        return -(self._widen(self.dmin) * self.m.float())
+
+    def _widen(self, per_block: torch.Tensor) -> torch.Tensor:
+        reps = self.sc.shape[1] // per_block.shape[1]  # groups per super-block
+        return per_block.float().repeat_interleave(reps, dim=1)
+
+    def rows(self, index: torch.Tensor | slice) -> SuperScales:
+        """The same rows of each field (a permutation or a slice of output channels)."""
+        return SuperScales(*(None if t is None else t[index].contiguous()
+                             for t in (self.d, self.sc, self.dmin, self.m)))  # fmt: skip
+
+
 # int4 codes are any 16 consecutive integers starting at one of these: -8 (symmetric:
 # kvserve's RTN, GGUF Q4_0) or 0 (with a zero point: GGUF Q4_1, Q4_K).
 INT4_RANGES = ((-8, 7), (0, 15))
@@ -32,6 +85,9 @@ class QuantizedWeight:
     # group's columns anywhere; sorted, they are contiguous): the layer computes
     # x[:, in_perm] @ W^T, and the checkpoint's column in_perm[j] is stored column j.
     in_perm: torch.Tensor | None = None
+    # GGUF K-quants: the scales' and zeros' two-level form, which the int8-activation kernel
+    # streams instead of the float32 values (None: not a K-quant, or lost in a fusion)
+    supers: SuperScales | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -47,6 +103,8 @@ class QuantizedWeight:
             raise ValueError("zeros must have the shape of scales")
         if self.in_perm is not None and self.in_perm.shape != (k,):
             raise ValueError("in_perm must hold one index per input column")
+        if self.supers is not None:
+            self.supers.check(n, k, self.group_size, self.zeros is not None)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -182,4 +240,26 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     else:
         zero_t = None
     scale_t = torch.cat([s.to(sdtype) for s in scales])
-    return QuantizedWeight(torch.cat(codes), scale_t, zero_t, bits, g, perm)
+    supers = None if shift_unsigned else concat_supers(parts, g, with_zeros)
+    if supers is not None:  # the same values; zeros' signs as the kernel computes them
+        scale_t, zero_t = supers.scales(), supers.zeros()
+    return QuantizedWeight(torch.cat(codes), scale_t, zero_t, bits, g, perm, supers)
+
+
+def concat_supers(parts: list[QuantizedWeight], g: int, zeros: bool) -> SuperScales | None:
+    """The parts' super-block scales stacked along N, groups refined to ``g`` (a part without
+    zeros gets dmin = m = 0), or None unless every part has them."""
+    sups = [p.supers for p in parts]
+    if any(s is None for s in sups):
+        return None
+    d, sc, dmin, m = [], [], [], []
+    for p, sup in zip(parts, sups, strict=True):
+        assert sup is not None
+        rep = p.group_size // g
+        d.append(sup.d)
+        sc.append(sup.sc.repeat_interleave(rep, dim=1))
+        dmin.append(torch.zeros_like(sup.d) if sup.dmin is None else sup.dmin)
+        m.append(torch.zeros_like(sc[-1]) if sup.m is None else sup.m.repeat_interleave(rep, 1))
+    if not zeros:
+        return SuperScales(torch.cat(d), torch.cat(sc), None, None)
+    return SuperScales(torch.cat(d), torch.cat(sc), torch.cat(dmin), torch.cat(m))

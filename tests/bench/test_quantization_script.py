@@ -59,7 +59,7 @@ def test_server_commands() -> None:
     assert "--quantization-activations" not in cmd  # the server's default (auto)
     cmd = quantization.server_command(args, by_key["kvserve-int4-a16"], model, ggufs, 8123)
     assert cmd[cmd.index("--quantization-activations") + 1] == "none"
-    assert "--quantization-lm-head" not in cmd
+    assert "--quantization-lm-head" not in cmd and cmd.count("--no-quantization-lm-head") == 1
     cmd = quantization.server_command(args, by_key["kvserve-int4-lmhead"], model, ggufs, 8123)
     assert cmd.count("--quantization-lm-head") == 1
     assert cmd[cmd.index("--quantization") + 1] == "int4"

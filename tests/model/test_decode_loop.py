@@ -186,7 +186,7 @@ def test_a_layer_takes_four_linears() -> None:
     with pytest.raises(RuntimeError, match="a layer takes exactly 4 linears, got 0"):
         layers.add_layer(w, 1e-6, w, 1e-6, None, None, 1e-6, 0, 0.0, 0.25)
     with pytest.raises(RuntimeError, match="unknown linear kind 7"):
-        layers.add_linear(7, w, w, w, None, 64, 8, 32, 0, 0, False, False)
+        layers.add_linear(7, w, w, w, None, 64, 8, 32, 0, 0, 0, False)
 
 
 def test_no_kernel_build_off_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

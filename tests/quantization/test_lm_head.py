@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from kvserve.config import Quantization, QuantizedActivations
 from kvserve.model.loader import load_model
 from kvserve.quantization.apply import QuantOptions
-from kvserve.quantization.gguf_weights import read_output_weight
-from kvserve.quantization.lm_head import QuantLMHead, pad_rows
+from kvserve.quantization.gguf_weights import output_weight_type, read_output_weight
+from kvserve.quantization.lm_head import QuantLMHead, pad_rows, wants_quantized_head
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn
 from tests.quantization.test_gguf_weights import _random_k_blocks
@@ -161,3 +161,41 @@ def test_builtin_gguf_head_is_its_q8_0_embedding_table(builtin_model_dir: Path) 
     got = model.lm_head(torch.eye(576)).t()  # [49152, 576]
     assert torch.equal(got, embed)
     assert torch.equal(model.embed_tokens.weight, embed)
+
+
+def test_unset_option_keeps_a_gguf_files_own_head(tmp_path: Path) -> None:
+    """``quantization_lm_head`` unset: on for --quantization gguf where the file's head is of
+    a kept type, on a native unsharded model; off otherwise; as given when set."""
+    n, k = 32, 512
+    floats = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    tensors = {"token_embd.weight": (quantize(floats, T.Q8_0), T.Q8_0),
+               "output.weight": (_random_k_blocks(T.Q6_K, 1), T.Q6_K)}  # fmt: skip
+    q6 = _write(tmp_path / "q6.gguf", tensors)
+    f32 = _write(tmp_path / "f32.gguf", {"output.weight": (floats, T.F32)})
+    assert output_weight_type(q6) == "Q6_K" and output_weight_type(f32) is None
+
+    def wants(lm_head: bool | None, method: Quantization = Quantization.GGUF, file: Path = q6,
+              native: bool = True, tp: int = 1) -> bool:  # fmt: skip
+        quant = QuantOptions(method, None, str(file), lm_head=lm_head)
+        return wants_quantized_head(quant, native, tp)
+
+    assert wants(None)
+    assert not wants(None, file=f32)  # a float head stays in the serving dtype
+    assert not wants(None, native=False) and not wants(None, tp=2)
+    assert not wants(None, Quantization.INT8)  # int8/int4: RTN only when asked
+    assert not wants(False)
+    assert wants(True, Quantization.INT8) and wants(True, file=f32)
+
+
+@pytest.mark.slow
+def test_builtin_gguf_head_is_quantized_unless_turned_off(builtin_model_dir: Path) -> None:
+    """The engine's default for --quantization gguf: the file's Q8_0 head; with
+    --no-quantization-lm-head the serving dtype."""
+    from kvserve.model.builtin import find_builtin_gguf
+
+    for lm_head, want in ((None, "Q8_0"), (False, None)):
+        quant = QuantOptions(Quantization.GGUF, None, str(find_builtin_gguf()),
+                             activations=NONE, lm_head=lm_head)  # fmt: skip
+        model = load_model(builtin_model_dir, torch.float32, "cpu", 256, quant=quant)
+        assert model.quant_report.lm_head == want
+        assert isinstance(model.lm_head, QuantLMHead) == (want is not None)
