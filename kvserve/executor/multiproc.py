@@ -48,6 +48,10 @@ SHUTDOWN_TIMEOUT_S = 10.0
 # How often the monitor thread re-checks whether the executor is shutting down; a death is
 # seen at once (it waits on the process sentinels), this only bounds the thread's lifetime.
 MONITOR_POLL_S = 0.5
+# How long a rank's error waits for a peer's exit before it is blamed: a peer killed mid-step
+# makes the others' collectives fail, sometimes before its exit is seen (a loaded 2-core box).
+# Only the fatal path waits (the engine stops either way).
+PEER_DEATH_GRACE_S = 1.0
 
 
 class MultiprocExecutor(Executor):
@@ -163,6 +167,12 @@ class MultiprocExecutor(Executor):
             raise exc
         if len(self._conns) == 1:
             raise exc
+        # A rank's collective fails when a peer dies mid-step (gloo: connection reset), and
+        # that error can arrive before the peer's exit is seen: name the dead peer, the cause.
+        others = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank}
+        dead = wait(list(others), PEER_DEATH_GRACE_S)
+        if dead:
+            self._died(others[dead[0]], what)
         reason = (
             f"rank {rank} of {len(self._conns)} failed during {what}: {exc!r}; under tensor "
             "parallelism a failed step is not retried per request (the ranks' collectives "

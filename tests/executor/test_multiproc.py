@@ -104,3 +104,22 @@ def test_a_worker_start_up_error_reaches_the_driver(tiny_llama: Path) -> None:
     bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="/nonexistent"))
     with pytest.raises(ValueError, match="is not a model folder"):
         MultiprocExecutor(bad)
+
+
+def test_a_peers_death_is_named_over_the_error_it_caused(tiny_llama: Path) -> None:
+    """Under tensor parallelism a killed rank makes its peers' collectives fail (gloo:
+    connection reset), and that error can reach the driver before the death is seen: the
+    error names the dead rank, not the peer that reported it."""
+    e = LLMEngine(config(tiny_llama, num_kv_blocks=200, tensor_parallel_size=2,
+                         distributed_executor_backend="mp"))  # fmt: skip
+    try:
+        executor = e.executor
+        assert isinstance(executor, MultiprocExecutor)
+        pid = executor.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        executor._procs[1].join(timeout=10)
+        # rank 0's answer to the step, as it arrives when rank 1 died in its all-reduce
+        with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pid}\) died \(exit code -9\)"):
+            executor._raise(0, "execute", RuntimeError("Connection reset by peer"))
+    finally:
+        e.close()

@@ -236,12 +236,15 @@ def test_cancel_and_job_limit(holder: Holder) -> None:
     _wait(client, a.id, lambda x: x.request_counts.completed >= 1)
     # Online requests while a runs: each one-chunk prompt's step holds a's one running row
     # out (or none, between two lines); their answers are unchanged.
-    held = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"]
-    for _ in range(3):
+    # Up to 10 (at least 3): on a loaded box all of 3 once landed between two of a's lines.
+    before = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"]
+    held = tries = 0
+    while tries < 3 or (held == 0 and tries < 10):
         r = client.completions.create(model=MODEL, prompt="online", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
-    held = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"] - held
-    assert 1 <= held <= 3
+        tries += 1
+        held = holder.server.metrics(MODEL)["kvserve:num_background_rows_held_total"] - before
+    assert 1 <= held <= tries
     assert client.batches.cancel(b.id).status == "cancelling"
     assert client.batches.cancel(a.id).status == "cancelling"
     a = _wait(client, a.id, _finished)
