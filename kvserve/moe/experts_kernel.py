@@ -52,9 +52,7 @@ def _add_dense(op: torch.ScriptObject, w: torch.Tensor) -> None:
     if w.dtype not in _WEIGHT_DTYPES or w.device.type != "cpu":
         raise ExpertsKernelRefused(f"dense experts in {w.dtype} on {w.device.type}")
     empty = torch.empty(0)
-    op.add_linear(
-        _WIDE, w.detach().contiguous(), empty, empty, w.shape[0], 0, 0, 0, 0, 0, False
-    )
+    op.add_linear(_WIDE, w.detach().contiguous(), empty, empty, w.shape[0], 0, 0, 0, 0, 0, False)
 
 
 def _add_packed(op: torch.ScriptObject, w: PackedExpert) -> None:
