@@ -63,12 +63,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=12, help="operators to print")
+    ap.add_argument("--quantization", default=None, help="LLM quantization (gguf: --model-dir "
+                    "a .gguf file)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or f"/tmp/kvserve-peers-{args.shape}")
-    if not (model_dir / "config.json").exists():
+    if not model_dir.is_file() and not (model_dir / "config.json").exists():
         (make_tinyllama if args.shape == "tinyllama" else make_model)(model_dir)
     extra = {} if args.weight_dtype is None else {"weight_dtype": args.weight_dtype}
+    if args.quantization:
+        extra["quantization"] = args.quantization
     llm = LLM(str(model_dir), dtype=args.dtype, kv_cache_memory="2GiB",
               max_num_seqs=max(args.batch, 1), num_threads=args.threads, **extra)  # fmt: skip
     engine = llm.engine

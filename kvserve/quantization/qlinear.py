@@ -95,6 +95,12 @@ def a8_code_bits(qw: QuantizedWeight, vnni: bool) -> int:
     return qw.bits
 
 
+# Rows pack_codes_a8 packs at a time: its temporaries (a few bytes per weight) then stay at
+# about PACK_ROWS * K bytes each, not the whole matrix's (Qwen3-0.6B's tied LM head: 155 M
+# weights, so 155 MB per temporary at once).
+PACK_ROWS = 4096
+
+
 def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     """Codes ``[N, K]`` in the int8-activation kernel's layout, and the offset ``o`` added to
     them (128 for int8, 8 or 0 for int4, ``plane_offset`` for 5 and 6 bits): vpdpbusd
@@ -106,7 +112,7 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     64-bit masks (bit 4j + i: channel j, k = 4t + i), ``[N/16, K/32, 256 + 64 * planes]``.
     See ``csrc/quant_linear_a8.cpp``.
     """
-    n, k = codes.shape
+    n = codes.shape[0]
     if bits == 8:
         off = 128
     elif bits == 4:
@@ -117,24 +123,38 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
             raise ValueError(f"codes span [{int(codes.min())}, {int(codes.max())}], more than "
                              f"{bits} bits")  # fmt: skip
         off = plane
+    first = _pack_rows_a8(codes[:PACK_ROWS], bits, off)
+    if n <= PACK_ROWS:
+        return first, off
+    out = first.new_empty(n // 16, *first.shape[1:])  # filled a block of rows at a time
+    out[: PACK_ROWS // 16] = first
+    del first
+    for r in range(PACK_ROWS, n, PACK_ROWS):
+        out[r // 16 : (r + PACK_ROWS) // 16] = _pack_rows_a8(codes[r : r + PACK_ROWS], bits, off)
+    return out, off
+
+
+def _pack_rows_a8(codes: torch.Tensor, bits: int, off: int) -> torch.Tensor:
+    """``pack_codes_a8`` of some rows (a multiple of 16) with the offset ``off``."""
+    n, k = codes.shape
     # c + o in uint8, wrapping: the bytes of c read unsigned are c + 256 for c < 0, and every
     # c + o lies in [0, 255]. No int16 copy: it was the largest temporary of an LM head's pack.
     u = codes.view(torch.uint8) + off  # [N, K]
     blocks = u.reshape(n // 16, 16, k // 32, 2, 4, 4)  # [N/16, ch, K/32, half, t, i]
     quads = blocks.permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, t, ch, i]
     if bits == 8:
-        return quads.contiguous(), off
+        return quads.contiguous()
     nibbles = quads & 15 if bits > 4 else quads
     packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).contiguous()  # [N/16, K/32, 4, 16, 4]
     if bits == 4:
-        return packed, off
+        return packed
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)  # bit b of a mask byte
     parts = [packed.reshape(n // 16, k // 32, 256)]
     for plane in range(bits - 4):
         bit = (quads >> (4 + plane)) & 1  # [N/16, K/32, half, t, ch, i]: quad 4 half + t
         masks = (bit.reshape(n // 16, k // 32, 8, 8, 8) * weights).sum(-1, dtype=torch.uint8)
         parts.append(masks.reshape(n // 16, k // 32, 64))  # 8 quads' 8-byte masks
-    return torch.cat(parts, dim=2), off
+    return torch.cat(parts, dim=2)
 
 
 def pack_scales_a8(scales: torch.Tensor) -> torch.Tensor:

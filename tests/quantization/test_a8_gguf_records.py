@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from kvserve.config import QuantizedActivations
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.quantization import qlinear
 from kvserve.quantization.gguf_blocks import LAYOUTS
 from kvserve.quantization.gguf_weights import _unpermute, tensor_to_qweight
 from kvserve.quantization.lm_head import pad_rows
@@ -29,6 +30,7 @@ from kvserve.quantization.qlinear import (
 )
 from kvserve.quantization.qweight import QuantizedWeight, concat_rows
 from kvserve.sampling_params import SamplingParams
+from tests.engine.utils import run_engine_checked
 from tests.model.llamacpp_kquant import DATA, prompts
 from tests.quantization.test_gguf_weights import _F16_FIELDS
 from tests.quantization.test_qlinear_a8 import needs_a8
@@ -268,14 +270,7 @@ def test_llamacpp_files_in_the_decode_loop(key: str) -> None:
             (A8Scales.SUPERS, 4 if "Q4" in key else 5),
             (A8Scales.SUPERS, 6),
         }
-        for i, p in enumerate(prompts()[:6]):
-            e.add_request(str(i), {"prompt_token_ids": p}, params)
-        done: dict[str, list[int]] = {}
-        while e.has_unfinished_requests():
-            for out in e.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            e.kv.check_integrity()
+        done = run_engine_checked(e, prompts()[:6], params)  # KV integrity after every step
         runs.append((done, [t.clone() for kv in e.runner.kv_caches for t in kv]))
     (want, want_kv), (got, got_kv) = runs
     assert got == want and sorted(got) == [str(i) for i in range(6)]
@@ -291,3 +286,14 @@ def test_a_padded_head_keeps_its_two_levels() -> None:
     assert torch.equal(bits_of(padded.supers.scales()), bits_of(padded.scales))
     assert torch.equal(padded.dequantize()[:40], qw.dequantize())
     assert not padded.dequantize()[40:].any()
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_codes_pack_a_block_of_rows_at_a_time(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pack_codes_a8`` in blocks of ``PACK_ROWS`` rows (its temporaries stay small) gives
+    the whole matrix's bytes, with one offset for all of it."""
+    codes = k_weight(T.Q6_K if bits != 4 else T.Q4_K, n=96).codes
+    whole, off = pack_codes_a8(codes, bits)
+    monkeypatch.setattr(qlinear, "PACK_ROWS", 32)
+    blocks, off_blocks = pack_codes_a8(codes, bits)
+    assert off_blocks == off and torch.equal(blocks, whole)
