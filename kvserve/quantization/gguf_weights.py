@@ -47,28 +47,35 @@ def check_supported(name: str, qtype: T) -> None:
         )
 
 
+# Rows decoded at a time: decode_blocks' numpy temporaries are several bytes per weight, so
+# whole they were the load's peak. Qwen3-0.6B's tied Q6_K LM head (151,936 x 1024; 194 MB
+# kept) peaked 1311 MB above the start decoded whole; TinyLlama-1.1B's (32,000 x 2048) 515.
+DECODE_ROWS = 2048
+
+
 def tensor_to_qweight(name: str, qtype: T, raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
     """A GGUF tensor of ``n`` rows of ``k`` values as a ``QuantizedWeight`` (with its
-    two-level ``SuperScales`` for the K-quants)."""
+    two-level ``SuperScales`` for the K-quants), decoded DECODE_ROWS rows at a time."""
     check_supported(name, qtype)
     g, bits = LAYOUTS[qtype]
-    codes, scales, zeros, two = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1), qtype)
-
-    def rows(a: np.ndarray | None, width: int) -> torch.Tensor | None:
-        if a is None:
-            return None
-        return torch.from_numpy(np.ascontiguousarray(a)).reshape(n, width)
-
-    supers = None
-    if two is not None:
-        d, sc, dmin, m = (rows(a, k // w) for a, w in zip(two, (256, g, 256, g), strict=True))
-        assert d is not None and sc is not None
-        supers = SuperScales(d, sc, dmin, m)
-    codes_t, scale_t = rows(codes, k), rows(scales, k // g)
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, -1)  # a row's blocks are contiguous
+    widths = (k, k // g, k // g, k // 256, k // g, k // 256, k // g)  # codes .. m
+    out: list[torch.Tensor | None] = []
+    for r in range(0, n, DECODE_ROWS):
+        codes, scales, zeros, two = decode_blocks(blocks[r : r + DECODE_ROWS].reshape(-1), qtype)
+        fields = (codes, scales, zeros, *(two if two is not None else (None,) * 4))
+        if not out:  # the whole tensor's fields, shaped and typed after the first rows'
+            out = [None if f is None else torch.empty(n, w, dtype=torch.from_numpy(f).dtype)
+                   for f, w in zip(fields, widths, strict=True)]  # fmt: skip
+        for t, f in zip(out, fields, strict=True):
+            if t is not None and f is not None:
+                chunk = t[r : r + DECODE_ROWS]
+                chunk.copy_(torch.from_numpy(np.ascontiguousarray(f)).reshape(chunk.shape))
+    codes_t, scale_t, zeros_t, d, sc, dmin, m = out
     assert codes_t is not None and scale_t is not None
-    return QuantizedWeight(codes=codes_t, scales=scale_t,
-                           zeros=rows(zeros, k // g), bits=bits, group_size=g,
-                           supers=supers)  # fmt: skip
+    supers = None if d is None or sc is None else SuperScales(d, sc, dmin, m)
+    return QuantizedWeight(codes=codes_t, scales=scale_t, zeros=zeros_t, bits=bits,
+                           group_size=g, supers=supers)  # fmt: skip
 
 
 def _unpermute(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
@@ -226,12 +233,6 @@ def _output_tensor(files: GGUFFiles) -> Any:
     tensors = {t.name: t for t in files.tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     return None if t is None or t.tensor_type not in SUPPORTED_TYPES else t
-
-
-def output_weight_type(path: str | Path) -> str | None:
-    """The type name of the LM head ``read_output_weight`` would read (headers only), or None."""
-    t = _output_tensor(GGUFFiles(path))
-    return None if t is None else str(t.tensor_type.name)
 
 
 def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:

@@ -57,16 +57,13 @@ class QuantLMHead(nn.Module):
 
 
 def wants_quantized_head(quant: QuantOptions, native: bool, tp_size: int) -> bool:
-    """``quantization_lm_head`` resolved: as given, or unset (None) on for a GGUF whose own
-    head kvserve keeps quantized, on a native model without tensor parallelism."""
+    """``quantization_lm_head`` resolved: as given, or unset (None) on for a GGUF on a native
+    model without tensor parallelism (``lm_head_weight`` then keeps a float head dense: the
+    file's head type is only known once it is read, and reading a GGUF's headers took 5 s for
+    a 151,936-token vocabulary, so it is read once)."""
     if quant.lm_head is not None:
         return quant.lm_head
-    if quant.method is not Quantization.GGUF or not native or tp_size != 1:
-        return False
-    from kvserve.quantization.gguf_weights import output_weight_type
-
-    assert quant.gguf_file is not None  # ModelConfig checks it
-    return output_weight_type(quant.gguf_file) is not None
+    return quant.method is Quantization.GGUF and native and tp_size == 1
 
 
 def pad_rows(qw: QuantizedWeight, multiple: int = ROW_BLOCK) -> QuantizedWeight:
@@ -88,9 +85,10 @@ def pad_rows(qw: QuantizedWeight, multiple: int = ROW_BLOCK) -> QuantizedWeight:
     return concat_rows([qw, pad])
 
 
-def lm_head_weight(weight: torch.Tensor, quant: QuantOptions) -> tuple[QuantizedWeight, str]:
+def lm_head_weight(weight: torch.Tensor, quant: QuantOptions) -> tuple[QuantizedWeight, str] | None:
     """The quantized LM head for ``weight [vocab, hidden]`` (the model's, possibly the tied
-    embedding table) and how it was quantized, for the report."""
+    embedding table) and how it was quantized, for the report; None where the option is
+    unset and the GGUF's head is stored as floats (or a type with no quantized layer)."""
     if quant.method is Quantization.GGUF:
         from kvserve.quantization.gguf_weights import read_output_weight
 
@@ -102,6 +100,8 @@ def lm_head_weight(weight: torch.Tensor, quant: QuantOptions) -> tuple[Quantized
                 raise ValueError(f"the GGUF's output tensor has shape {qw.shape}, the model's "
                                  f"LM head {tuple(weight.shape)}")  # fmt: skip
             return qw, type_name
+        if quant.lm_head is None:
+            return None
     qw, err = rtn_weight(weight, Quantization.INT8, None, "lm_head")
     return qw, f"int8 per channel (RTN error {err:.4f})"
 
@@ -119,7 +119,11 @@ def quantize_lm_head(
             f"model classes; {type(model).__name__} computes its logits another way"
         )
     vocab = head.out_features
-    qw, how = lm_head_weight(head.weight, quant)
+    quantized = lm_head_weight(head.weight, quant)
+    if quantized is None:
+        logger.info("the GGUF's LM head is stored as floats: it keeps the model dtype")
+        return
+    qw, how = quantized
     # Drop the dense head (an untied one's weight is freed) before the codes are packed: less
     # at once. Measured peak RSS, TinyLlama-1.1B int4 server: see docs/performance.md.
     model.lm_head = None

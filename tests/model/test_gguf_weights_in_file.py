@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -124,3 +125,32 @@ def test_served_from_the_file_gives_the_float32_folders_tokens(
         tokens[run] = [list(o.outputs[0].token_ids) for o in outputs]
     assert tokens["in_file"] == tokens["dense"] == tokens["gguf"]
     assert len({t[0] for t in tokens["dense"]}) == len(PROMPTS)  # not one repeated token
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.F16])
+def test_large_tensors_dequantize_a_block_of_rows_at_a_time(
+    qtype: T, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dequantize_rows`` in blocks of ``DEQUANT_ROWS`` (gguf's temporaries stay a block's
+    size) gives the whole tensor's float32 values, a last partial block included."""
+    from gguf import GGML_QUANT_SIZES
+
+    from kvserve.model import gguf_convert
+    from tests.quantization.test_gguf_weights import _F16_FIELDS
+
+    rows, cols = 70, 512
+    rng = np.random.default_rng(0)
+    if qtype == T.F16:
+        raw = rng.standard_normal((rows, cols)).astype(np.float16)
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+        for b in range(cols // block):  # finite float16 d (and dmin) in every block
+            for field in _F16_FIELDS[qtype]:
+                d = (rng.standard_normal(rows) * 0.01).astype(np.float16)
+                raw[:, b * size + field : b * size + field + 2] = d.view(np.uint8).reshape(rows, 2)
+    whole = gguf_convert.dequantize(raw, qtype)
+    monkeypatch.setattr(gguf_convert, "DEQUANT_ROWS", 16)
+    blocks = gguf_convert.dequantize_rows(raw, qtype)
+    assert blocks.dtype == np.float32 and blocks.shape == (rows, cols)
+    assert np.array_equal(blocks, whole)

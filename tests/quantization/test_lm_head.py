@@ -17,8 +17,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from kvserve.config import Quantization, QuantizedActivations
 from kvserve.model.loader import load_model
 from kvserve.quantization.apply import QuantOptions
-from kvserve.quantization.gguf_weights import output_weight_type, read_output_weight
-from kvserve.quantization.lm_head import QuantLMHead, pad_rows, wants_quantized_head
+from kvserve.quantization.gguf_weights import read_output_weight
+from kvserve.quantization.lm_head import (
+    QuantLMHead,
+    lm_head_weight,
+    pad_rows,
+    wants_quantized_head,
+)
 from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.qweight import QuantizedWeight, quantize_rtn
 from tests.quantization.test_gguf_weights import _random_k_blocks
@@ -164,27 +169,32 @@ def test_builtin_gguf_head_is_its_q8_0_embedding_table(builtin_model_dir: Path) 
 
 
 def test_unset_option_keeps_a_gguf_files_own_head(tmp_path: Path) -> None:
-    """``quantization_lm_head`` unset: on for --quantization gguf where the file's head is of
-    a kept type, on a native unsharded model; off otherwise; as given when set."""
+    """``quantization_lm_head`` unset: on for --quantization gguf on a native unsharded model,
+    off otherwise, as given when set; unset, a head the file stores as floats stays dense
+    (``lm_head_weight`` gives None) where the option set quantizes it to int8."""
     n, k = 32, 512
     floats = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     tensors = {"token_embd.weight": (quantize(floats, T.Q8_0), T.Q8_0),
                "output.weight": (_random_k_blocks(T.Q6_K, 1), T.Q6_K)}  # fmt: skip
     q6 = _write(tmp_path / "q6.gguf", tensors)
     f32 = _write(tmp_path / "f32.gguf", {"output.weight": (floats, T.F32)})
-    assert output_weight_type(q6) == "Q6_K" and output_weight_type(f32) is None
 
-    def wants(lm_head: bool | None, method: Quantization = Quantization.GGUF, file: Path = q6,
-              native: bool = True, tp: int = 1) -> bool:  # fmt: skip
-        quant = QuantOptions(method, None, str(file), lm_head=lm_head)
-        return wants_quantized_head(quant, native, tp)
+    def opts(lm_head: bool | None, method: Quantization = Quantization.GGUF,
+             file: Path = q6) -> QuantOptions:  # fmt: skip
+        return QuantOptions(method, None, str(file), lm_head=lm_head)
 
-    assert wants(None)
-    assert not wants(None, file=f32)  # a float head stays in the serving dtype
-    assert not wants(None, native=False) and not wants(None, tp=2)
-    assert not wants(None, Quantization.INT8)  # int8/int4: RTN only when asked
-    assert not wants(False)
-    assert wants(True, Quantization.INT8) and wants(True, file=f32)
+    assert wants_quantized_head(opts(None), native=True, tp_size=1)
+    assert not wants_quantized_head(opts(None), native=False, tp_size=1)
+    assert not wants_quantized_head(opts(None), native=True, tp_size=2)
+    assert not wants_quantized_head(opts(None, Quantization.INT8), native=True, tp_size=1)
+    assert not wants_quantized_head(opts(False), native=True, tp_size=1)
+    assert wants_quantized_head(opts(True, Quantization.INT8), native=False, tp_size=2)
+    weight = torch.from_numpy(floats)
+    got = lm_head_weight(weight, opts(None))
+    assert got is not None and got[1] == "Q6_K"
+    assert lm_head_weight(weight, opts(None, file=f32)) is None
+    got = lm_head_weight(weight, opts(True, file=f32))
+    assert got is not None and got[1].startswith("int8 per channel")
 
 
 @pytest.mark.slow
