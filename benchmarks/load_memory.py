@@ -44,6 +44,8 @@ SETTINGS = {  # key -> (--quantization, GGUF type served or None, --quantization
     "gguf-q8_0": ("gguf", "Q8_0", False),
     "gguf-q4_0": ("gguf", "Q4_0", False),
     "gguf-q4_0-lmhead": ("gguf", "Q4_0", True),
+    "gguf-q4_k_m-lmhead": ("gguf", "Q4_K_M", True),
+    "gguf-q5_k_m-lmhead": ("gguf", "Q5_K_M", True),
 }
 SERVE_FLAGS = ["--max-num-seqs", "64", "--max-model-len", "256",
                "--kv-cache-memory", "369098752"]  # fmt: skip
@@ -70,7 +72,9 @@ def serve_peak(source: Path, setting: str, threads: int, log_dir: Path) -> dict[
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
         "--num-threads", str(threads), *SERVE_FLAGS, "--no-access-log",
         *(["--quantization", method] if method else []),
-        *(["--quantization-lm-head"] if lm_head else []),
+        # explicit both ways: unset, a GGUF's own head is kept quantized (lm_head.py)
+        *(["--quantization-lm-head" if lm_head else "--no-quantization-lm-head"]
+          if method else []),
     ]  # fmt: skip
     proc = ServerProcess(cmd, log_dir / f"{setting}.log")
     url = f"http://127.0.0.1:{port}"
