@@ -64,7 +64,7 @@ from kvserve.model.gguf_metadata import (
     write_json,
     write_tokenizer,
 )
-from kvserve.model.gguf_names import GGUFFiles, Planned, plan_tensors
+from kvserve.model.gguf_names import GGUFFiles, Planned, open_gguf, plan_tensors
 from kvserve.model.safetensors_stream import save_streaming
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def iter_gguf_weights(
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{folder} reads its weights from {gguf_path}, which is gone; "
                                 f"delete {folder} and load the GGUF again")  # fmt: skip
-    reader = GGUFFiles(gguf_path)
+    reader = open_gguf(gguf_path)
     hp = read_hparams(reader)
     for p in plan_tensors(reader, hp):
         if p.hf_name in skip:

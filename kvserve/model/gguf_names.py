@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
+from kvserve.model import held_headers
 from kvserve.model.gguf_metadata import LlamaHParams, hf_architecture
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,20 @@ class GGUFFiles:
         self.tensors = [t for r in readers for t in r.tensors]
         self.path_of = {t.name: p for r, p in zip(readers, self.paths, strict=True)
                         for t in r.tensors}  # fmt: skip
+
+
+def open_gguf(path: str | Path) -> GGUFFiles:
+    """``GGUFFiles(path)``, the one already parsed inside ``held_headers.headers_held`` if the
+    file (its first shard: path, size, mtime) is unchanged."""
+    files = held_headers.held()
+    if files is None:
+        return GGUFFiles(path)
+    resolved = Path(path).resolve()
+    st = resolved.stat()
+    key = (str(resolved), st.st_size, st.st_mtime_ns)
+    if key not in files:
+        files[key] = GGUFFiles(resolved)
+    return files[key]
 
 
 def _family(hp: LlamaHParams) -> str:

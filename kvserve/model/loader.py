@@ -6,11 +6,12 @@ loading them can execute arbitrary code.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -20,6 +21,7 @@ from kvserve.config import CpuLinearKernel, ModelImpl, Quantization, QuantizedAc
 from kvserve.distributed.parallel_state import TPGroup
 from kvserve.model.architectures import architecture_name, remote_code_error
 from kvserve.model.base import CausalLM
+from kvserve.model.held_headers import headers_held
 from kvserve.model.registry import (
     num_routed_experts,
     on_transformers_backend,
@@ -108,11 +110,27 @@ def _weights_in_gguf(path: Path) -> bool:
     return (path / "gguf_weights.json").is_file()
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def holding_gguf_headers(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` inside ``held_headers.headers_held``: a GGUF's headers parsed once per load."""
+
+    @functools.wraps(fn)
+    def held(*args: P.args, **kwargs: P.kwargs) -> R:
+        with headers_held():
+            return fn(*args, **kwargs)
+
+    return held
+
+
 # safetensors' dtype names of the float tensors a skipped (pre-quantized) weight can have
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                        "BF16": torch.bfloat16}  # fmt: skip
 
 
+@holding_gguf_headers
 def load_model(
     path: str | Path,
     dtype: torch.dtype,

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from kvserve.model.gguf_convert import read_bytes, unpermute_rotary
 from kvserve.model.gguf_metadata import LlamaHParams, read_architecture
-from kvserve.model.gguf_names import GGUFFiles, expected_shapes, plan_block
+from kvserve.model.gguf_names import GGUFFiles, expected_shapes, open_gguf, plan_block
 from kvserve.quantization.fusion import FUSED, fused_modules
 from kvserve.quantization.gguf_blocks import LAYOUTS, SUPPORTED_TYPES, decode_blocks
 from kvserve.quantization.qweight import QuantizedWeight, SuperScales, concat_rows
@@ -159,7 +159,7 @@ class GGUFLinears:
 
     def __init__(self, path: str | Path, config: PretrainedConfig) -> None:
         self.path = Path(path)
-        reader = GGUFFiles(path)  # the headers only (every shard's): data is read in take()
+        reader = open_gguf(path)  # the headers only (every shard's): data is read in take()
         hp = _config_hparams(config, read_architecture(reader))
         heads = {"attn_q": hp.num_attention_heads, "attn_k": hp.num_key_value_heads}
         if hp.architecture != "llama":
@@ -238,7 +238,7 @@ def _output_tensor(files: GGUFFiles) -> Any:
 def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:
     """The LM head as the GGUF stores it (``_output_tensor``), and its type's name; None when
     that tensor is stored as floats or in a type kvserve has no quantized layer for."""
-    files = GGUFFiles(path)
+    files = open_gguf(path)
     t = _output_tensor(files)
     if t is None:
         return None
