@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -104,11 +105,8 @@ class MultiprocExecutor(Executor):
         if self._dead is not None or self._stopping.is_set():
             return  # already reported by a call, or an exit we asked for
         proc = self._procs[rank]
-        # its pipe closed, so it is exiting; the exit code is known once it is reaped (1 s
-        # was too short on a loaded 2-core box: the message said "exit code None")
-        proc.join(timeout=5.0)
         reason = (
-            f"worker process rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}); "
+            f"worker process rank {rank} (pid {proc.pid}) died (exit code {_exit_code(proc)}); "
             "the engine cannot continue and must be restarted"
         )
         self._dead = reason
@@ -185,11 +183,8 @@ class MultiprocExecutor(Executor):
 
     def _died(self, rank: int, what: str) -> NoReturn:
         proc = self._procs[rank]
-        # its pipe closed, so it is exiting; the exit code is known once it is reaped (1 s
-        # was too short on a loaded 2-core box: the message said "exit code None")
-        proc.join(timeout=5.0)
         self._fail(
-            f"worker process rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}) "
+            f"worker process rank {rank} (pid {proc.pid}) died (exit code {_exit_code(proc)}) "
             f"during {what}; the engine cannot continue and must be restarted"
         )
 
@@ -201,6 +196,19 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _exit_code(proc: BaseProcess, timeout: float = 5.0) -> int | None:
+    """The exit code of a worker whose pipe closed (so it is exiting), once it is reaped (1 s
+    was too short on a loaded 2-core box). The monitor thread may reap it at the same moment:
+    then this thread's waitpid fails (ECHILD) and join returns with no code, which the Process
+    shows a moment later (the message said "exit code None" in 3 of 4 runs of the executor
+    tests side by side): wait for it too."""
+    deadline = time.monotonic() + timeout
+    proc.join(timeout=timeout)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc.exitcode
 
 
 def _monitor(
