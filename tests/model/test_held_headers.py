@@ -7,25 +7,16 @@ import os
 import threading
 from pathlib import Path
 
-import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from kvserve.model import held_headers
 from kvserve.model.gguf_names import open_gguf
-
-
-def _write(path: Path) -> Path:
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("output.weight", np.zeros((4, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from tests.quantization.test_lm_head import _write
 
 
 def test_a_file_is_parsed_once_inside_and_every_time_outside(tmp_path: Path) -> None:
-    path = _write(tmp_path / "m.gguf")
+    path = _write(tmp_path / "m.gguf", {"output.weight": (np.zeros((4, 32), np.float32), T.F32)})
     assert open_gguf(path) is not open_gguf(path)  # outside: nothing kept
     with held_headers.headers_held():
         first = open_gguf(path)
