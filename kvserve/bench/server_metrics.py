@@ -5,8 +5,11 @@ Client timings cannot show *why* a run was slow; the engine's own metrics can. W
 ``/metrics`` before the run, every ``interval`` seconds during it (gauges such as the number of
 running requests are instantaneous, so their peak needs polling) and after it. The same code
 reads kvserve's names (``kvserve:num_preemptions_total``, ``kvserve:num_requests_running``,
-``kvserve:num_requests_waiting``) and vLLM's (``vllm:...``); kvserve's high-water mark
-``kvserve:max_num_requests_running`` also catches a peak that fell between two polls. The
+``kvserve:num_requests_waiting``) and vLLM's (``vllm:...``). Polls miss a short peak: a
+kvserve server counts its steps by batch size (the histogram
+``kvserve:step_num_requests_running``), whose bucket deltas over the run give its peak batch
+exactly (up to 16; the bucket's lower edge above), and its high-water mark
+``kvserve:max_num_requests_running`` catches a peak above every earlier one. The
 prefix cache's hit rate over the run is the hits delta over the queries delta of
 ``kvserve:prefix_cache_{queries,hits}_total`` (vLLM: ``vllm:prefix_cache_...``), both in
 prompt tokens: a server-wide rate, so it covers exactly the measured requests only when nothing
@@ -57,14 +60,18 @@ class ServerMetricsSummary:
 
 
 def parse_samples(text: str | None) -> dict[str, float] | None:
-    """Sample name -> value, summed over label sets (engines, models); None if unparsable."""
+    """Sample name -> value, summed over label sets (engines, models); a histogram bucket is
+    keyed ``NAME_bucket{le}`` per bound (``le`` as a float's text). None if unparsable."""
     if not text:
         return None
     values: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+                key = sample.name
+                if "le" in sample.labels:
+                    key = f"{key}{{{float(sample.labels['le'])}}}"
+                values[key] = values.get(key, 0.0) + float(sample.value)
     except (ValueError, TypeError, IndexError):  # the parser's errors on malformed text
         return None
     return values
@@ -116,6 +123,28 @@ def _peak(scrapes: Sequence[dict[str, float] | None], names: Sequence[str]) -> i
     return int(max(seen)) if seen else None
 
 
+def histogram_floor(
+    first: dict[str, float] | None, last: dict[str, float] | None, name: str
+) -> int | None:
+    """The largest value a histogram of integers surely saw between two scrapes: the lower
+    edge (previous bound + 1) of the highest bucket whose count rose; None when the
+    histogram is absent from either scrape or saw nothing new."""
+    if first is None or last is None:
+        return None
+    prefix = f"{name}_bucket{{"
+    bounds = sorted(float(k[len(prefix) : -1]) for k in last if k.startswith(prefix))
+    floor, below, prev = None, 0.0, 0.0
+    for le in bounds:
+        key = f"{prefix}{le}}}"
+        if key not in first:
+            return None
+        rose = (last[key] - first[key]) - below  # new observations in (prev, le]
+        if rose > 0:
+            floor = int(prev) + 1
+        below, prev = last[key] - first[key], le
+    return floor
+
+
 def summarize_server_metrics(
     before: str | None, after: str | None, during: Sequence[str] = ()
 ) -> ServerMetricsSummary:
@@ -136,7 +165,12 @@ def summarize_server_metrics(
         _add_spec_decode(summary, first, last, names)
         summary.peak_num_requests_running = _peak(scrapes, names["running"])
         summary.peak_num_requests_waiting = _peak(scrapes, names["waiting"])
-        # Polling can miss a short peak; a high-water mark that rose during the run cannot.
+        # Polling can miss a short peak; the steps-by-batch histogram and a high-water mark
+        # that rose during the run cannot.
+        floor = histogram_floor(first, last, f"{prefix}:step_num_requests_running")
+        if floor is not None:
+            seen = summary.peak_num_requests_running or 0
+            summary.peak_num_requests_running = max(seen, floor)
         hw_start = _lookup(first, names["running_max"])
         hw_end = _lookup(last, names["running_max"])
         if hw_start is not None and hw_end is not None and hw_end > hw_start:

@@ -190,6 +190,8 @@ class Scheduler(PreemptionMixin, OutputUpdateMixin):
         out.interruptible = background_only(out, self.waiting)
         if out.scheduled:
             self.stats.num_steps += 1
+            by_running = self.stats.num_steps_by_running
+            by_running[len(self.running)] = by_running.get(len(self.running), 0) + 1
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_stats()
         return out

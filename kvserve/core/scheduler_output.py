@@ -175,6 +175,9 @@ class SchedulerStats:
     num_generation_tokens: int = 0  # tokens sampled, total
     num_steps: int = 0  # engine steps that computed anything
     max_num_running: int = 0  # the most requests that ran in one step
+    # steps by how many requests ran in them ({batch size: steps}): /metrics' histogram
+    # step_num_requests_running, whose deltas give a benchmark its exact peak batch
+    num_steps_by_running: dict[int, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
     # Speculative decoding (vLLM's spec_decode_* counters): verified proposals (one per

@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvserve.outputs import CompletionOutput, EmbeddingRequestOutput, EngineOutput
@@ -86,6 +91,10 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# One per batch size up to 16, then x1.5/x2 steps: a benchmark reads its run's exact peak
+# batch from the bucket deltas wherever it is at most 16 (a bound above that).
+_RUNNING_BUCKETS = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                    2048, 4096)  # fmt: skip
 
 
 # (key, name, help, buckets) of the histograms with fixed buckets
@@ -139,6 +148,11 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+def cumulative_at(counts: dict[int, int], le: float) -> int:
+    """How many of ``counts``' observations ({value: times}) are at most ``le``."""
+    return sum(k for n, k in counts.items() if n <= le)
+
+
 def check_prefix(prefix: str) -> str:
     """A metric name prefix (the part before ``:``); raises ValueError if not a valid one."""
     if not _PREFIX_RE.fullmatch(prefix):
@@ -187,6 +201,7 @@ class _EngineStatsCollector(Collector):
             for model, stats in snapshots.items():
                 c.add_metric([model, ENGINE_INDEX], float(stats.get(key) or 0))
             yield c
+        yield self._steps_by_running(snapshots)
         yield from self._per_position(snapshots)
         yield from self._lora_info(snapshots)
         h = GaugeMetricFamily(f"{p}:engine_healthy", "1 if the engine is serving.", labels=LABELS)
@@ -211,6 +226,23 @@ class _EngineStatsCollector(Collector):
             for model, labels in self.paths_info.items():
                 paths.add_metric([labels[k] for k in keys] + [model], 1.0)
             yield paths
+
+    def _steps_by_running(self, snapshots: dict[str, dict[str, Any]]) -> Metric:
+        """The engine's steps by batch size as a histogram (exact counts, kept by the
+        scheduler: polling ``num_requests_running`` misses a short peak)."""
+        h = HistogramMetricFamily(
+            f"{self.prefix}:step_num_requests_running",
+            "Histogram of the number of requests running in each engine step.", labels=LABELS,
+        )  # fmt: skip
+        for model, stats in snapshots.items():
+            counts: dict[int, int] = stats.get("num_steps_by_running") or {}
+            buckets = [
+                (str(float(le)), float(cumulative_at(counts, le))) for le in _RUNNING_BUCKETS
+            ]
+            buckets.append(("+Inf", float(sum(counts.values()))))
+            total = float(sum(n * k for n, k in counts.items()))
+            h.add_metric([model, ENGINE_INDEX], buckets, total)
+        return h
 
     def _lora_info(self, snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         """vLLM's ``lora_requests_info`` (engines with LoRA on): the adapters of the running

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.bench.server_metrics import parse_samples, summarize_server_metrics
+from kvserve.bench.server_metrics import histogram_floor, parse_samples, summarize_server_metrics
 
 
 def _kvserve(preemptions: float, running: float, waiting: float) -> str:
@@ -175,3 +175,50 @@ def test_report_prints_spec_decode_rows() -> None:
     text = format_summary(result, ())
     assert "Spec decode acceptance rate (%):" in text and "37.50" in text
     assert "Spec decode mean acceptance length:" in text and "2.50" in text
+
+
+def _steps(counts: dict[float, int]) -> str:
+    """A ``kvserve:step_num_requests_running`` histogram with cumulative ``counts`` per bound
+    (two engines' label sets, the second all zero: parse_samples sums them)."""
+    lines = ["# TYPE kvserve:step_num_requests_running histogram"]
+    for engine, scale in (("0", 1), ("1", 0)):
+        for le, n in counts.items():
+            bound = "+Inf" if le == float("inf") else str(le)
+            lines.append(
+                f'kvserve:step_num_requests_running_bucket{{engine="{engine}",le="{bound}"}} '
+                f"{n * scale}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def test_steps_histogram_gives_the_exact_peak_that_polls_missed() -> None:
+    inf = float("inf")
+    before = _kvserve(0, 0, 0) + _steps({1.0: 10, 2.0: 14, 3.0: 14, 24.0: 20, inf: 20})
+    # This run: 3 more steps of 1 request and 2 of 2; nothing at 3 or above.
+    after = _kvserve(0, 0, 0) + _steps({1.0: 13, 2.0: 19, 3.0: 19, 24.0: 25, inf: 25})
+    assert (
+        histogram_floor(
+            parse_samples(before), parse_samples(after), "kvserve:step_num_requests_running"
+        )
+        == 2
+    )
+    s = summarize_server_metrics(before, after, [_kvserve(0, 0, 0)] * 3)
+    assert s.peak_num_requests_running == 2
+    # A step of 17..24 requests: the bucket's lower edge is what is sure.
+    later = _kvserve(0, 0, 0) + _steps({1.0: 13, 2.0: 19, 3.0: 19, 24.0: 26, inf: 26})
+    assert summarize_server_metrics(after, later).peak_num_requests_running == 4
+    # Nothing ran, or the histogram is missing on one side: no evidence from it.
+    assert (
+        histogram_floor(
+            parse_samples(after), parse_samples(after), "kvserve:step_num_requests_running"
+        )
+        is None
+    )
+    assert (
+        histogram_floor(
+            parse_samples(_kvserve(0, 0, 0)),
+            parse_samples(after),
+            "kvserve:step_num_requests_running",
+        )
+        is None
+    )

@@ -67,6 +67,7 @@ def test_four_adapters_and_base_in_one_batch(
     stats = llm.engine.scheduler.stats
     assert stats.max_num_running == len(PROMPTS)  # all ten ran together
     assert stats.num_steps == MAX_TOKENS  # one prefill step, then decode steps
+    assert stats.num_steps_by_running == {len(PROMPTS): MAX_TOKENS}  # every step held all ten
     assert manager(llm).num_slot_loads == 4
     loop = llm.engine.runner.model.decode_loop  # type: ignore[union-attr]
     if backend == "CPU_KERNEL" and cpu_kernels.available():

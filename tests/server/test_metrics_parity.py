@@ -293,3 +293,21 @@ def test_metrics_prefix_is_validated_and_server_only() -> None:
     text = ServerMetrics("vllm").render()[0].decode()
     assert "# TYPE vllm:inter_token_latency_seconds histogram" in text
     assert "kvserve:" not in text
+
+
+@pytest.mark.slow
+def test_steps_by_batch_size_count_every_step_of_a_lone_request(kv_server: Server) -> None:
+    """``kvserve:step_num_requests_running``: a lone request of 5 tokens runs 5 steps (its
+    prompt's, then 4 decodes) of batch size 1, which the bench lab reads as its run's peak."""
+    from kvserve.bench.server_metrics import histogram_floor, parse_samples
+
+    name = "kvserve:step_num_requests_running"
+    before = httpx.get(f"{kv_server.url}/metrics", timeout=10).text
+    complete(kv_server, max_tokens=5)
+    after = httpx.get(f"{kv_server.url}/metrics", timeout=10).text
+    first, last = parse_samples(before), parse_samples(after)
+    assert first is not None and last is not None
+    delta = {k: last[k] - first.get(k, 0.0) for k in last if k.startswith(name)}
+    assert delta[f"{name}_bucket{{1.0}}"] == delta[f"{name}_bucket{{inf}}"] == 5
+    assert delta[f"{name}_count"] == delta[f"{name}_sum"] == 5
+    assert histogram_floor(first, last, name) == 1
