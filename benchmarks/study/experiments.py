@@ -575,12 +575,20 @@ def exp5(ctx: RunContext) -> Outcome:
     )
 
 
+def exp6(ctx: RunContext) -> Outcome:
+    """Finding 1 settled: benchmarks/study/finding1.py (imports this module)."""
+    from benchmarks.study.finding1 import exp6 as run
+
+    return run(ctx)
+
+
 EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp1": exp1,
     "exp2": exp2,
     "exp3": exp3,
     "exp4": exp4,
     "exp5": exp5,
+    "exp6": exp6,
 }
 
 

@@ -81,6 +81,21 @@ COLUMNS: dict[str, list[Column]] = {
         ("duration", "duration s", 1),
     ],
     "exp4": KV,
+    "exp6": [
+        ("input_len", "prompt", 0),
+        ("prefix_caching", "prefix caching", 0),
+        ("max_num_seqs", "max_num_seqs", 0),
+        ("output_throughput", "output tok/s", 1),
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        ("num_preemptions", "preemptions", 0),
+        ("recomputed_tokens", "recomputed tokens", 0),
+        ("prefix_cache_hit_tokens", "cache-hit tokens", 0),
+        ("peak_num_requests_running", "peak running", 0),
+        ("num_steps", "steps", 0),
+        ("median_tpot_ms", "median TPOT ms", 0),
+        ("duration", "duration s", 1),
+    ],
     "exp5": [
         ("part", "part", 0),
         ("max_num_seqs", "max_num_seqs", 0),
@@ -316,12 +331,39 @@ def plot_exp5(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
+def plot_exp6(doc: Doc, out: Path) -> list[Path]:
+    pts, cfg = doc["points"], doc["settings"]["config"]
+
+    def label(p: dict[str, Any]) -> str:
+        return f"{p['input_len']}-token prompts, caching {'on' if p['prefix_caching'] else 'off'}"
+
+    axis = _batch_axis(pts)
+    panels = [
+        {**axis, "series": output.series_by(pts, label, _batch_x, key), "ylabel": ylabel,
+         "title": title}
+        for key, ylabel, title in (
+            ("output_throughput", "output tok/s", "throughput"),
+            ("num_preemptions", "preemptions", "preemptions"),
+            ("recomputed_tokens", "tokens", "prompt tokens computed again"),
+        )
+    ]  # fmt: skip
+    main = output.panels_plot(
+        panels,
+        out / "exp6.png",
+        f"Exp 6 (finding 1): engine-only, {cfg['num_prompts']} requests at once, "
+        f"{cfg['output_len']} output tokens, KV for {cfg['full_requests']} whole requests",
+        width=4.2,
+    )
+    return [main]
+
+
 PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp1": plot_exp1,
     "exp2": plot_exp2,
     "exp3": plot_exp3,
     "exp4": plot_exp4,
     "exp5": plot_exp5,
+    "exp6": plot_exp6,
 }
 
 

@@ -58,6 +58,9 @@ CSV_COLUMNS = (
     "repeats",
     *POINT_METRICS,
     "output_throughput_std",
+    "server_cpu_seconds",
+    "server_peak_rss_mib",
+    "server_cpu_s_per_1k_output_tokens",
     "result_file",
     "error",
 )

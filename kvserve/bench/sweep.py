@@ -32,7 +32,7 @@ from typing import IO, Any
 import httpx
 import numpy as np
 
-from kvserve.bench import plots, serve
+from kvserve.bench import plots, proc_cost, serve
 from kvserve.engine.arg_utils import field_choices, flag_name
 
 LOOPBACK = "127.0.0.1"  # servers started by the sweep listen here only
@@ -143,6 +143,12 @@ class ServerProcess:
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
+    @property
+    def pid(self) -> int:
+        """The server's pid, also its session's id (it was started as a session leader)."""
+        assert self.proc is not None, "the server was not started"
+        return self.proc.pid
+
     def wait_healthy(self, base_url: str, timeout_s: float) -> None:
         """Poll ``GET /health`` until 200; fail early if the process dies."""
         deadline = time.monotonic() + timeout_s
@@ -192,6 +198,25 @@ def make_point(
     return point
 
 
+def server_cost(
+    before: proc_cost.SessionUsage | None,
+    after: proc_cost.SessionUsage | None,
+    results: Sequence[dict[str, Any]],
+) -> dict[str, float | None]:
+    """The study's cost figures of one point (all its repeats, warm-ups included): the
+    server's CPU-seconds, its peak RSS so far, and CPU-seconds per 1,000 output tokens."""
+    if before is None or after is None:
+        return {"server_cpu_seconds": None, "server_peak_rss_mib": None,
+                "server_cpu_s_per_1k_output_tokens": None}  # fmt: skip
+    cpu = after.cpu_seconds - before.cpu_seconds
+    tokens = sum(int(r.get("total_output_tokens") or 0) for r in results)
+    return {
+        "server_cpu_seconds": cpu,
+        "server_peak_rss_mib": after.peak_rss_bytes / 2**20,
+        "server_cpu_s_per_1k_output_tokens": 1000 * cpu / tokens if tokens else None,
+    }
+
+
 def _rate_value(rate: float) -> float | str:
     return "inf" if rate == float("inf") else rate
 
@@ -229,8 +254,10 @@ def run_setting(
     try:
         server.wait_healthy(f"http://{LOOPBACK}:{port}", args.server_timeout)
         for rate in rates:
+            usage = proc_cost.session_usage(server.pid)
             results = run_point(args, f"http://{LOOPBACK}:{port}", rate, samples, tokenizer)
             point = make_point(setting, rate, results)
+            point.update(server_cost(usage, proc_cost.session_usage(server.pid), results))
             name = f"point-{setting.slug()}-rate{_rate_value(rate)}.json"
             serve.save_result(point, out_dir / name)
             point["result_file"] = name

@@ -122,3 +122,32 @@ def test_quick_experiments_write_results(
     doc = json.loads((out5 / "results.json").read_text())
     assert doc["settings"]["model_size"]["vocab_size"] == 256
     assert len(doc["points"]) == 8
+
+
+def test_quick_finding1_counts_what_preemption_recomputes(
+    tiny_dir: Path, tmp_path: Path, keep_torch_threads: None
+) -> None:
+    """Experiment 6: a KV cache for exactly 2 whole requests. At max_num_seqs 2 nothing is
+    preempted and every prompt token is computed once; at 6 the victims' prompts are computed
+    again (caching off: at least a whole prompt per preemption)."""
+    out = tmp_path / "exp6"
+    argv = ["exp6", "--quick", "--model", str(tiny_dir), "--out-dir", str(out)]
+    assert run.main([*argv, "--repeats", "2"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    points = doc["points"]
+    assert [(p["input_len"], p["prefix_caching"], p["max_num_seqs"]) for p in points] == [
+        (n, c, b) for n in (16, 48) for c in (True, False) for b in (2, 6)
+    ]
+    for p in points:
+        assert p["repeats"] == 2 and len(p["repeat_values"]["output_throughput"]) == 2
+        assert p["completed"] == 6 and p["total_output_tokens"] == 6 * 8
+        assert p["num_kv_blocks"] == (4 if p["input_len"] == 16 else 8)
+        assert p["total_input_tokens"] == 6 * p["input_len"]
+        if p["max_num_seqs"] == 2:  # each prompt computed exactly once
+            assert (p["num_preemptions"], p["recomputed_tokens"]) == (0, 0)
+            assert p["prefill_tokens_computed"] == 6 * p["input_len"]
+        elif not p["prefix_caching"]:
+            assert p["num_preemptions"] > 0 and p["prefix_cache_hit_tokens"] == 0
+            assert p["recomputed_tokens"] >= p["num_preemptions"] * p["input_len"]
+    assert (out / "exp6.png").stat().st_size > 0
+    assert (out / "table.md").read_text().startswith("| prompt | prefix caching |")

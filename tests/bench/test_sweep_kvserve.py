@@ -40,6 +40,10 @@ def test_sweep_two_rates_two_batch_sizes(tmp_path: Path, monkeypatch: pytest.Mon
         assert row["kv_cache_memory"] == "64MiB" and row["num_preemptions"] == "0.0"
         assert 1 <= float(row["peak_num_requests_running"]) <= int(row["max_num_seqs"])
         assert float(row["output_throughput"]) > 0
+        # the server's cost over the point (its warm-up included): a loaded model's memory
+        assert float(row["server_cpu_seconds"]) > 0 and float(row["server_peak_rss_mib"]) > 200
+        per_1k = 1000 * float(row["server_cpu_seconds"]) / (NUM_PROMPTS * OUTPUT_LEN)
+        assert float(row["server_cpu_s_per_1k_output_tokens"]) == pytest.approx(per_1k)
         # The run behind the row: every prompt and answer had exactly the asked length.
         point = json.loads((tmp_path / row["result_file"]).read_text())
         (run,) = point["runs"]
