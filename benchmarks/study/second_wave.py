@@ -19,20 +19,27 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.study import engines
+from benchmarks.study.driver import DriverRequest, warm_up
 from benchmarks.study.experiments import (
     INF,
     SLO,
     Outcome,
     RunContext,
+    engine_point,
     kv_blocks,
+    kv_engine_kwargs,
+    kv_fields,
+    make_engine,
     model_folder,
     options_of,
+    repeats_of,
     server_argv,
     server_points,
     sweep_args,
 )
-from benchmarks.study.workloads import model_size
+from benchmarks.study.workloads import chat_requests, chatterbot_samples, model_size
 from kvserve.bench import sweep
+from kvserve.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -113,4 +120,89 @@ def exp7(ctx: RunContext) -> Outcome:
         points,
         {"config": asdict(cfg), "variants": variants(cfg), "model_size": size},
         {"lab_settings": options_of(base)},
+    )
+
+
+# -- experiment 8: weight quantization at a fixed memory budget --------------------------------
+
+
+@dataclass(frozen=True)
+class Exp8Config:
+    quantizations: tuple[str, ...] = ("bf16", "int8", "int4")
+    kv_cache: str = "22.5MiB"  # bf16's KV; the budget is bf16's weights plus this
+    num_prompts: int = 32
+    max_tokens: int = 256  # a cap: outputs end at EOS
+    temperature: float = 0.7
+    max_num_seqs: int = 32
+
+
+EXP8_QUICK = Exp8Config(("bf16", "int8"), "16blocks", 4, 16, 0.7, 4)
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once (a tied head)."""
+    assert engine.runner is not None, "the study's engines run in process"
+    seen: dict[int, int] = {}
+    for t in engine.runner.model.state_dict(keep_vars=True).values():
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def exp8(ctx: RunContext) -> Outcome:
+    """Engine-only, exp 4's workload (chatterbot until EOS, all at once): bf16 with a small
+    KV cache, then int8 and int4 twice each: with the same KV cache (only decoding speed
+    changes) and with the same total of weights + KV (the freed weight bytes become KV)."""
+    cfg = EXP8_QUICK if ctx.quick else Exp8Config()
+    cache: dict[str, list[DriverRequest]] = {}
+
+    def make(engine: LLMEngine) -> list[DriverRequest]:
+        if "r" not in cache:
+            samples = chatterbot_samples(engine.tokenizer, cfg.num_prompts, ctx.seed)
+            cache["r"] = chat_requests(
+                engine.tokenizer, samples, ignore_eos=False, max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature, seed=ctx.seed,
+            )  # fmt: skip
+        return cache["r"]
+
+    def build(quant: str, kv: dict[str, Any]) -> LLMEngine:
+        q = {} if quant == "bf16" else {"quantization": quant}
+        return make_engine(ctx.model, max_num_seqs=cfg.max_num_seqs, **q, **kv)
+
+    base_kv = kv_engine_kwargs(cfg.kv_cache)
+    weights = {q: weight_bytes(build(q, {"num_kv_blocks": 4})) for q in cfg.quantizations}
+    base = build("bf16", base_kv)
+    budget = weights["bf16"] + base.kv_info["bytes"]
+    del base
+    runs = [("bf16", "bf16", base_kv)]
+    for q in cfg.quantizations[1:]:
+        runs.append((q, "same KV", base_kv))
+        runs.append((q, "same budget", {"kv_cache_memory": str(budget - weights[q])}))
+
+    def sweep_once() -> list[dict[str, Any]]:
+        points = []
+        for quant, variant, kv in runs:
+            engine = build(quant, kv)
+            reqs = make(engine)
+            warm_up(engine, reqs[0].prompt)
+            p = engine_point(engine, reqs, INF, ctx.seed)
+            p.update(quantization=quant, memory=variant, weights_mib=weights[quant] / 2**20,
+                     max_num_seqs=cfg.max_num_seqs, **kv_fields(engine))  # fmt: skip
+            p["total_mib"] = p["weights_mib"] + p["kv_cache_mib"]
+            print(f"[exp8] {quant} {variant}: {p['output_throughput']:.1f} out tok/s, "
+                  f"KV {p['kv_cache_mib']:.1f} MiB, {p['num_preemptions']} preemptions",
+                  flush=True)  # fmt: skip
+            points.append(p)
+        return points
+
+    return Outcome(
+        "exp8",
+        "Weight quantization at a fixed memory budget (engine-only, outputs end at EOS)",
+        repeats_of(ctx, sweep_once),
+        {
+            "config": asdict(cfg),
+            "budget_bytes": budget,
+            "weight_bytes": weights,
+            "model_size": model_size(model_folder(ctx.model)),
+        },
     )

@@ -44,3 +44,27 @@ def test_exp7_quick_three_servers(tmp_path: Path) -> None:
     # greedy: the same answers whether or not drafts were verified
     assert by["ngram"]["total_output_tokens"] == by["off"]["total_output_tokens"]
     assert (tmp_path / "out" / "exp7.png").stat().st_size > 0
+
+
+def test_exp8_quick_budget_moves_freed_weight_bytes_into_kv(tmp_path: Path) -> None:
+    """bf16 with 16 KV blocks, then int8 with the same blocks and with bf16's weights + KV."""
+    threads = torch.get_num_threads()
+    try:
+        assert run.main(["exp8", "--quick", "--out-dir", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    w = doc["settings"]["weight_bytes"]
+    assert w["int8"] < w["bf16"]
+    bf16, same_kv, same_budget = doc["points"]
+    assert [(p["quantization"], p["memory"]) for p in doc["points"]] == [
+        ("bf16", "bf16"), ("int8", "same KV"), ("int8", "same budget")
+    ]  # fmt: skip
+    assert bf16["num_kv_blocks"] == same_kv["num_kv_blocks"] == 16
+    block = bf16["kv_cache_mib"] / 16
+    budget = doc["settings"]["budget_bytes"] / 2**20
+    assert budget == pytest.approx(bf16["weights_mib"] + bf16["kv_cache_mib"])
+    # the same budget: int8's KV takes what its weights freed, to within one block
+    assert budget - block < same_budget["total_mib"] <= budget
+    assert same_budget["num_kv_blocks"] > 16
+    assert all(p["completed"] == 4 and p["failed"] == 0 for p in doc["points"])
