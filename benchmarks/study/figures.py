@@ -84,6 +84,19 @@ COLUMNS: dict[str, list[Column]] = {
         ("duration", "duration s", 1),
     ],
     "exp4": KV,
+    "exp9": [
+        ("engine", "engine", 0),
+        ("scheduling_policy", "policy", 0),
+        ("request_rate", "rate req/s", 0),
+        ("output_throughput", "output tok/s", 1),
+        ("priority_0_median_ttft_ms", "urgent median TTFT ms", 0),
+        ("priority_0_p99_ttft_ms", "urgent p99 TTFT ms", 0),
+        ("priority_1_median_ttft_ms", "rest median TTFT ms", 0),
+        ("priority_1_p99_ttft_ms", "rest p99 TTFT ms", 0),
+        ("priority_0_request_goodput", "urgent goodput req/s", 2),
+        ("priority_1_request_goodput", "rest goodput req/s", 2),
+        ("peak_num_requests_waiting", "peak waiting", 0),
+    ],
     "exp8": [
         ("quantization", "weights", 0),
         ("memory", "memory", 0),
@@ -453,6 +466,34 @@ def plot_exp8(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
+def plot_exp9(doc: Doc, out: Path) -> list[Path]:
+    pts, cfg = doc["points"], doc["settings"]["config"]
+    axis, x_of = rate_axis(pts)
+    series = []
+    for cls, name in (("0", "urgent"), ("1", "rest")):
+
+        def label(p: dict[str, Any], name: str = name) -> str:
+            return engine_prefix(pts, p) + f"{p['scheduling_policy']}, {name}"
+
+        series.append((cls, label))
+    panels = [
+        {**axis, "series": [s for cls, label in series
+                            for s in output.series_by(pts, label, x_of, f"priority_{cls}_{key}")],
+         "ylabel": ylabel, "title": title}
+        for key, ylabel, title in (
+            ("p99_ttft_ms", "p99 TTFT (ms)", "tail time to first token"),
+            ("request_goodput", "req/s within the SLO", "goodput (TTFT 1 s, TPOT 100 ms)"),
+        )
+    ]  # fmt: skip
+    main = output.panels_plot(
+        panels,
+        out / "exp9.png",
+        f"Exp 9: priority mix {cfg['priority_mix']}, max_num_seqs {cfg['max_num_seqs']}, "
+        f"{cfg['num_prompts']} chatterbot requests",
+    )
+    return [main]
+
+
 PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp1": plot_exp1,
     "exp2": plot_exp2,
@@ -462,6 +503,7 @@ PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp6": plot_exp6,
     "exp7": plot_exp7,
     "exp8": plot_exp8,
+    "exp9": plot_exp9,
 }
 
 

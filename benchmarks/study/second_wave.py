@@ -26,6 +26,7 @@ from benchmarks.study.experiments import (
     Outcome,
     RunContext,
     engine_point,
+    engine_server_points,
     kv_blocks,
     kv_engine_kwargs,
     kv_fields,
@@ -205,4 +206,55 @@ def exp8(ctx: RunContext) -> Outcome:
             "weight_bytes": weights,
             "model_size": model_size(model_folder(ctx.model)),
         },
+    )
+
+
+# -- experiment 9: priority scheduling under overload -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Exp9Config:
+    request_rates: tuple[float, ...] = (2.0, 4.0, 8.0, INF)
+    num_prompts: int = 64
+    max_output_len: int = 64  # reference-answer lengths capped here (ignore_eos)
+    max_num_seqs: int = 8  # a small batch: above its capacity requests queue
+    kv_cache: str = "256blocks"  # roomy: the batch, not the KV cache, makes the queue
+    priority_mix: str = "0:0.2,1:0.8"  # a fifth of the traffic is urgent (lower runs first)
+    policies: tuple[str, ...] = ("fcfs", "priority")
+
+
+EXP9_QUICK = Exp9Config((INF,), 8, 8, 1, "64blocks", "0:0.25,1:0.75")
+
+
+def exp9(ctx: RunContext) -> Outcome:
+    """Chatterbot through the chat template (reference lengths, ignore_eos), a fifth of the
+    requests with priority 0 and the rest 1, through each engine's server under FCFS and under
+    priority scheduling; per class TTFT and goodput as the rate passes the server's capacity."""
+    cfg = EXP9_QUICK if ctx.quick else Exp9Config()
+    dataset = [
+        "--backend", "openai-chat", "--dataset-name", "chatterbot",
+        "--chatterbot-max-output-len", str(cfg.max_output_len), "--num-prompts",
+        str(cfg.num_prompts), "--ignore-eos", "--temperature", "0",
+        "--priority-mix", cfg.priority_mix, *SLO,
+    ]  # fmt: skip
+    size = model_size(model_folder(ctx.model))
+    per_block = size["kv_bytes_per_token_bf16"] * 16
+    blocks = kv_blocks(cfg.kv_cache, per_block)
+    setting = sweep.EngineSetting(max_num_seqs=cfg.max_num_seqs)
+    points = []
+    for policy in cfg.policies:
+        args = sweep_args(server_argv(ctx, dataset, cfg.kv_cache, f"--scheduling-policy {policy}"))
+        flag = f"--scheduling-policy {policy}"
+        served = engine_server_points(
+            ctx, args, [setting], cfg.request_rates, f"exp9-{policy}", blocks * per_block, flag
+        )
+        points += [{**p, "scheduling_policy": policy} for p in served]
+    for p in points:
+        p.update(num_kv_blocks=blocks, kv_tokens=16 * blocks)
+    return Outcome(
+        "exp9",
+        "Priority scheduling under overload (a fifth of the requests urgent, HTTP server)",
+        points,
+        {"config": asdict(cfg), "model_size": size},
+        {"lab_settings": options_of(sweep_args(server_argv(ctx, dataset, cfg.kv_cache)))},
     )

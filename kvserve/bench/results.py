@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench import options
+from kvserve.bench import options, priority
 from kvserve.bench.client import RequestRecord
 from kvserve.bench.metrics import (
     calculate_metrics,
@@ -85,6 +85,12 @@ def build_result(
     }
     result.update(key_values(args.metadata, "--metadata"))
     result.update(metrics.to_dict())
+    if getattr(args, "priority_mix", None):  # the same seeded labels the requests were sent with
+        mix = priority.parse_priority_mix(args.priority_mix)
+        labels = priority.assign_priorities(mix, len(records), args.seed)
+        result.update(
+            priority.by_priority(records, labels, duration, percentiles, slo_from_args(args))
+        )
     result["total_cached_tokens"] = total_cached_tokens(records)
     result["max_send_lag_s"] = max_send_lag
     result.update(server)

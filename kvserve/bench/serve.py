@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
-from kvserve.bench import client, multi_turn, options
+from kvserve.bench import client, multi_turn, options, priority
 from kvserve.bench.arrivals import arrival_times
 from kvserve.bench.client import RequestInput, RequestRecord
 from kvserve.bench.datasets import SampleRequest, canonical_name, get_samples
@@ -84,6 +84,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="Rescale random arrivals so the offered rate is exact (vLLM does this).",
     )
     t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument(
+        "--priority-mix",
+        default=None,
+        metavar="PRIORITY:SHARE,...",
+        help="Send vLLM's priority field, e.g. 0:0.2,1:0.8 (lower runs first under "
+        "--scheduling-policy priority); the result adds each class's metrics.",
+    )
     t.add_argument("--num-warmups", type=int, default=0, help="Uncounted warm-up requests.")
     r = parser.add_argument_group("report")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -136,7 +143,7 @@ def build_inputs(
 ) -> list[RequestInput]:
     """One RequestInput per sample with the run's output-length mode and sampling fields."""
     template = request_template(args, api_url, model)
-    return [
+    inputs = [
         dataclasses.replace(
             template,
             prompt=s.prompt,
@@ -147,6 +154,17 @@ def build_inputs(
         )
         for s in samples
     ]
+    for inp, value in zip(inputs, request_priorities(args, len(inputs)) or [], strict=True):
+        inp.extra_body = {**(inp.extra_body or {}), "priority": value}
+    return inputs
+
+
+def request_priorities(args: argparse.Namespace, n: int) -> list[int] | None:
+    """The priority of each of ``n`` requests under ``--priority-mix`` (None without it)."""
+    spec = getattr(args, "priority_mix", None)
+    if not spec:
+        return None
+    return priority.assign_priorities(priority.parse_priority_mix(spec), n, args.seed)
 
 
 def _offsets(args: argparse.Namespace, n: int) -> list[float]:
@@ -331,6 +349,10 @@ def resolve_backend(args: argparse.Namespace) -> None:
         raise ValueError("--dataset-name multi_turn needs --backend openai-chat.")
     if args.backend == "grpc" and getattr(args, "grpc_port", None) is None:
         raise ValueError("--backend grpc needs --grpc-port (kvserve serve --grpc-port P).")
+    if getattr(args, "priority_mix", None):
+        if chat:
+            raise ValueError("--priority-mix applies to single requests, not multi_turn.")
+        priority.parse_priority_mix(args.priority_mix)  # a bad spec fails before any request
 
 
 def prepare(args: argparse.Namespace) -> tuple[Workload, PreTrainedTokenizerBase]:

@@ -68,3 +68,24 @@ def test_exp8_quick_budget_moves_freed_weight_bytes_into_kv(tmp_path: Path) -> N
     assert budget - block < same_budget["total_mib"] <= budget
     assert same_budget["num_kv_blocks"] > 16
     assert all(p["completed"] == 4 and p["failed"] == 0 for p in doc["points"])
+
+
+def test_exp9_quick_priority_serves_the_urgent_class_first(tmp_path: Path) -> None:
+    """One request at a time, 8 at once, 2 urgent: under the priority policy both urgent
+    requests run right after the first one, so their tail TTFT is below the rest's."""
+    threads = torch.get_num_threads()
+    try:
+        assert run.main(["exp9", "--quick", "--out-dir", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    by = {p["scheduling_policy"]: p for p in doc["points"]}
+    assert list(by) == ["fcfs", "priority"]
+    for p in by.values():
+        assert (p["priority_0_completed"], p["priority_1_completed"]) == (2, 6)
+        assert p["completed"] == 8 and p["engine"] == "kvserve"
+    urgent, rest = (
+        by["priority"]["priority_0_p99_ttft_ms"],
+        by["priority"]["priority_1_p99_ttft_ms"],
+    )
+    assert urgent < rest
