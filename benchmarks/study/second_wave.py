@@ -45,7 +45,7 @@ from kvserve.engine.llm_engine import LLMEngine
 
 @dataclass(frozen=True)
 class Exp7Config:
-    request_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, INF)
+    request_rates: tuple[float, ...] = (1.0, 2.0, 4.0, INF)
     num_prompts: int = 24
     max_output_len: int = 128  # greedy until EOS, capped here
     max_num_seqs: int = 16
