@@ -47,7 +47,7 @@ class Finding1Config:
     request_rate: float = INF
 
 
-FINDING1_QUICK = Finding1Config((16, 48), 8, 2, (2, 6), (True, False), 6)
+FINDING1_QUICK = Finding1Config((16, 40), 40, 2, (2, 6), (True, False), 6)
 
 
 def kv_blocks_for(cfg: Finding1Config, input_len: int) -> int:

@@ -15,8 +15,11 @@ from __future__ import annotations
 import copy
 import json
 import shlex
+import types
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from benchmarks.study import engines
 from benchmarks.study.driver import DriverRequest, warm_up
@@ -141,13 +144,47 @@ EXP8_QUICK = Exp8Config(("bf16", "int8"), "16blocks", 4, 16, 0.7, 4)
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (a tied head)."""
+    """Bytes of every tensor the model holds, each storage once (a tied head, views): its
+    parameters and buffers and the packed weights its layers keep as plain attributes
+    (quantized codes and scales, fused panels), found by walking the modules' attributes.
+    The KV cache's storages are left out."""
     assert engine.runner is not None, "the study's engines run in process"
+    kv = {_storage(t)[0] for t in _tensors(engine.runner.kv_caches)}
     seen: dict[int, int] = {}
-    for t in engine.runner.model.state_dict(keep_vars=True).values():
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+    for module in engine.runner.model.modules():
+        for t in _tensors(list(vars(module).values())):
+            key, nbytes = _storage(t)
+            if key not in kv:
+                seen[key] = nbytes
     return sum(seen.values())
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of ``t``'s storage; a oneDNN-packed (opaque) tensor is its own."""
+    try:
+        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    except NotImplementedError:  # OpaqueTensorImpl: no storage to share
+        return id(t), t.numel() * t.element_size()
+
+
+def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors in ``obj``: itself, or inside dicts, lists, tuples and plain objects (3 deep;
+    modules are walked by ``modules()`` itself)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (type, types.ModuleType)):  # classes and Python modules: no weights
+        return []
+    if depth > 3 or isinstance(obj, (torch.nn.Module, str, bytes, int, float)) or obj is None:
+        return []
+    if isinstance(obj, dict):
+        items: Any = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, depth + 1)]
 
 
 def exp8(ctx: RunContext) -> Outcome:
@@ -243,7 +280,10 @@ def exp9(ctx: RunContext) -> Outcome:
     setting = sweep.EngineSetting(max_num_seqs=cfg.max_num_seqs)
     points = []
     for policy in cfg.policies:
-        args = sweep_args(server_argv(ctx, dataset, cfg.kv_cache, f"--scheduling-policy {policy}"))
+        # a FCFS server rejects a priority field (vLLM's too): same classes, nothing sent
+        labels_only = ["--priority-labels-only"] if policy == "fcfs" else []
+        flags = f"--scheduling-policy {policy}"
+        args = sweep_args(server_argv(ctx, [*dataset, *labels_only], cfg.kv_cache, flags))
         flag = f"--scheduling-policy {policy}"
         served = engine_server_points(
             ctx, args, [setting], cfg.request_rates, f"exp9-{policy}", blocks * per_block, flag

@@ -91,6 +91,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="Send vLLM's priority field, e.g. 0:0.2,1:0.8 (lower runs first under "
         "--scheduling-policy priority); the result adds each class's metrics.",
     )
+    t.add_argument(
+        "--priority-labels-only",
+        action="store_true",
+        help="With --priority-mix: label the requests into the same classes but send no "
+        "priority field (the baseline on a FCFS server, which rejects one).",
+    )
     t.add_argument("--num-warmups", type=int, default=0, help="Uncounted warm-up requests.")
     r = parser.add_argument_group("report")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -154,7 +160,8 @@ def build_inputs(
         )
         for s in samples
     ]
-    for inp, value in zip(inputs, request_priorities(args, len(inputs)) or [], strict=True):
+    priorities = None if args.priority_labels_only else request_priorities(args, len(inputs))
+    for inp, value in zip(inputs, priorities or [], strict=priorities is not None):
         inp.extra_body = {**(inp.extra_body or {}), "priority": value}
     return inputs
 

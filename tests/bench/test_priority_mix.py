@@ -13,6 +13,7 @@ import pytest
 
 from kvserve.bench import priority, serve
 from kvserve.bench.client import RequestRecord
+from kvserve.bench.datasets import SampleRequest
 from kvserve.cli import main
 from tests.server.conftest import Server, start_server
 
@@ -55,6 +56,12 @@ def test_bodies_carry_the_priorities(tmp_path: Path) -> None:
     assert serve.request_priorities(args, 8) == priority.assign_priorities(
         [(0, 0.25), (1, 0.75)], 8, args.seed
     )
+    samples = [SampleRequest(f"p{i}", 2, 2) for i in range(8)]
+    bodies = [i.extra_body or {} for i in serve.build_inputs(samples, args, "u", "m")]
+    assert [b["priority"] for b in bodies] == serve.request_priorities(args, 8)
+    args.priority_labels_only = True  # the FCFS baseline: same classes, no field sent
+    bodies = [i.extra_body or {} for i in serve.build_inputs(samples, args, "u", "m")]
+    assert all("priority" not in b for b in bodies)
     with pytest.raises(ValueError, match="multi_turn"):
         serve.resolve_backend(parser.parse_args(
             ["--dataset-name", "multi_turn", "--priority-mix", "0:1"]
