@@ -35,8 +35,10 @@ def commit() -> str | None:
 
 
 def machine(num_threads: int) -> dict[str, Any]:
-    """The machine the numbers come from (cores, CPU model, load when asked)."""
+    """The machine the numbers come from (cores, CPU model and kind, load when asked)."""
     import torch
+
+    from benchmarks.machine import cpu_paths
 
     cpu = platform.processor() or ""
     try:
@@ -53,6 +55,8 @@ def machine(num_threads: int) -> dict[str, Any]:
         "torch_threads": num_threads,
         "python": platform.python_version(),
         "loadavg_at_start": list(os.getloadavg()),
+        # ISA flags (avx2, avx512_bf16, amx...) and kvserve's kernel variants on this CPU kind
+        "cpu_paths": cpu_paths(),
     }
 
 
