@@ -453,7 +453,7 @@ def plot_exp8(doc: Doc, out: Path) -> list[Path]:
         {**axis, "series": output.series_by(pts, quant, x, key), "ylabel": ylabel, "title": title}
         for key, ylabel, title in (
             ("output_throughput", "output tok/s", "throughput"),
-            ("peak_num_requests_running", "peak running requests", "batch the KV cache allowed"),
+            ("num_preemptions", "preemptions", "preemptions a run"),
         )
     ]
     budget = doc["settings"]["budget_bytes"] / 2**20
