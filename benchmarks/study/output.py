@@ -153,9 +153,11 @@ def panels_plot(
     ``title``, ``xticks`` (value list), ``xticklabels``, ``logx`` (base 2)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 3.6), squeeze=False)
+    colors: dict[str, str] = {}  # one color per label in every panel (some lack a series)
     for ax, panel in zip(axes[0], panels, strict=True):
         for label, xs, ys, *spread in panel["series"]:
-            line = ax.plot(xs, ys, marker="o", markersize=4, label=label)[0]
+            color = colors.setdefault(label, f"C{len(colors) % 10}")
+            line = ax.plot(xs, ys, marker="o", markersize=4, label=label, color=color)[0]
             if spread:  # the repeats' min..max around the median
                 lows, highs = spread
                 yerr = [[y - lo for y, lo in zip(ys, lows, strict=True)],
