@@ -251,7 +251,7 @@ def exp8(ctx: RunContext) -> Outcome:
 
 @dataclass(frozen=True)
 class Exp9Config:
-    request_rates: tuple[float, ...] = (2.0, 4.0, 8.0, INF)
+    request_rates: tuple[float, ...] = (8.0, 16.0, 32.0, INF)
     num_prompts: int = 64
     max_output_len: int = 64  # reference-answer lengths capped here (ignore_eos)
     max_num_seqs: int = 8  # a small batch: above its capacity requests queue
