@@ -17,18 +17,31 @@ STUDY = Path(__file__).resolve().parents[2] / "docs" / "study"
 
 def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
     runs = load_runs([str(STUDY)])
-    assert [r.name for r in runs] == ["exp1", "exp2", "exp3", "exp4", "exp5/kv", "exp5/batch"]
+    assert [r.name for r in runs] == [
+        "exp1", "exp2", "exp3", "exp4", "exp5/kv", "exp5/batch", "exp6", "exp7", "exp8", "exp9"
+    ]  # fmt: skip
     shapes = {r.name: (r.x_key(), [s.label for s in r.series()]) for r in runs}
-    assert shapes["exp1"] == ("request_rate", [f"exp1 max_num_seqs={n}" for n in (4, 8, 16, 32)])
+    assert shapes["exp1"] == (
+        "request_rate",
+        [f"exp1 engine={e} max_num_seqs={n}" for e in ("kvserve", "vllm") for n in (4, 8, 16, 32)],
+    )
     assert shapes["exp2"] == ("max_num_seqs", ["exp2"])
-    assert shapes["exp3"] == ("request_rate", ["exp3 mode=engine", "exp3 mode=server"])
+    assert shapes["exp3"] == (
+        "request_rate",
+        ["exp3 engine=kvserve mode=engine", "exp3 engine=kvserve mode=server",
+         "exp3 engine=vllm mode=server"],
+    )  # fmt: skip
     # kv_policy and preemption_mode follow from policy: not repeated in the labels
     assert shapes["exp4"] == (
         "kv_cache_memory",
         ["exp4 policy=preempt/recompute", "exp4 policy=preempt/swap", "exp4 policy=reserve"],
     )
     assert shapes["exp5/batch"][0] == "max_num_seqs"
-    assert sum(len(r.points) for r in runs) == 12 + 9 + 12 + 12 + 18
+    assert shapes["exp6"][0] == "max_num_seqs" and len(shapes["exp6"][1]) == 4
+    assert shapes["exp9"] == (
+        "request_rate", ["exp9 scheduling_policy=fcfs", "exp9 scheduling_policy=priority"]
+    )  # fmt: skip
+    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 8
 
 
 def test_serve_and_throughput_results_and_names(tmp_path: Path) -> None:
