@@ -39,9 +39,11 @@ def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
     assert shapes["exp5/batch"][0] == "max_num_seqs"
     assert shapes["exp6"][0] == "max_num_seqs" and len(shapes["exp6"][1]) == 4
     assert shapes["exp9"] == (
-        "request_rate", ["exp9 scheduling_policy=fcfs", "exp9 scheduling_policy=priority"]
+        "request_rate",
+        [f"exp9 engine={e} scheduling_policy={p}" for p in ("fcfs", "priority")
+         for e in ("kvserve", "vllm")],
     )  # fmt: skip
-    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 8
+    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 16
 
 
 def test_serve_and_throughput_results_and_names(tmp_path: Path) -> None:
