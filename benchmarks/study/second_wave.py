@@ -61,6 +61,12 @@ class Exp7Config:
 EXP7_QUICK = Exp7Config((INF,), 4, 16, 4, "64blocks", 2, 2, 2)
 
 
+def tag_kv(points: list[dict[str, Any]], blocks: int) -> None:
+    """The KV cache of a server experiment's points, in kvserve's 16-token blocks."""
+    for p in points:
+        p.update(num_kv_blocks=blocks, kv_tokens=16 * blocks)
+
+
 def speculative_config(cfg: Exp7Config, cut_off: bool) -> str:
     spec: dict[str, Any] = {
         "method": "ngram",
@@ -115,9 +121,7 @@ def exp7(ctx: RunContext) -> Outcome:
     for rep in range(ctx.repeats):
         for label in engines.engine_order(names, rep):
             points += [{**p, "engine": "kvserve", "repeat": rep} for p in once(label, rep)]
-    blocks = kv_blocks(cfg.kv_cache, per_block)
-    for p in points:
-        p.update(num_kv_blocks=blocks, kv_tokens=16 * blocks)
+    tag_kv(points, kv_blocks(cfg.kv_cache, per_block))
     return Outcome(
         "exp7",
         "Speculative decoding across request rates (n-gram, grounded prompts, HTTP server)",
@@ -289,8 +293,7 @@ def exp9(ctx: RunContext) -> Outcome:
             ctx, args, [setting], cfg.request_rates, f"exp9-{policy}", blocks * per_block, flag
         )
         points += [{**p, "scheduling_policy": policy} for p in served]
-    for p in points:
-        p.update(num_kv_blocks=blocks, kv_tokens=16 * blocks)
+    tag_kv(points, blocks)
     return Outcome(
         "exp9",
         "Priority scheduling under overload (a fifth of the requests urgent, HTTP server)",

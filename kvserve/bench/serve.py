@@ -356,6 +356,8 @@ def resolve_backend(args: argparse.Namespace) -> None:
         raise ValueError("--dataset-name multi_turn needs --backend openai-chat.")
     if args.backend == "grpc" and getattr(args, "grpc_port", None) is None:
         raise ValueError("--backend grpc needs --grpc-port (kvserve serve --grpc-port P).")
+    if getattr(args, "priority_labels_only", False) and not getattr(args, "priority_mix", None):
+        raise ValueError("--priority-labels-only labels the classes of --priority-mix; give both.")
     if getattr(args, "priority_mix", None):
         if chat:
             raise ValueError("--priority-mix applies to single requests, not multi_turn.")

@@ -62,6 +62,8 @@ def test_bodies_carry_the_priorities(tmp_path: Path) -> None:
     args.priority_labels_only = True  # the FCFS baseline: same classes, no field sent
     bodies = [i.extra_body or {} for i in serve.build_inputs(samples, args, "u", "m")]
     assert all("priority" not in b for b in bodies)
+    with pytest.raises(ValueError, match="give both"):
+        serve.resolve_backend(parser.parse_args(["--priority-labels-only"]))
     with pytest.raises(ValueError, match="multi_turn"):
         serve.resolve_backend(parser.parse_args(
             ["--dataset-name", "multi_turn", "--priority-mix", "0:1"]
