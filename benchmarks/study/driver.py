@@ -52,6 +52,7 @@ class DriverResult:
     peak_num_waiting: int  # most requests waiting after one step
     max_add_lag: float  # worst delay of an add_request behind its scheduled arrival
     step_time: dict[str, float] = field(default_factory=dict)  # run's step-time breakdown, s
+    engine_threads: int = 0  # torch threads of the engine's model (its execution paths)
 
     def metrics(self, percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> BenchmarkMetrics:
         """The bench lab's metrics over this run's records."""
@@ -155,6 +156,7 @@ def run_arrivals(
         peak_num_waiting=peak_waiting,
         max_add_lag=max_lag,
         step_time=step_time,
+        engine_threads=engine.execution_paths.num_threads,
     )
 
 
@@ -168,6 +170,7 @@ def result_dict(result: DriverResult) -> dict[str, Any]:
         peak_num_requests_waiting=result.peak_num_waiting,
         max_send_lag_s=result.max_add_lag,
         step_time_s=result.step_time,
+        engine_threads=result.engine_threads,
         output_lens=[r.output_tokens for r in result.records],
         finish_reasons=[r.finish_reason for r in result.records],
     )

@@ -88,7 +88,16 @@ def kv_engine_kwargs(size: str) -> dict[str, Any]:
 
 
 def make_engine(model: str | None, **kwargs: Any) -> LLMEngine:
-    """An ``LLMEngine`` built like ``LLM(model, **kwargs)`` builds one."""
+    """An ``LLMEngine`` built like ``LLM(model, **kwargs)`` builds one, with torch's thread
+    count of this process (``run.py --num-threads``) unless ``num_threads`` is given.
+
+    Passed explicitly because the engine binds its own threads: left unset, it takes every
+    allowed core (``--cpu-cores auto``), and the second edition's engine-only points before
+    2026-11-29 ran 2 threads, not the 1 the study states (each point now records
+    ``engine_threads``)."""
+    import torch
+
+    kwargs.setdefault("num_threads", torch.get_num_threads())
     return LLMEngine(build_engine_config(model, **kwargs))
 
 
