@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +302,21 @@ def rate_axis(pts: list[dict[str, Any]]) -> tuple[dict[str, Any], Callable[[dict
     return axis, x_of
 
 
+def rate_panels(
+    pts: list[dict[str, Any]],
+    label: Callable[[dict[str, Any]], str],
+    metrics: Sequence[tuple[str, str, str]],
+) -> list[dict[str, Any]]:
+    """One panel per (metric key, y label, title) against the request rate, a line per
+    ``label``."""
+    axis, x_of = rate_axis(pts)
+    return [
+        {**axis, "series": output.series_by(pts, label, x_of, key), "ylabel": ylabel,
+         "title": title}
+        for key, ylabel, title in metrics
+    ]  # fmt: skip
+
+
 def plot_exp3(doc: Doc, out: Path) -> list[Path]:
     pts, cfg = doc["points"], doc["settings"]["config"]
     axis, x_of = rate_axis(pts)
@@ -448,20 +463,19 @@ def plot_exp6(doc: Doc, out: Path) -> list[Path]:
 
 def plot_exp7(doc: Doc, out: Path) -> list[Path]:
     pts, cfg = doc["points"], doc["settings"]["config"]
-    axis, x_of = rate_axis(pts)
 
     def spec(p: dict[str, Any]) -> str:
         return str(p["speculation"])
 
-    panels = [
-        {**axis, "series": output.series_by(pts, spec, x_of, key), "ylabel": ylabel,
-         "title": title}
-        for key, ylabel, title in (
+    panels = rate_panels(
+        pts,
+        spec,
+        (
             ("output_throughput", "output tok/s", "throughput"),
             ("median_tpot_ms", "median TPOT (ms)", "time per output token"),
             ("spec_decode_acceptance_rate", "accepted / proposed", "draft acceptance"),
-        )
-    ]  # fmt: skip
+        ),
+    )
     main = output.panels_plot(
         panels,
         out / "exp7.png",

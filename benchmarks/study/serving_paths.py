@@ -146,23 +146,22 @@ def exp10(ctx: RunContext) -> Outcome:
 def plot(doc: dict[str, Any], out: Path) -> list[Path]:
     """Throughput, median TTFT and CPU-seconds per 1,000 tokens against the rate, a line per
     path."""
-    from benchmarks.study.figures import rate_axis
+    from benchmarks.study.figures import rate_panels
 
     pts, cfg = doc["points"], doc["settings"]["config"]
-    axis, x_of = rate_axis(pts)
 
     def path(p: dict[str, Any]) -> str:
         return str(p["serving_path"])
 
-    panels = [
-        {**axis, "series": output.series_by(pts, path, x_of, key), "ylabel": ylabel,
-         "title": title}
-        for key, ylabel, title in (
+    panels = rate_panels(
+        pts,
+        path,
+        (
             ("output_throughput", "output tok/s", "throughput"),
             ("median_ttft_ms", "median TTFT (ms)", "time to first token"),
             ("server_cpu_s_per_1k_output_tokens", "CPU s / 1k output tokens", "CPU cost"),
-        )
-    ]  # fmt: skip
+        ),
+    )
     main = output.panels_plot(
         panels,
         out / "exp10.png",

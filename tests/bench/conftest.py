@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -34,6 +36,33 @@ def byte_tokenizer_dir(byte_tokenizer: PreTrainedTokenizerFast, tmp_path_factory
     path = tmp_path_factory.mktemp("byte-tokenizer")
     byte_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def keep_torch_threads() -> Iterator[None]:
+    """benchmarks/study/run.py sets torch's thread count; give the rest of the session its
+    own back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def run_study(tmp_path: Path, keep_torch_threads: None) -> Callable[..., dict[str, Any]]:
+    """``run_study("expN", *flags)``: ``benchmarks/study/run.py expN --quick`` into
+    ``tmp_path/out`` (server logs under ``tmp_path/work``); returns its results.json."""
+
+    def run(name: str, *flags: str) -> dict[str, Any]:
+        from benchmarks.study import run as study
+
+        out, work = tmp_path / "out", tmp_path / "work"
+        argv = [name, "--quick", "--out-dir", str(out), "--work-dir", str(work), *flags]
+        assert study.main(argv) == 0
+        return json.loads((out / "results.json").read_text())
+
+    return run
 
 
 @pytest.fixture

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from benchmarks.study import run
 from benchmarks.study.driver import DriverRequest, result_dict, run_arrivals, warm_up
@@ -26,14 +24,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_model("llama", path)
     return path
-
-
-@pytest.fixture
-def keep_torch_threads() -> Iterator[None]:
-    """run.py sets torch's thread count; give the rest of the session its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(path: Path, **kwargs: object) -> LLMEngine:

@@ -4,12 +4,12 @@ beside them where installed): the pure parts exactly, and a quick real run of kv
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 
-from benchmarks.study import run
 from benchmarks.study.experiments import EXP4_QUICK, KVSweepConfig
 from benchmarks.study.kv_servers import kv_tokens, kvserve_settings, lab_flags
 from kvserve.bench import sweep
@@ -42,15 +42,10 @@ def test_kvserve_settings_and_lab_flags() -> None:
 
 
 @pytest.mark.slow
-def test_exp4_quick_servers_make_the_same_tokens_under_every_policy(tmp_path: Path) -> None:
-    threads = torch.get_num_threads()
-    try:
-        argv = ["exp4", "--quick", "--out-dir", str(tmp_path / "out"),
-                "--work-dir", str(tmp_path / "work")]  # fmt: skip
-        assert run.main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+def test_exp4_quick_servers_make_the_same_tokens_under_every_policy(
+    tmp_path: Path, run_study: Callable[..., dict[str, Any]]
+) -> None:
+    doc = run_study("exp4")
     served = [p for p in doc["points"] if p["mode"] == "server"]
     assert [(p["engine"], p["kv_cache"], p["policy"]) for p in served] == [
         ("kvserve", kv, pol)

@@ -5,13 +5,12 @@ the tokens the samples ask for."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 
-from benchmarks.study import run
 from benchmarks.study.serving_paths import EXP10_QUICK, completion_requests, path_flags
 from benchmarks.study.workloads import chatterbot_samples
 from kvserve.bench.datasets import SampleRequest
@@ -35,18 +34,13 @@ def test_completion_requests_are_greedy_and_exact() -> None:
     assert (p.temperature, p.max_tokens, p.ignore_eos) == (0.0, 5, True)
 
 
-def test_exp10_quick_four_paths(tmp_path: Path, builtin_model_dir: Path) -> None:
+def test_exp10_quick_four_paths(
+    tmp_path: Path, builtin_model_dir: Path, run_study: Callable[..., dict[str, Any]]
+) -> None:
     pytest.importorskip("ray.serve")
     from transformers import AutoTokenizer
 
-    threads = torch.get_num_threads()
-    try:
-        argv = ["exp10", "--quick", "--out-dir", str(tmp_path / "out"),
-                "--work-dir", str(tmp_path / "work")]  # fmt: skip
-        assert run.main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    doc = run_study("exp10")
     by = {p["serving_path"]: p for p in doc["points"]}
     assert list(by) == ["engine", "http", "grpc", "ray"]  # the table's order
 
