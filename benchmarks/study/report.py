@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kvserve.bench.cli import main as bench_main
+from kvserve.bench.report_runs import natural_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUDY = Path("docs/study")  # relative: the report names its input files as given
@@ -24,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.chdir(REPO_ROOT)
     found = [p.parent for p in STUDY.glob("*/results.json")]
-    # exp1, exp2, ..., exp10: by number, not by string
-    runs = [str(d) for d in sorted(found, key=lambda d: (len(d.name), d.name))]
+    runs = [str(d) for d in sorted(found, key=lambda d: natural_key(d.name))]  # exp2 < exp10
     cmd = [
         "report",
         *runs,

@@ -291,6 +291,11 @@ def _runs_of_file(name: str, path: Path) -> list[Run]:
     ]
 
 
+def natural_key(name: str) -> list[Any]:
+    """Sort key reading digit runs as numbers: exp2 before exp10."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
+
+
 def _runs_of_dir(name: str, path: Path) -> list[Run]:
     if (path / "results.json").is_file():
         return _runs_of_file(name, path / "results.json")
@@ -304,7 +309,7 @@ def _runs_of_dir(name: str, path: Path) -> list[Run]:
                 runs += _runs_of_file(f"{name}/{f.stem}", f)
         return runs
     runs = []
-    for sub in sorted(d for d in path.iterdir() if d.is_dir()):
+    for sub in sorted((d for d in path.iterdir() if d.is_dir()), key=lambda d: natural_key(d.name)):
         if (sub / "results.json").is_file() or any(sub.glob("*.json")):
             runs += _runs_of_dir(sub.name, sub)
     if not runs:

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.bench.cli import main as bench_main
 from kvserve.bench.report_html import machine_table, percentile_table, sections
-from kvserve.bench.report_runs import factor_order, load_runs
+from kvserve.bench.report_runs import factor_order, load_runs, natural_key
 
 STUDY = Path(__file__).resolve().parents[2] / "docs" / "study"
 
@@ -44,6 +44,11 @@ def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
          for e in ("kvserve", "vllm")],
     )  # fmt: skip
     assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 16
+
+
+def test_run_directories_sort_by_number() -> None:
+    names = ["exp10", "exp2", "exp1", "a", "exp1b", "exp9"]
+    assert sorted(names, key=natural_key) == ["a", "exp1", "exp1b", "exp2", "exp9", "exp10"]
 
 
 def test_serve_and_throughput_results_and_names(tmp_path: Path) -> None:
