@@ -18,7 +18,8 @@ STUDY = Path(__file__).resolve().parents[2] / "docs" / "study"
 def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
     runs = load_runs([str(STUDY)])
     assert [r.name for r in runs] == [
-        "exp1", "exp2", "exp3", "exp4", "exp5/kv", "exp5/batch", "exp6", "exp7", "exp8", "exp9"
+        "exp1", "exp2", "exp3", "exp4", "exp5/kv", "exp5/batch", "exp6", "exp7", "exp8", "exp9",
+        "exp10",
     ]  # fmt: skip
     shapes = {r.name: (r.x_key(), [s.label for s in r.series()]) for r in runs}
     assert shapes["exp1"] == (
@@ -43,7 +44,12 @@ def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
         [f"exp9 engine={e} scheduling_policy={p}" for p in ("fcfs", "priority")
          for e in ("kvserve", "vllm")],
     )  # fmt: skip
-    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 16
+    assert shapes["exp10"] == (
+        "request_rate",
+        ["exp10 mode=engine serving_path=engine"]
+        + [f"exp10 mode=server serving_path={p}" for p in ("http", "grpc", "ray")],
+    )
+    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 16 + 16
 
 
 def test_run_directories_sort_by_number() -> None:
