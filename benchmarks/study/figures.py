@@ -379,7 +379,7 @@ def kv_panels(
         {**axis, "series": tput, "ylabel": "output tok/s", "title": "throughput"},
         {
             **axis,
-            "series": output.series_by(pts, policy_label, x, "peak_num_requests_running"),
+            "series": output.series_by(pts, label, x, "peak_num_requests_running"),
             "ylabel": "peak running requests",
             "title": "batch the KV cache allowed",
         },

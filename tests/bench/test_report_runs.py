@@ -33,9 +33,11 @@ def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
          "exp3 engine=vllm mode=server"],
     )  # fmt: skip
     # kv_policy and preemption_mode follow from policy: not repeated in the labels
+    policies = ("preempt/recompute", "preempt/swap", "reserve")
     assert shapes["exp4"] == (
         "kv_cache_memory",
-        ["exp4 policy=preempt/recompute", "exp4 policy=preempt/swap", "exp4 policy=reserve"],
+        [f"exp4 engine=kvserve mode={m} policy={p}" for m in ("engine", "server") for p in policies]
+        + ["exp4 engine=vllm mode=server policy=preempt/recompute"],
     )
     assert shapes["exp5/batch"][0] == "max_num_seqs"
     assert shapes["exp6"][0] == "max_num_seqs" and len(shapes["exp6"][1]) == 4
@@ -49,7 +51,7 @@ def test_the_study_directory_gives_one_run_per_experiment_and_part() -> None:
         ["exp10 mode=engine serving_path=engine"]
         + [f"exp10 mode=server serving_path={p}" for p in ("http", "grpc", "ray")],
     )
-    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 12 + 18 + 20 + 12 + 5 + 16 + 16
+    assert sum(len(r.points) for r in runs) == 24 + 9 + 18 + 28 + 18 + 20 + 12 + 5 + 16 + 16
 
 
 def test_run_directories_sort_by_number() -> None:

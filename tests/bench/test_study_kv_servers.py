@@ -42,7 +42,7 @@ def test_kvserve_settings_and_lab_flags() -> None:
 
 
 @pytest.mark.slow
-def test_exp4_quick_servers_make_the_same_tokens_under_every_policy(
+def test_exp4_quick_servers_swap_and_reserve_make_the_same_tokens(
     tmp_path: Path, run_study: Callable[..., dict[str, Any]]
 ) -> None:
     doc = run_study("exp4")
@@ -56,8 +56,12 @@ def test_exp4_quick_servers_make_the_same_tokens_under_every_policy(
         same = [p for p in served if p["kv_cache"] == kv]
         assert {p["completed"] for p in same} == {EXP4_QUICK.num_prompts}
         assert {p["num_kv_blocks"] for p in same} == {int(kv[: -len("blocks")])}
-        # one sampling seed for every request: the same answers whatever the policy
-        assert len({p["total_output_tokens"] for p in same}) == 1, same
+        # one sampling seed for every request: swap keeps a preempted request's KV exactly
+        # and reserve never preempts, so their answers are the same (a recompute's
+        # re-prefill may move the bfloat16 logits, and a sampled continuation with them)
+        by = {p["policy"]: p["total_output_tokens"] for p in same}
+        assert by["preempt/swap"] == by["reserve"], same
+        assert 0 < by["preempt/recompute"] <= EXP4_QUICK.num_prompts * EXP4_QUICK.max_tokens
     small = [p for p in served if p["kv_cache"] == "6blocks"]
     assert small[2]["num_preemptions"] == 0  # reserve never preempts
     assert (tmp_path / "out" / "exp4_servers.png").stat().st_size > 0
