@@ -64,7 +64,12 @@ COLUMNS: dict[str, list[Column]] = {
         ("output_throughput_max", "max", 1),
         *THROUGHPUT[1:],
     ],
-    "exp2": PREEMPTION,
+    "exp2": [
+        *PREEMPTION[:2],
+        ("output_throughput_min", "min", 1),
+        ("output_throughput_max", "max", 1),
+        *PREEMPTION[2:],
+    ],
     "exp3": [
         ("request_rate", "rate req/s", 0),
         ("engine", "engine", 0),
