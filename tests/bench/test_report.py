@@ -159,15 +159,15 @@ def test_report_renders_the_runs_points_exactly(
             x_key = "kv_cache_memory" if "study" in path else "request_rate"
             assert x == fmt_value(_expected(path, int(index), x_key, cache))
             plotted.setdefault((fig, key), []).append(source)
-        if "lower" in r:  # the sweep's repeat spread around its output throughput
+        if "lower" in r:  # a repeat spread around the output throughput (± std)
             std = [
-                _expected(s.rpartition("#")[0], -1, "output_throughput_std", cache)
-                for s in r["source"]
+                _expected(src, int(i), "output_throughput_std", cache)
+                for src, _, i in (s.rpartition("#") for s in r["source"])
             ]
             assert r["lower"] == [y - d for y, d in zip(r["y"], std, strict=True)]
             assert r["upper"] == [y + d for y, d in zip(r["y"], std, strict=True)]
             spreads += 1
-    assert spreads == 1  # one series had a spread: the sweep's
+    assert spreads == 4  # the sweep's series and the study's 3 policies (3 repeats each)
     # every input point in every figure once: 6 study + 3 sweep + 3 serve points; the
     # preemptions figure only where some point preempted (the study's section), goodput only
     # where the run had an SLO
@@ -183,7 +183,8 @@ def test_report_renders_the_runs_points_exactly(
     # tables: one row per point in the two percentile tables; the machine record
     assert pg.locator("table.pct tbody tr").count() == 12
     record = pg.locator("table.rec").inner_text()
-    assert "Intel(R) Xeon(R) Processor" in record and "809f612" in record
+    exp4 = json.loads((inputs["study"] / "results.json").read_text())
+    assert exp4["machine"]["cpu"] in record and exp4["kvserve_commit"] in record
     assert errors == [] and requests == []
 
     shot = tmp_path / "report.png"
