@@ -92,9 +92,8 @@ def make_engine(model: str | None, **kwargs: Any) -> LLMEngine:
     count of this process (``run.py --num-threads``) unless ``num_threads`` is given.
 
     Passed explicitly because the engine binds its own threads: left unset, it takes every
-    allowed core (``--cpu-cores auto``), and the second edition's engine-only points before
-    2026-11-29 ran 2 threads, not the 1 the study states (each point now records
-    ``engine_threads``)."""
+    allowed core (``--cpu-cores auto``): the second edition's first engine-only runs ran 2
+    threads, not the 1 the study states (each point now records ``engine_threads``)."""
     import torch
 
     kwargs.setdefault("num_threads", torch.get_num_threads())
