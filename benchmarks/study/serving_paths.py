@@ -77,11 +77,14 @@ def path_flags(path: str, grpc_port: int) -> tuple[list[str], str]:
     """(the lab's extra ``bench serve`` flags, the extra ``kvserve serve`` flags) of a path."""
     if path not in SERVER_FLAGS:
         raise ValueError(f"unknown serving path {path!r}; expected one of {PATHS}")
-    lab = ["--backend", "grpc", "--grpc-port", str(grpc_port)] if path == "grpc" else []
-    return lab or ["--backend", "openai"], SERVER_FLAGS[path].format(grpc_port=grpc_port)
+    if path == "grpc":
+        lab = ["--backend", "grpc", "--grpc-port", str(grpc_port)]
+    else:
+        lab = ["--backend", "openai"]  # /v1/completions, also through Ray Serve's ingress
+    return lab, SERVER_FLAGS[path].format(grpc_port=grpc_port)
 
 
-def engine_points(ctx: RunContext, cfg: Exp10Config) -> tuple[list[dict[str, Any]], dict]:
+def engine_points(ctx: RunContext, cfg: Exp10Config) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The in-process engine at every rate, ``ctx.repeats`` times; also its KV fields."""
     engine = make_engine(ctx.model, max_num_seqs=cfg.max_num_seqs, **kv_engine_kwargs(cfg.kv_cache))
     samples = chatterbot_samples(engine.tokenizer, cfg.num_prompts, ctx.seed, cfg.max_output_len)
