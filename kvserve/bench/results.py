@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench import options, priority
+from kvserve.bench import lora_mix, options, priority
 from kvserve.bench.client import RequestRecord
 from kvserve.bench.metrics import (
     calculate_metrics,
@@ -91,6 +91,13 @@ def build_result(
         result.update(
             priority.by_priority(records, labels, duration, percentiles, slo_from_args(args))
         )
+    if getattr(args, "lora_modules", None):  # the same seeded order the requests were sent in
+        names = lora_mix.check_modules(args.lora_modules)
+        labels = lora_mix.assign_modules(names, len(records), args.seed)
+        result["lora_modules"] = names
+        result["requests_by_lora_module"] = lora_mix.module_counts(labels)
+        if args.save_detailed:
+            result["lora_module_per_request"] = labels
     result["total_cached_tokens"] = total_cached_tokens(records)
     result["max_send_lag_s"] = max_send_lag
     result.update(server)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
-from kvserve.bench import client, multi_turn, options, priority
+from kvserve.bench import client, lora_mix, multi_turn, options, priority
 from kvserve.bench.arrivals import arrival_times
 from kvserve.bench.client import RequestInput, RequestRecord
 from kvserve.bench.datasets import SampleRequest, canonical_name, get_samples
@@ -97,6 +97,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="With --priority-mix: label the requests into the same classes but send no "
         "priority field (the baseline on a FCFS server, which rejects one).",
     )
+    t.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Send each request to one of these adapters (vLLM's flag; names the server "
+        "loaded with --lora-modules NAME=PATH): every name gets an equal share of the requests "
+        "in a seeded order (vLLM draws them at random).",
+    )
     t.add_argument("--num-warmups", type=int, default=0, help="Uncounted warm-up requests.")
     r = parser.add_argument_group("report")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -163,7 +172,18 @@ def build_inputs(
     priorities = None if args.priority_labels_only else request_priorities(args, len(inputs))
     for inp, value in zip(inputs, priorities or [], strict=priorities is not None):
         inp.extra_body = {**(inp.extra_body or {}), "priority": value}
+    modules = request_modules(args, len(inputs))
+    for inp, name in zip(inputs, modules or [], strict=modules is not None):
+        inp.model = name
     return inputs
+
+
+def request_modules(args: argparse.Namespace, n: int) -> list[str] | None:
+    """The adapter each of ``n`` requests names under ``--lora-modules`` (None without it)."""
+    names = getattr(args, "lora_modules", None)
+    if not names:
+        return None
+    return lora_mix.assign_modules(lora_mix.check_modules(names), n, args.seed)
 
 
 def request_priorities(args: argparse.Namespace, n: int) -> list[int] | None:
@@ -362,6 +382,10 @@ def resolve_backend(args: argparse.Namespace) -> None:
         if chat:
             raise ValueError("--priority-mix applies to single requests, not multi_turn.")
         priority.parse_priority_mix(args.priority_mix)  # a bad spec fails before any request
+    if getattr(args, "lora_modules", None):
+        if chat:
+            raise ValueError("--lora-modules applies to single requests, not multi_turn.")
+        lora_mix.check_modules(args.lora_modules)
 
 
 def prepare(args: argparse.Namespace) -> tuple[Workload, PreTrainedTokenizerBase]:
