@@ -72,12 +72,14 @@ def loop_ab(
     ctx = 32
     nb = (ctx + bs) // bs
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, model.config.hidden_size, generator=g) * 0.1  # [B, hidden]
-    cos, sin = torch.ones(batch, attn.head_dim), torch.zeros(batch, attn.head_dim)
+    ks, vs = [k for k, _ in runner.kv_caches], [v for _, v in runner.kv_caches]
+    dtype = ks[0].dtype  # the model's activations' (bf16 where that is the default)
+    x = (torch.randn(batch, model.config.hidden_size, generator=g) * 0.1).to(dtype)  # [B, hidden]
+    cos = torch.ones(batch, attn.head_dim, dtype=dtype)  # [B, D]
+    sin = torch.zeros(batch, attn.head_dim, dtype=dtype)
     tables = torch.arange(batch * nb).view(batch, nb)  # [B, nb] distinct blocks per row
     seq_lens = torch.full((batch,), ctx + 1, dtype=torch.long)
     slot_mapping = tables[:, ctx // bs] * bs + ctx % bs  # [B] the new token's cache slot
-    ks, vs = [k for k, _ in runner.kv_caches], [v for _, v in runner.kv_caches]
     slots: dict[str, torch.Tensor | None] = {}
     for c in counts:
         if c == 0:
@@ -89,7 +91,7 @@ def loop_ab(
     for _ in range(reps):
         for name, s in slots.items():
             t0 = time.perf_counter()
-            loop.layers.run(x, cos, sin, slot_mapping, tables, seq_lens, ks, vs, s)
+            loop.layers.run(x, cos, sin, slot_mapping, tables, seq_lens, ks, vs, s, None)
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times[next(iter(times))])
     print(f"decode loop layers, batch {batch}, median of {reps} alternating calls:")

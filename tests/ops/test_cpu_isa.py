@@ -28,8 +28,10 @@ FLAGS = cpu_kernels.cpu_flags()
 BUILD_TIMEOUT = 900  # s: a cold build of every kernel took 272 s on a busy 2-core machine
 
 # Run by the forced builds: the kernels load, are the variant asked for, the quantized
-# kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference, and
-# float32 int8 activations (the AVX2 vpmaddubsw path in both builds) equal theirs.
+# kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference,
+# float32 int8 activations (the AVX2 vpmaddubsw path in both builds) equal theirs, and the
+# LoRA kernel (its AVX2 or AVX-512 path; bf16 by vdpbf16ps in the AVX-512 build) equals its
+# reference in float32 and bf16 with row and channel tails.
 CHECK = """
 import sys
 import torch
@@ -41,7 +43,7 @@ from kvserve.quantization.qweight import quantize_rtn
 assert cpu_kernels.available(), "kernels did not build"
 print(cpu_kernels.kernel_build_spec().name, torch.ops.kvserve.quant_linear_f32_isa(),
       torch.ops.kvserve.quant_linear_bf16_native(), torch.ops.kvserve.quant_linear_a8_supported(),
-      torch.ops.kvserve.quant_linear_a8_isa())
+      torch.ops.kvserve.quant_linear_a8_isa(), torch.ops.kvserve.lora_isa())
 cpu = torch.device("cpu")
 g = torch.Generator().manual_seed(0)
 for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128, None)):
@@ -58,6 +60,16 @@ for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128,
         x = torch.randn(rows, 384, generator=g)
         ref = reference_linear_a8(x.double(), qw).float()
         torch.testing.assert_close(a8(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+from kvserve.lora.punica import lora_delta_reference
+slots = torch.tensor([0, 2, -1, 1, 0, 2, 2, 1, 0])  # 3 adapters and a base row
+for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+    x = torch.randn(9, 83, generator=g).to(dtype)  # K = 83: a masked / scalar tail
+    a = (torch.randn(3, 2 * 16, 83, generator=g) * 0.1).to(dtype)
+    bts = [(torch.randn(3, 16, n, generator=g) * 0.1).to(dtype) for n in (70, 9)]
+    out = torch.zeros(9, 79, dtype=dtype)
+    cpu_kernels.lora_add(out, x, a, bts, slots)
+    ref = lora_delta_reference(x.double(), a.double(), [b.double() for b in bts], slots)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 print("equal")
 """
 
@@ -159,7 +171,7 @@ def test_the_avx2_build_equals_the_reference(monkeypatch: pytest.MonkeyPatch) ->
     assert out.returncode == 0, out.stderr[-3000:]
     # no AVX-512 path in it, whatever this CPU has: bf16 activations widened, no int8 ones
     name = "kvserve_cpu_kernels_avx2" if native else "kvserve_cpu_kernels_isa_avx2"
-    assert out.stdout.splitlines() == [f"{name} avx2 False False avx2", "equal"]
+    assert out.stdout.splitlines() == [f"{name} avx2 False False avx2 avx2", "equal"]
 
 
 @pytest.mark.slow
@@ -176,7 +188,7 @@ def test_the_avx512_build_equals_the_reference(monkeypatch: pytest.MonkeyPatch) 
     out = run_forced("native" if native else "avx512", CHECK)
     assert out.returncode == 0, out.stderr[-3000:]
     name = "kvserve_cpu_kernels_avx512" if native else "kvserve_cpu_kernels_isa_avx512"
-    assert out.stdout.splitlines() == [f"{name} avx2 True True avx2", "equal"]
+    assert out.stdout.splitlines() == [f"{name} avx2 True True avx2 avx512bf16", "equal"]
 
 
 @pytest.mark.skipif(
