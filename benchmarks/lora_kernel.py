@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvserve.ops import cpu_kernels  # noqa: E402
+from kvserve.ops import cpu_kernels
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 3 KV heads of 64; (K, output slices)
 SHAPES = {
