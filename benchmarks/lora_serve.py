@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,40 +128,19 @@ def traffic(args: argparse.Namespace, lora: bool) -> list[int]:
 def measure_server(
     args: argparse.Namespace, engine: str, setting: str, lora: bool, model: q.Model, rep: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Start one server, run every (adapters, concurrency) point on it, read its memory."""
-    import httpx
+    """Start one server, run every (adapters, concurrency) point on it, read its memory
+    (``quantization.with_server``)."""
 
-    from kvserve.bench.sweep import ServerProcess, free_port
+    def measure(url: str, server: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        shown = [f"a{i}" for i in range(min(2, len(args.adapter_paths)))] if lora else []
+        server["greedy"] = greedy_answers(url, [q.SERVED_NAME, *shown])
+        tags = {"engine": engine, "setting": setting, "lora_server": lora, "repeat": rep}
+        for k in traffic(args, lora):
+            runs.extend(run_points(args, model, url, k, tags))
 
     key = f"{engine}-{setting}-{'lora' if lora else 'base'}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = server_command(args, engine, setting, lora, model, port)
-    log = args.log_dir / f"{key}-rep{rep}.log"
-    server: dict[str, Any] = {"key": key, "repeat": rep, "command": cmd, "log": str(log)}
-    proc, runs, t0 = ServerProcess(cmd, log), [], time.monotonic()
-    proc.start()
-    try:
-        proc.wait_healthy(url, args.start_timeout)
-        server["start_s"] = time.monotonic() - t0
-        shown = [f"a{i}" for i in range(min(2, len(args.adapter_paths)))] if lora else []
-        names = [q.SERVED_NAME, *shown]
-        server["greedy"] = greedy_answers(url, names)
-        for k in traffic(args, lora):
-            runs += run_points(
-                args,
-                model,
-                url,
-                k,
-                {"engine": engine, "setting": setting, "lora_server": lora, "repeat": rep},
-            )
-        server.update(q.memory_mib(proc.proc.pid) if proc.proc else {})
-    except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as e:
-        server["error"] = f"{e}"
-        print(f"  rep={rep} {key}: failed: {e}", flush=True)
-    finally:
-        proc.stop()
-    return server, runs
+    command = partial(server_command, args, engine, setting, lora, model)
+    return q.with_server(args, key, command, rep, measure)
 
 
 def run_points(

@@ -521,11 +521,17 @@ def _pss_kib(pid: int) -> int | None:
     return None
 
 
-def serve_setting(
-    args: argparse.Namespace, key: str, command: Callable[[int], list[str]], model: Model, rep: int
+def with_server(
+    args: argparse.Namespace,
+    key: str,
+    command: Callable[[int], list[str]],
+    rep: int,
+    measure: Callable[[str, dict[str, Any], list[dict[str, Any]]], None],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Start one setting's server (``command(port)``) alone, measure every concurrency, read
-    its peak RSS, stop it. A server that does not start is recorded, not fatal."""
+    """Start one server (``command(port)``) alone, ``measure(url, record, runs)`` it, read its
+    memory into the record (:func:`memory_mib`), stop it. A server that does not start, or a
+    run that fails with a server error, is recorded in ``record["error"]`` (with the runs
+    measured before it), not raised. Shared by this script, moe.py and lora_serve.py."""
     import httpx
 
     from kvserve.bench.sweep import ServerProcess, free_port
@@ -534,8 +540,7 @@ def serve_setting(
     url = f"http://127.0.0.1:{port}"
     cmd = command(port)
     log = args.log_dir / f"{key}-rep{rep}.log"
-    server: dict[str, Any] = {"setting": key, "repeat": rep, "command": cmd}
-    server["log"] = str(log)
+    server: dict[str, Any] = {"setting": key, "repeat": rep, "command": cmd, "log": str(log)}
     proc = ServerProcess(cmd, log)
     runs: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -543,6 +548,22 @@ def serve_setting(
     try:
         proc.wait_healthy(url, args.start_timeout)
         server["start_s"] = time.monotonic() - t0
+        measure(url, server, runs)
+        server.update(memory_mib(proc.proc.pid) if proc.proc else {})
+    except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as e:
+        server["error"] = f"{e}"
+        print(f"  rep={rep} {key}: failed: {e}", flush=True)
+    finally:
+        proc.stop()
+    return server, runs
+
+
+def serve_setting(
+    args: argparse.Namespace, key: str, command: Callable[[int], list[str]], model: Model, rep: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One setting's server: a warm-up, the probe, every concurrency (:func:`with_server`)."""
+
+    def measure(url: str, server: dict[str, Any], runs: list[dict[str, Any]]) -> None:
         run_bench(bench_args(args, model, 2, 2, WARMUP_SEED), url)  # first kernels, slots
         server["probe"] = probe(args, model, url)
         for c in args.concurrency:
@@ -561,13 +582,8 @@ def serve_setting(
                 + ("" if record["tokens_ok"] else "  TOKEN COUNT MISMATCH"),
                 flush=True,
             )
-        server.update(memory_mib(proc.proc.pid) if proc.proc else {})
-    except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as e:
-        server["error"] = f"{e}"
-        print(f"  rep={rep} {key}: failed: {e}", flush=True)
-    finally:
-        proc.stop()
-    return server, runs
+
+    return with_server(args, key, command, rep, measure)
 
 
 def measure(
