@@ -148,3 +148,33 @@ def test_cpu_kernel_threaded_call() -> None:
     ref = lora_delta_reference(x.double(), a.double(), [b.double() for b in bts],
                                mapping.token_slots)  # fmt: skip
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+def integer_case(seed: int) -> tuple:
+    """bf16 inputs of small integers: every product and sum the kernel makes is exact in
+    float32 (|delta| <= 16 * 240 * 2), so the only rounding left is the bf16 store of
+    ``base + delta``, often a tie (sums of a few thousand hold 8 significant bits)."""
+    g = torch.Generator().manual_seed(seed)
+    t, k, rank, outs = 9, 40, 16, (70, 33)  # a 64-channel block plus tails, 16-wide tails
+    x = torch.randint(-3, 4, (t, k), generator=g).bfloat16()
+    a = torch.randint(-2, 3, (3, 2 * rank, k), generator=g).bfloat16()
+    bts = [torch.randint(-2, 3, (3, rank, n), generator=g).bfloat16() for n in outs]
+    slots = torch.tensor([0, 1, 2, -1, 0, 1, 2, 0, 1])
+    base = torch.randint(-600, 600, (t, sum(outs)), generator=g).bfloat16()
+    base[0, 5] = float("nan")
+    return x, a, bts, slots, base
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_kernel_bf16_store_rounds_as_torch(seed: int) -> None:
+    x, a, bts, slots, base = integer_case(seed)
+    out = base.clone()
+    cpu_kernels.lora_add(out, x, a, bts, slots)
+    delta = lora_delta_reference(x.double(), a.double(), [b.double() for b in bts], slots)
+    want = (base.float() + delta.float()).bfloat16()  # torch's round to nearest even
+    assert torch.equal(torch.isnan(out), torch.isnan(want))  # NaN kept (its bits vary)
+    keep = ~torch.isnan(want)
+    assert torch.equal(out[keep].view(torch.int16), want[keep].view(torch.int16))
+    rounded = ((base.float() + delta.float()) != want.float()) & keep
+    assert int(rounded.sum()) > 50  # many sums are rounded, so a wrong rounding shows
