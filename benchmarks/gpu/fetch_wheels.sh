@@ -5,7 +5,7 @@
 # transformers, tokenizers, safetensors, numpy (and their dependencies), so everything here is
 # fetched with --no-deps (xgrammar would otherwise pull torch and triton). Versions are the ones
 # the shared development venv runs. The folder must stay well under the 64 MiB a device run
-# carries (9 MiB measured).
+# carries (9 MiB measured, 10.4 with peft's 1.4).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dest=${1:-$here/wheels}
@@ -20,6 +20,8 @@ pkgs=(
   gguf==0.19.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
   # the official client the check serves (benchmarks/gpu/e2e.py)
   openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 distro==1.9.0
+  # peft: the reference and the adapter files of e2e.py's lora step (e2e_lora.py)
+  peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
   # the tests (pytest -m cuda)
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-asyncio==1.5.0
 )
