@@ -7,7 +7,9 @@ idle server, then again while a batch job of ``--lines`` long completions runs
 be idle. Alternating the two conditions puts the slow spells of a shared machine on both.
 Prints the medians and their ratio, the server's ``num_background_rows_held_total`` (batch rows
 that sat out a step computing an online prompt) and ``num_background_steps_interrupted_total``
-(batch-only steps given up for an online request), and writes JSON with ``--out``.
+(steps given up for an online request: batch rows only, or online rows all aborted) in both
+conditions, and writes JSON with ``--out``. ``--server-args`` adds ``kvserve serve`` flags
+(``"--dtype float32"``); the server inherits the environment (``KVSERVE_CPU_ISA=avx2``).
 
     python benchmarks/batch_ttft.py --rounds 3 --requests 10 --batch-max-concurrency 4 \
         --out benchmarks/results/batch_ttft.json
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.machine import machine_info  # noqa: E402
 
 MODEL = "m"
-# batch-only steps given up for an online request (absent on servers before that: 0)
+# steps given up for an online request (absent on servers before that: 0)
 INTERRUPTED = "kvserve:num_background_steps_interrupted_total"
 
 
@@ -45,7 +48,7 @@ def _start(args: argparse.Namespace, folder: Path) -> tuple[subprocess.Popen[byt
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--batch-dir", str(folder / "batch"),
            "--batch-max-concurrency", str(args.batch_max_concurrency),
-           "--served-model-name", MODEL]  # fmt: skip
+           "--served-model-name", MODEL, *shlex.split(args.server_args)]  # fmt: skip
     log = (folder / "server.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -134,6 +137,7 @@ def main() -> None:
         default=0.0,
         help="random pause of up to this many seconds before each online request",
     )
+    p.add_argument("--server-args", default="", help="extra kvserve serve flags")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     alone: list[float] = []
@@ -145,12 +149,15 @@ def main() -> None:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
             _ttfts(client, 3, 0)  # warm
             for r in range(args.rounds):
+                cut = _metric(url, INTERRUPTED)
                 a = _ttfts(client, args.requests, 1000 * r, args.gap)
+                cut = _metric(url, INTERRUPTED) - cut
                 b = _batch_round(client, url, args, r)
                 alone += a
                 busy += b["ttft"]
-                rounds.append({"alone": a, **b})
-                print(f"round {r}: alone {statistics.median(a) * 1000:.1f} ms, "
+                rounds.append({"alone": a, "alone_steps_interrupted": cut, **b})
+                print(f"round {r}: alone {statistics.median(a) * 1000:.1f} ms "
+                      f"({cut:.0f} steps given up), "
                       f"batch {statistics.median(b['ttft']) * 1000:.1f} ms, "
                       f"rows held {b['rows_held']:.0f}, "
                       f"steps given up {b['steps_interrupted']:.0f}", flush=True)  # fmt: skip

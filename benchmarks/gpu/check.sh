@@ -48,7 +48,7 @@ for s in ${CHECK_STAGES:-pytest kernels e2e}; do
       --continue-on-collection-errors tests/ops tests/sample tests/worker tests/attention \
       tests/engine/test_preemption.py ;;
     kernels) stage kernels 200 python benchmarks/gpu/check.py --out "$out/gpu_kernels-$day.json" ;;
-    e2e) stage e2e 540 python benchmarks/gpu/e2e.py --tokenizer .gpu/tok \
+    e2e) stage e2e 600 python benchmarks/gpu/e2e.py --tokenizer .gpu/tok \
       --out "$out/gpu_e2e-$day.json" ${E2E_ARGS:-} ;;
   esac
 done

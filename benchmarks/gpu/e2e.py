@@ -19,6 +19,9 @@ Steps, each recorded in one JSON even when another fails (a failure keeps its tr
 4. ``lora`` (``e2e_lora.py``): a batch mixing the base model and two peft adapters against
    peft's merged models token for token, then 32 rows on the bench shape with the base model
    alone and over 4 rank-16 adapters (issue 32's GPU figure).
+5. ``moe`` (``e2e_moe.py``): tiny random Qwen3-MoE and OLMoE models' greedy tokens against
+   transformers' on the device (the Triton experts op), then 32 decode rows of the
+   OLMoE-1B-7B layer shape with the Triton op and with the grouped PyTorch path (issue 33's).
 
 No weights come from a hub: the models are random, the tokenizer is SmolLM2's (``--tokenizer``,
 a folder with ``tokenizer.json``; the bench prompts are token ids, ``detokenize=False``).
@@ -51,6 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu.e2e_lora import step_lora  # noqa: E402, F401  (found by name in main)
+from benchmarks.gpu.e2e_moe import step_moe  # noqa: E402, F401  (found by name in main)
 
 LAUNCH_EVENTS = (
     "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -406,7 +410,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True, help="folder with tokenizer.json")
     ap.add_argument("--vocab", type=int, default=49152, help="the tiny models' vocabulary")
     ap.add_argument("--small", action="store_true", help="a small bench shape (dry runs)")
-    ap.add_argument("--steps", default="tokens,serve,bench,lora")
+    ap.add_argument("--steps", default="tokens,serve,bench,lora,moe")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     ap.add_argument("--profile", action="store_true", help="host profile of a batch-1 run")
     ap.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs")

@@ -9,7 +9,7 @@ rows back only when online prompt tokens are computed in it, and a prompt is fin
 
 A step of background rows only is *interruptible*: an online request that arrives while it
 runs has it given up between layers (``worker/step_interrupt.py``), so it waits for one
-layer instead of a whole step.
+layer instead of a whole step; so is a step whose online rows were all aborted since it began.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler_output import SchedulerOutput
 
 __all__ = [
-    "background_only",
     "computes_prompt",
     "holds_background_back",
+    "may_give_up",
+    "online_ids",
     "online_prefill_scheduled",
 ]
 
@@ -46,13 +47,16 @@ def holds_background_back(out: SchedulerOutput, waiting: Iterable[Request]) -> b
     return online_prefill_scheduled(out) or any(not r.background for r in waiting)
 
 
-def background_only(out: SchedulerOutput, waiting: Iterable[Request]) -> bool:
+def may_give_up(out: SchedulerOutput, waiting: Iterable[Request]) -> bool:
     """Whether the step may be given up for an online request that arrives while it runs
-    (``SchedulerOutput.interruptible``, worker/step_interrupt.py): it computes background rows
-    only, and no online request already waits (one that waits was not admitted this step, so
-    giving the step up would not start it sooner)."""
-    return (
-        bool(out.scheduled)
-        and all(r.background for r in out.scheduled)
-        and not any(not r.background for r in waiting)
-    )
+    (``SchedulerOutput.interruptible``, worker/step_interrupt.py): it schedules rows and no
+    online request already waits (one that waits was not admitted this step, so giving the
+    step up would not start it sooner). Its online rows (``online_ids``) must also all have
+    been aborted by then; a background-only step has none."""
+    return bool(out.scheduled) and not any(not r.background for r in waiting)
+
+
+def online_ids(out: SchedulerOutput) -> frozenset[str]:
+    """The step's online rows (``SchedulerOutput.online_ids``): the step is given up only once
+    each of them was aborted while it ran."""
+    return frozenset(r.request_id for r in out.scheduled if not r.background)

@@ -41,8 +41,9 @@ import time
 
 from kvserve.config import CacheConfig, KVPolicy, SchedulerConfig, SpeculativeConfig
 from kvserve.core.background import (
-    background_only,
     holds_background_back,
+    may_give_up,
+    online_ids,
     online_prefill_scheduled,
 )
 from kvserve.core.block_pool import BlockHash
@@ -187,7 +188,8 @@ class Scheduler(PreemptionMixin, OutputUpdateMixin):
                 req.metrics.first_scheduled_time = now
         self._grammar_bitmask(out)
         out.propose = self.speculating()  # the batch after admissions: worth proposing for?
-        out.interruptible = background_only(out, self.waiting)
+        out.interruptible = may_give_up(out, self.waiting)
+        out.online_ids = online_ids(out)
         if out.scheduled:
             self.stats.num_steps += 1
             by_running = self.stats.num_steps_by_running

@@ -119,9 +119,11 @@ class SchedulerOutput:
     # the request's tokens in its scheduled count; vLLM's scheduled_spec_decode_tokens)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose: bool = False  # speculative decoding: propose the next step's tokens after this one
-    # Every row background and no online request waiting: the runner may give the step up
-    # between layers for an online request that arrives (worker/step_interrupt.py)
+    # No online request waiting: the runner may give the step up between layers for an
+    # online request that arrives, once every row in online_ids was aborted (none for a
+    # background-only step; worker/step_interrupt.py)
     interruptible: bool = False
+    online_ids: frozenset[str] = frozenset()  # the scheduled rows that are not background
     # requests that finished or were aborted since the last step (runner-side state goes)
     finished_req_ids: set[str] = field(default_factory=set)
     # The runner's input: requests it sees for the first time, and the changes of the others

@@ -41,7 +41,7 @@ class OutputUpdateMixin:
         of it is applied. Its rows keep their blocks and computed counts and are scheduled
         again; K/V slots its finished layers wrote lie past their computed counts and are
         written again."""
-        assert out.interruptible, "only a background-only step can be given up"
+        assert out.interruptible, "only an interruptible step can be given up"
         self.stats.num_background_steps_interrupted += 1
 
     def update_from_output(

@@ -315,7 +315,7 @@ class AsyncLLMEngine(EngineThreadMixin):
             self._check_queue_room(cmd)
             self._streams[request_id] = weakref.ref(stream)
             self._commands.append(cmd)
-            if not request.background:  # the step in flight gives way if it may (background)
+            if not request.background:  # the step in flight gives way if it may
                 self.engine.step_interrupt.set()
             self._pending_seqs += cmd.n
             self._pending_tokens += cmd.num_tokens
@@ -419,6 +419,7 @@ class AsyncLLMEngine(EngineThreadMixin):
         if self._drop_pending_add(request_id):
             return False
         self._commands.append(request_id)
+        self.engine.step_interrupt.aborted(request_id)  # its rows in the step in flight are moot
         return True
 
     def _drop_pending_add(self, request_id: str) -> bool:

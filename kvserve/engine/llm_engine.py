@@ -79,8 +79,9 @@ class LLMEngine(StepOutputMixin, LoRAMixin):
         self.executor: Executor = create_executor(config)
         # The runner itself when it lives in this process (the default), else None.
         self.runner: ModelRunner | None = self.executor.runner
-        # Background-only steps give way to online requests between layers; the flag is set
-        # by the async engine's submitting thread, so only an in-process runner can read it
+        # Steps of background rows (and of aborted requests' rows) give way to online requests
+        # between layers; the async engine's threads set the flag, so only an in-process
+        # runner can read it
         # (worker/step_interrupt.py; worker processes run every step to its end).
         self.step_interrupt = StepInterrupt()
         if self.runner is not None:

@@ -41,8 +41,9 @@ class ForwardBatch:
     # Multi-LoRA: each token row's adapter slot, grouped by slot (kvserve/lora/punica.py),
     # read by the adapted linears; None: every row runs the base model.
     lora: LoRAMapping | None = None
-    # A background-only step (worker/step_interrupt.py): the layer loops call its check()
-    # between layers and the step is given up once an online request waits; None: run on.
+    # An interruptible step (worker/step_interrupt.py): the layer loops call its check()
+    # between layers and the step is given up once an online request waits and no online
+    # row in it is still wanted; None: run on.
     interrupt: StepInterrupt | None = None
 
     @property

@@ -175,7 +175,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         residual = None
         for layer, kv, key in zip(self.layers, batch.kv_caches, self.rope_keys, strict=True):
             if batch.interrupt is not None:
-                batch.interrupt.check()  # a background step gives way to an online one
+                batch.interrupt.check()  # the step gives way to an online request
             x, residual = layer(ropes[key], x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]

@@ -433,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, kv in zip(self.layers, batch.kv_caches, strict=True):
                 if batch.interrupt is not None:
-                    batch.interrupt.check()  # a background step gives way to an online one
+                    batch.interrupt.check()  # the step gives way to an online request
                 x, residual = layer(rope, x, kv, batch, residual)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[1]

@@ -144,6 +144,7 @@ def load_model(
     decode_loop: bool = False,
     weight_dtype: torch.dtype | None = None,
     linear_kernel: CpuLinearKernel | str = CpuLinearKernel.AUTO,
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """Build the model for ``max_positions`` tokens of context and load its weights: the
     native class or the transformers backend, as ``model_impl`` resolves (``registry.py``);
@@ -153,7 +154,9 @@ def load_model(
     decode-only steps run the layers in one C++ call where the model allows it.
     ``weight_dtype``: 16-bit stored linear weights computed in float32 (``wide_linear.py``;
     None: auto, the checkpoint's 16-bit dtype where that applies). ``linear_kernel``: a bf16
-    model's dense linears (``bf16_kernel_linears``; auto only with ``prepack``)."""
+    model's dense linears (``bf16_kernel_linears``; auto only with ``prepack`` or
+    ``batch_invariant``: that mode turns oneDNN's packing off, and the bf16 packed layout's
+    kernel sums each row in one fixed order, so it keeps it where auto picks it)."""
     path = Path(path)
     config = load_hf_config(path)
     cls = resolve_model_class(config, model_impl)
@@ -217,7 +220,7 @@ def load_model(
         weight_dtype, dtype, torch.device(device), getattr(config, "dtype", None), **where
     )
     kernel = CpuLinearKernel(linear_kernel)
-    if kernel is CpuLinearKernel.AUTO and not prepack:
+    if kernel is CpuLinearKernel.AUTO and not prepack and not batch_invariant:
         kernel = CpuLinearKernel.ONEDNN  # no repacking: nn.Linear stays
     if wide is None and bf16_kernel_linears(kernel, dtype, torch.device(device), **where):
         wide = torch.bfloat16  # bf16 math on the packed layout (wide_linear.py)

@@ -48,7 +48,6 @@ from kvserve.moe.experts import (
     FusedExperts,
     GluActivation,
     GluKind,
-    log_kernel_fallback,
 )
 from kvserve.moe.router import RouterConfig, route
 from kvserve.ops import cpu_kernels
@@ -246,8 +245,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         return DecoderLayer(config, _attention(config, arch, layer, self.tp), self.tp, mlp=mlp)
 
     def enable_fused_ops(self) -> bool:
-        """As Llama's, and the experts' act(gate) * up on the same kernel module too; on the
-        CPU each layer's routed experts run as one C++ call (``moe/experts_kernel.py``)."""
+        """As Llama's, and the experts' act(gate) * up on the same kernel module too; each
+        layer's routed experts run as one C++ call on the CPU (``moe/experts_kernel.py``) and
+        as two Triton launches on CUDA (``ops/triton/moe.py``; dense experts: quantized ones
+        keep the grouped PyTorch path there)."""
         if not super().enable_fused_ops():
             return False
         param = self.embed_tokens.weight
@@ -255,10 +256,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         for m in self.modules():
             if isinstance(m, SparseMoeBlock):
                 m.experts.act_and_mul = getattr(kernels, m.fused_act_and_mul.__name__)
-            if isinstance(m, FusedExperts):
+            if isinstance(m, FusedExperts):  # the C++ op on the CPU, the Triton op on CUDA
                 m.use_kernel = kernels is cpu_kernels
-                if kernels is not cpu_kernels:
-                    log_kernel_fallback(f"on {param.device.type} (a CPU op)")
+                m.use_triton = kernels is not cpu_kernels
         return True
 
     @torch.no_grad()

@@ -220,6 +220,8 @@ class FusedExperts(nn.Module):
         self.use_reference = False  # one token at a time (tests)
         # the C++ op (experts_kernel.py) instead of grouped_experts: enable_fused_ops sets it
         self.use_kernel = False
+        # the Triton op (ops/triton/moe.py) on dense stacks: enable_fused_ops sets it on CUDA
+        self.use_triton = False
         self._kernel: torch.ScriptObject | None = None  # built at the first forward
         # per-expert quantized layers (set_quantized); None: the stacked dense weights
         self.q_gate_up: nn.ModuleList | None = None
@@ -353,6 +355,13 @@ class FusedExperts(nn.Module):
         op = self.kernel() if self.use_kernel and not self.use_reference else None
         if op is not None and x.dtype in (torch.float32, torch.bfloat16):
             return all_reduce(op.run(x, weights, ids), self.tp)
+        down_bias = self.down_bias if self.tp.rank == 0 else None  # added once over the ranks
+        if self.use_triton and not self.use_reference and self._dense():
+            from kvserve.ops.triton.moe import fused_experts
+
+            out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                self.act_and_mul, self.gate_up_bias, down_bias)  # fmt: skip
+            return all_reduce(out, self.tp)
         run = reference_experts if self.use_reference else grouped_experts
         gate_up: ExpertWeights = self.gate_up_proj
         down: ExpertWeights = self.down_proj
@@ -364,9 +373,12 @@ class FusedExperts(nn.Module):
             q_gate_up, q_down = self.q_gate_up, self.q_down
             gate_up = lambda e, rows: q_gate_up[e](rows)  # noqa: E731
             down = lambda e, rows: q_down[e](rows)  # noqa: E731
-        down_bias = self.down_bias if self.tp.rank == 0 else None  # added once over the ranks
         out = run(x, gate_up, down, weights, ids, self.act_and_mul, self.gate_up_bias, down_bias)
         return all_reduce(out, self.tp)
+
+    def _dense(self) -> bool:
+        """The experts are the dense stacked weights (neither quantized nor packed)."""
+        return self.q_gate_up is None and self.gate_up_packed is None
 
     @staticmethod
     def _unpacked(packed: torch.Tensor, n: int) -> ExpertLinear:

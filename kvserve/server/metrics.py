@@ -66,7 +66,8 @@ _COUNTERS = [
     ("num_background_rows_held", "num_background_rows_held",
      "Batch API rows held out of a step that computed an online request's prompt."),
     ("num_background_steps_interrupted", "num_background_steps_interrupted",
-     "Batch API-only steps given up between layers for an online request."),
+     "Steps given up between layers for an online request (Batch API rows only, or "
+     "online rows all aborted)."),
     ("num_prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
     ("num_generation_tokens", "generation_tokens", "Number of generation tokens processed."),
     ("prefix_cache_queries", "prefix_cache_queries",

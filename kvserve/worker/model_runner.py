@@ -398,7 +398,7 @@ class ModelRunner:
         states = [r.generator.get_state() for r in seeded if r.generator is not None]
         phases = {"prepare": time.perf_counter() - t0}
         try:
-            out = self._run(rows, sched, phases, self._interrupt_for(sched))
+            out = self._run_watched(rows, sched, phases)
         except StepInterrupted:  # before sampling: nothing advanced, the engine applies nothing
             return ModelRunnerOutput({}, timings=phases, interrupted=True)
         except Exception:
@@ -421,10 +421,20 @@ class ModelRunner:
         self.timings.steps += 1
         return out
 
-    def _interrupt_for(self, sched: SchedulerOutput) -> StepInterrupt | None:
-        """The engine's flag for a background-only step (``worker/step_interrupt.py``); None
-        for any other step, or where the engine gave the runner none (worker processes)."""
-        return self.step_interrupt if sched.interruptible else None
+    def _run_watched(
+        self, rows: StepRows, sched: SchedulerOutput, phases: dict[str, float]
+    ) -> ModelRunnerOutput:
+        """The step's batch; an interruptible one is watched by the engine's flag while it
+        runs and may raise ``StepInterrupted`` (``worker/step_interrupt.py``). Worker
+        processes get no flag: their steps run to the end."""
+        interrupt = self.step_interrupt if sched.interruptible else None
+        if interrupt is None:
+            return self._run(rows, sched, phases)
+        interrupt.begin(sched.online_ids)
+        try:
+            return self._run(rows, sched, phases, interrupt)
+        finally:
+            interrupt.end()
 
     def _run(
         self,

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
-from kvserve.config import batch_invariant_refusal
+from kvserve.config import CpuLinearKernel, batch_invariant_refusal
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm import LLM
+from kvserve.model.wide_linear import WideLinear, bf16_kernel_linears
 from kvserve.ops import cpu_kernels
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import random_prompts
@@ -91,6 +93,16 @@ def test_outputs_do_not_depend_on_the_batch(
 ) -> None:
     big = _llm(tiny_llama, dtype, budget=512)
     assert big.execution_paths.batch_invariant
+    # bf16 where the kernels have AVX512-BF16 (and no AMX): the packed layout's vdpbf16ps
+    # kernel, one order per row (wide_linear.py); elsewhere the plain fixed-order kernel
+    wide = dtype == "bfloat16" and bf16_kernel_linears(
+        CpuLinearKernel.AUTO, torch.bfloat16, torch.device("cpu"), native=True, quantized=False,
+        tp=1,
+    )  # fmt: skip
+    model = big.engine.runner.model
+    kinds = {type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}
+    assert kinds == ({"WideLinear"} if wide else {"BatchInvariantLinear"}), kinds
+    assert all(m.direct_rows == 0 for m in model.modules() if isinstance(m, WideLinear))
     # decode-only steps (the requests alone) run the C++ decode loop, mixed ones the Python
     # layers: both call the same fixed-order kernels
     assert big.execution_paths.decode_loop

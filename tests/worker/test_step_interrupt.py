@@ -1,8 +1,8 @@
-"""Background-only steps given up between layers for an online request
-(``kvserve/worker/step_interrupt.py``): a given-up step changes nothing, the tokens of every
-request stay those of a run that was never interrupted (greedy and seeded), only
-background-only steps are given up, and an online request queued during such a step on the
-async engine gives it up."""
+"""Steps given up between layers for an online request (``kvserve/worker/step_interrupt.py``):
+a given-up step changes nothing, the tokens of every request stay those of a run that was
+never interrupted (greedy and seeded), a step is given up only when none of its online rows is
+still wanted (background-only, or every online row aborted while it ran), and an online
+request queued during such a step on the async engine gives it up."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.core.background import background_only
+from kvserve.core.background import may_give_up, online_ids
 from kvserve.core.request import Request
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.llm import build_engine_config
@@ -137,31 +137,59 @@ def test_steps_with_online_rows_run_to_the_end(tiny_llama: Path) -> None:
     assert engine.scheduler.stats.num_background_steps_interrupted == 0
 
 
-def test_background_only() -> None:
-    """The scheduler's rule: background rows only, and no online request waiting."""
+def test_may_give_up() -> None:
+    """The scheduler's rule: rows scheduled and no online request waiting; the online rows
+    named for the runner (they must all be aborted before the step gives way)."""
     sp = SamplingParams(max_tokens=1)
     bg = Request("b", [1, 2], sp, 1, [0], background=True)
     online = Request("o", [1, 2], sp, 1, [0])
     out = type("Out", (), {})()
     out.scheduled = [bg]
-    assert background_only(out, [])  # type: ignore[arg-type]
-    assert background_only(out, [bg])  # type: ignore[arg-type]
-    assert not background_only(out, [online])  # type: ignore[arg-type]
+    assert may_give_up(out, [])  # type: ignore[arg-type]
+    assert may_give_up(out, [bg])  # type: ignore[arg-type]
+    assert not may_give_up(out, [online])  # type: ignore[arg-type]
+    assert online_ids(out) == frozenset()  # type: ignore[arg-type]
     out.scheduled = [bg, online]
-    assert not background_only(out, [])  # type: ignore[arg-type]
+    assert may_give_up(out, [])  # type: ignore[arg-type]
+    assert online_ids(out) == frozenset({"o"})  # type: ignore[arg-type]
     out.scheduled = []
-    assert not background_only(out, [])  # type: ignore[arg-type]
+    assert not may_give_up(out, [])  # type: ignore[arg-type]
 
 
 def test_flag() -> None:
+    """Set exactly when an online request waits and the step in flight has no wanted online
+    row; the tensor the C++ loop reads follows."""
     flag = StepInterrupt()
     flag.check()
-    flag.set()
-    assert flag.is_set() and int(flag.flag.item()) == 1  # the tensor the C++ loop reads
+    flag.set()  # an online request, no step in flight
+    assert not flag.is_set()
+    flag.begin([])  # a background-only step
+    assert flag.is_set() and int(flag.flag.item()) == 1
     with pytest.raises(StepInterrupted):
         flag.check()
-    flag.clear()
+    flag.end()
     assert not flag.is_set() and int(flag.flag.item()) == 0
+    flag.begin(["a", "c"])  # a step with two online rows
+    assert not flag.is_set()
+    flag.aborted("a")
+    flag.aborted("x")  # not in the step
+    assert not flag.is_set()
+    flag.aborted("c")
+    assert flag.is_set()
+    flag.clear()  # the engine took the commands: nothing waits
+    assert not flag.is_set()
+    flag.aborted("c")  # aborted before nothing waits: no flag
+    assert not flag.is_set()
+    flag.end()
+    flag.aborted("d")  # aborted between the take and the step: the step starts moot
+    flag.set()
+    flag.begin(["d"])
+    assert flag.is_set()
+    flag.end()
+    flag.clear()
+    flag.begin(["d"])  # the take applied d's abort; a new row d is wanted
+    flag.set()
+    assert not flag.is_set()
 
 
 @pytest.fixture
@@ -215,3 +243,61 @@ def test_an_online_request_gives_the_background_step_up(async_engine: AsyncLLMEn
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert online_ids == done["o"] and batch_ids == done["b"]
+
+
+@pytest.mark.parametrize("with_batch", [False, True], ids=["online-only", "with-batch-row"])
+@pytest.mark.parametrize("abort", [True, False], ids=["aborted", "still-wanted"])
+def test_a_step_of_an_aborted_request_gives_way(
+    async_engine: AsyncLLMEngine, abort: bool, with_batch: bool
+) -> None:
+    """Back to back: request "a" is decoding (beside a batch line or alone) when its client
+    closes it and sends "o"; the step in flight, held in its first layer, has no wanted online
+    row left and is given up, so "o" starts one layer later, with the tokens it gets alone.
+    A step whose online row is still wanted runs to its end."""
+    engine = async_engine.engine
+    layer0 = engine.runner.model.layers[0]  # type: ignore[union-attr]
+    entered, go = threading.Event(), threading.Event()
+    armed = {"on": False}
+
+    def hold(*_: object) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            entered.set()
+            assert go.wait(30)
+
+    layer0.register_forward_hook(hold)
+    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def main() -> list[int]:
+        batch = None
+        if with_batch:
+            batch = async_engine.generate({"prompt_token_ids": PROMPTS[3]}, long, "b",
+                                          background=True)  # fmt: skip
+            await batch.__anext__()
+        first = async_engine.generate({"prompt_token_ids": PROMPTS[1]}, long, "a")
+        await first.__anext__()  # "a" decodes from now on
+        armed["on"] = True
+        assert await asyncio.to_thread(entered.wait, 30)
+        if abort:
+            async_engine.abort("a")  # the client closed it at its first token
+        online = async_engine.generate({"prompt_token_ids": PROMPTS[0]}, short, "o")
+        assert engine.step_interrupt.is_set() == abort
+        go.set()
+        outs = [o async for o in online]
+        if not abort:
+            assert len([o async for o in first][-1].outputs[0].token_ids) == 20
+        if batch is not None:
+            assert len([o async for o in batch][-1].outputs[0].token_ids) == 20
+        return outs[-1].outputs[0].token_ids
+
+    online_tokens = asyncio.run(main())
+    assert engine.scheduler.stats.num_background_steps_interrupted == int(abort)
+    alone = LLMEngine(engine.config)
+    alone.add_request("o", {"prompt_token_ids": PROMPTS[0]}, short)
+    done = {}
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert online_tokens == done["o"] and len(online_tokens) == 5
