@@ -179,6 +179,9 @@ class Quantization(enum.Enum):
     COMPRESSED_TENSORS = "compressed-tensors"  # llm-compressor's W4A16 / W8A16
     AWQ = "awq"  # AutoAWQ's int4 GEMM layout (qweight / qzeros / scales)
     GPTQ = "gptq"  # AutoGPTQ / GPTQModel's int4 / int8 layout (qweight / qzeros / scales / g_idx)
+    # gpt-oss's MXFP4 experts kept in their blocks (exact 8-bit codes and a power-of-two scale
+    # per 32), the rest in the model dtype; without it they dequantize at load (vLLM's name)
+    MXFP4 = "mxfp4"
 
 
 class QuantizedActivations(enum.Enum):
@@ -294,6 +297,11 @@ class ModelConfig:
             raise ValueError(
                 "quantization_group_size must be a positive even number (e.g. 32, 64, 128), "
                 f"got {self.quantization_group_size}."
+            )
+        if self.quantization_lm_head and self.quantization is Quantization.MXFP4:
+            raise ValueError(
+                "quantization_lm_head is not for quantization 'mxfp4' (it keeps gpt-oss's MXFP4 "
+                "experts as stored; the checkpoint's LM head is not MXFP4)"
             )
         if self.quantization_lm_head and self.quantization is None:
             raise ValueError(

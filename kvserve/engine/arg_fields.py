@@ -196,9 +196,10 @@ class EngineArgFields:
         "model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors kept quantized; without it a GGUF is "
         "dequantized at load), or compressed-tensors / awq / gptq (a pre-quantized "
         "checkpoint: llm-compressor's W4A16/W8A16, AutoAWQ's int4 GEMM layout or GPTQ's, "
-        "found from its config.json without the flag); the embeddings stay unquantized, "
-        "the LM head too unless --quantization-lm-head", type=str,
-        choices=("int8", "int4", "gguf", "compressed-tensors", "awq", "gptq"),
+        "found from its config.json without the flag), or mxfp4 (a gpt-oss checkpoint's MXFP4 "
+        "experts kept as stored; without it they are dequantized at load); the embeddings "
+        "stay unquantized, the LM head too unless --quantization-lm-head", type=str,
+        choices=("int8", "int4", "gguf", "compressed-tensors", "awq", "gptq", "mxfp4"),
     )  # fmt: skip
     quantization_group_size: int | None = _opt(
         None, "with --quantization int8/int4: weights per scale along the input dimension "

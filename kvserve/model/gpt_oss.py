@@ -19,7 +19,9 @@ it:
   ``down_proj_bias [E, H]``. They load transposed and de-interleaved into ``FusedExperts``'
   ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``. OpenAI's published checkpoints
   store the experts in MXFP4 (``*_blocks``/``*_scales``, ``[E, rows, cols]`` orientation):
-  they are dequantized to the model dtype at load (``quantization/mxfp4.py``).
+  they are dequantized to the model dtype at load (``quantization/mxfp4.py``), or with
+  ``--quantization mxfp4`` (vLLM's name) kept as stored, each expert a quantized layer of exact
+  8-bit codes and a power-of-two scale per 32 weights (``mxfp4_qweight``).
 
 Numbers: in float32 every step is transformers'; in bf16 transformers keeps the RMSNorm
 weights in float32 (``_keep_in_fp32_modules``) and takes the router and attention softmaxes in
@@ -42,8 +44,9 @@ from kvserve.model.llama import Attention, DecoderLayer, layer_window
 from kvserve.model.moe import MoEForCausalLM, RouterLinear
 from kvserve.moe.experts import FusedExperts, GluActivation, GluKind, act_and_mul_for
 from kvserve.moe.router import RouterConfig, Scoring, route
-from kvserve.quantization.apply import RTN_METHODS
-from kvserve.quantization.mxfp4 import dequantize_mxfp4
+from kvserve.ops.malloc_tuning import trim_heap
+from kvserve.quantization.apply import RTN_METHODS, quantized_layer
+from kvserve.quantization.mxfp4 import dequantize_mxfp4, mxfp4_qweight
 
 GPT_OSS = "GptOssForCausalLM"
 
@@ -109,13 +112,15 @@ class GptOssForCausalLM(MoEForCausalLM):
     @staticmethod
     def quantization_refusal(method: Quantization | None) -> str | None:
         """int8/int4 round-to-nearest run (the experts' matrices as the other families', their
-        biases kept in the model dtype); GGUF and pre-quantized checkpoints do not."""
-        if method is None or method in RTN_METHODS:
+        biases kept in the model dtype), and mxfp4 keeps an MXFP4 checkpoint's experts as
+        stored; GGUF and pre-quantized checkpoints do not."""
+        if method is None or method in RTN_METHODS or method is Quantization.MXFP4:
             return None
         return (
-            "only int8/int4 round-to-nearest at load is implemented for gpt-oss's experts, not "
-            "GGUF or pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints; its MXFP4 "
-            "checkpoints load dequantized to the model dtype"
+            "only int8/int4 round-to-nearest at load and mxfp4 (an MXFP4 checkpoint's experts "
+            "as stored) are implemented for gpt-oss's experts, not GGUF or pre-quantized "
+            "(compressed-tensors, AWQ, GPTQ) checkpoints; without mxfp4 its MXFP4 checkpoints "
+            "load dequantized to the model dtype"
         )
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
@@ -130,6 +135,8 @@ class GptOssForCausalLM(MoEForCausalLM):
         or MXFP4) taken out of the stream and copied into place here."""
         self._extra_loaded: set[str] = set()  # bias and sink parameters loaded here
         self._mxfp4: dict[str, torch.Tensor] = {}  # a *_blocks or *_scales awaiting its pair
+        # --quantization mxfp4: a layer's quantized experts of one projection, awaiting the other
+        self._mxfp4_layers: dict[str, dict[str, list[nn.Module]]] = {}
         super().load_weights(weights)
         if self._mxfp4:
             raise ValueError(f"MXFP4 blocks without scales (or scales without blocks): "
@@ -175,6 +182,9 @@ class GptOssForCausalLM(MoEForCausalLM):
         if blocks.dim() != 4 or blocks.shape[0] != experts.num_experts:
             raise ValueError(f"{module}.{proj}_blocks has shape {tuple(blocks.shape)}, "
                              f"expected [{experts.num_experts}, rows, cols / 32, 16]")  # fmt: skip
+        if self._keeps_mxfp4():
+            self._keep_mxfp4(module, proj, experts, blocks, scales)
+            return
         dtype = self.embed_tokens.weight.dtype
         for e in range(experts.num_experts):
             w = dequantize_mxfp4(blocks[e], scales[e], dtype)  # [rows, cols]: a linear weight
@@ -183,6 +193,41 @@ class GptOssForCausalLM(MoEForCausalLM):
                 experts.load_expert(e, "up", w[1::2])
             else:  # [H, I]
                 experts.load_expert(e, "down", w)
+        self._experts_done(module, experts, proj)
+
+    def _keeps_mxfp4(self) -> bool:
+        """``--quantization mxfp4``: the experts stay as the checkpoint stores them."""
+        s = self._streaming
+        return s is not None and s.quant.method is Quantization.MXFP4
+
+    def _keep_mxfp4(
+        self,
+        module: str,
+        proj: str,
+        experts: FusedExperts,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Each expert's ``proj`` as a quantized layer of its blocks (``mxfp4_qweight``:
+        exact 8-bit codes; gate_up's interleaved gate and up rows de-interleaved, gate first,
+        as the dense path does); once both projections of the layer are in, the experts run
+        them (``FusedExperts.set_quantized``). The stacked dense weights are never written."""
+        s = self._streaming
+        assert s is not None
+        layers = []
+        for e in range(experts.num_experts):
+            b, sc = blocks[e], scales[e]  # [rows, G, 16], [rows, G]
+            if proj == "gate_up_proj":  # rows gate0, up0, gate1, ...: gate rows, then up rows
+                b, sc = torch.cat([b[0::2], b[1::2]]), torch.cat([sc[0::2], sc[1::2]])
+            w = getattr(experts, proj)[e]  # [rows, cols]: the shape, never read
+            layers.append(quantized_layer(s.report, f"{module}.{e}.{proj}", w, None,
+                                          mxfp4_qweight(b, sc), None, s.device, s.dtype,
+                                          s.quant.activations))  # fmt: skip
+        held = self._mxfp4_layers.setdefault(module, {})
+        held[proj] = layers
+        if len(held) == 2:
+            experts.set_quantized(held.pop("gate_up_proj"), held.pop("down_proj"))
+            trim_heap()
         self._experts_done(module, experts, proj)
 
     def _load_experts(self, module: str, name: str, tensor: torch.Tensor) -> None:
@@ -201,7 +246,11 @@ class GptOssForCausalLM(MoEForCausalLM):
         parts = ("gate", "up") if proj == "gate_up_proj" else ("down",)
         done = self._experts_loaded.setdefault(module, set())
         done |= {(i, p) for i in range(experts.num_experts) for p in parts}
-        if len(done) == 3 * experts.num_experts and self._streaming is not None:
+        if (
+            len(done) == 3 * experts.num_experts
+            and self._streaming is not None
+            and not self._keeps_mxfp4()  # MXFP4 experts are set by _keep_mxfp4
+        ):
             self._quantize_experts(module, experts)
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:

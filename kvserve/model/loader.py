@@ -162,6 +162,7 @@ def load_model(
     cls = resolve_model_class(config, model_impl)
     scheme = checkpoint_scheme(config)  # a pre-quantized checkpoint (compressed-tensors, ...)
     quant = _checked_quant(path, scheme, quant)
+    _check_mxfp4(path, config, quant)
     _check_moe_quant(path, config, cls, scheme, quant)
     check_shardable(path, cls, scheme, quant, tp.world_size if tp is not None else 1)
     model: CausalLM
@@ -252,6 +253,23 @@ def _checked_quant(
         raise ValueError(f"{path} is already quantized ({scheme.method.value}); load it "
                          f"without quantization {method.value!r}")  # fmt: skip
     return quant
+
+
+def _check_mxfp4(path: Path, config: PretrainedConfig, quant: QuantOptions | None) -> None:
+    """``--quantization mxfp4`` keeps a gpt-oss MXFP4 checkpoint's experts as stored
+    (model/gpt_oss.py): refused for any other checkpoint."""
+    if quant is None or quant.method is not Quantization.MXFP4:
+        return
+    raw: Any = getattr(config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict):
+        raw = raw.to_dict()
+    stored = (raw or {}).get("quant_method")
+    if getattr(config, "model_type", None) != "gpt_oss" or stored != "mxfp4":
+        raise ValueError(
+            f"quantization 'mxfp4': {path} is not a gpt-oss checkpoint with MXFP4 experts "
+            f"(model_type {getattr(config, 'model_type', None)!r}, quant_method {stored!r}); "
+            "kvserve keeps MXFP4 experts as stored, it does not quantize to MXFP4"
+        )
 
 
 def _check_moe_quant(

@@ -1,5 +1,9 @@
 """MXFP4 (OCP Microscaling Formats v1.0, "MX" FP4): how gpt-oss checkpoints store their
-experts, dequantized at load to the model dtype.
+experts, dequantized at load to the model dtype, or (``--quantization mxfp4``) kept as
+``QuantizedWeight``s (``mxfp4_qweight``): twice an E2M1 value is one of the integers 0, 1,
+2, 3, 4, 6, 8 or 12 (signed), so a block is exactly 8-bit codes times a float32 scale
+``2 ** (s - 128)`` per 32 weights, the layout GGUF's IQ4_NL already rides on the quantized
+kernels (9 bits a weight in memory against bf16's 16).
 
 A block is 32 elements sharing one scale:
 - each element is FP4 E2M1: a sign bit, a 2-bit exponent (bias 1) and a 1-bit mantissa,
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.quantization.qweight import QuantizedWeight
+
 BLOCK = 32  # elements per shared scale
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -32,11 +38,7 @@ def fp4_e2m1_values() -> torch.Tensor:
     return sign * torch.where(exp == 0, man * 0.5, normal)
 
 
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]`` in
-    ``dtype`` (every value is exact in bf16 and float32 for scales within their range)."""
+def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and "
                          f"{scales.dtype}")  # fmt: skip
@@ -47,6 +49,29 @@ def dequantize_mxfp4(
         )
     if bool((scales == E8M0_NAN).any()):
         raise ValueError("MXFP4 scale 255 (NaN) in the checkpoint")
+
+
+def mxfp4_qweight(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """``blocks [N, G, 16]`` uint8 and ``scales [N, G]`` uint8 (one linear weight ``[N,
+    G * 32]``) -> codes ``[N, G * 32]`` int8 (twice each E2M1 value) and float32 scales
+    ``[N, G]`` (``2 ** (s - 128)``, exact down to s = 0's subnormal): ``codes * scales`` is
+    ``dequantize_mxfp4``'s float32 value bit for bit."""
+    _check(blocks, scales)
+    if blocks.dim() != 3:
+        raise ValueError(f"MXFP4 blocks of one weight are [N, G, 16], got {tuple(blocks.shape)}")
+    lut = (fp4_e2m1_values() * 2).to(torch.int8)  # [16]: 0, 1, 2, 3, 4, 6, 8, 12, -0, -1, ...
+    lo, hi = (blocks & 0x0F).long(), (blocks >> 4).long()  # [N, G, 16] even / odd elements
+    codes = torch.stack([lut[lo], lut[hi]], dim=-1).reshape(blocks.shape[0], -1)  # [N, G*32]
+    scale = torch.exp2(scales.double() - (E8M0_BIAS + 1)).float()  # [N, G], exact powers of 2
+    return QuantizedWeight(codes, scale, None, bits=8, group_size=BLOCK)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]`` in
+    ``dtype`` (every value is exact in bf16 and float32 for scales within their range)."""
+    _check(blocks, scales)
     lut = fp4_e2m1_values()
     lo, hi = (blocks & 0x0F).long(), (blocks >> 4).long()  # [..., G, 16] even / odd elements
     values = torch.stack([lut[lo], lut[hi]], dim=-1).flatten(-2)  # [..., G, 32]

@@ -144,6 +144,8 @@ class StreamingQuantizer:
         self.source: GGUFLinears | CheckpointLinears | None = source
         self.skip: set[str] = set()
         targets = linears(model)
+        if quant.method is Quantization.MXFP4:  # gpt-oss's experts only, as stored
+            targets = []  # (model/gpt_oss.py): its other linears stay in the model dtype
         if quant.method is Quantization.GGUF:
             from kvserve.quantization.gguf_weights import GGUFLinears
 

@@ -1,7 +1,8 @@
 """Native gpt-oss through the whole engine (C++ decode kernel with sinks, the default on a
 CPU): greedy tokens equal transformers' ``generate`` (float32) with chunked prefills, forced
 preemption and prefix-cache hits in one run (KV integrity checked every step), and with n-gram
-speculative decoding; int8/int4 experts give the tokens of their dequantized weights; bf16
+speculative decoding; int8/int4 experts give the tokens of their dequantized weights, and
+MXFP4 experts kept as stored those of the checkpoint dequantized at load; bf16
 with the fused C++ ops gives the plain path's tokens, and the C++ decode loop stays off."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from kvserve.config import Quantization
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.gpt_oss import GptOssForCausalLM
+from kvserve.ops import cpu_kernels
 from kvserve.quantization.apply import rtn_weight
 from tests.engine.test_moe_families import MAX_TOKENS, PROMPTS
 from tests.engine.test_native_families import Native
 from tests.engine.utils import run_engine_checked
+from tests.model.test_gpt_oss import write_mxfp4
 from tests.model.tiny_moe import GPT_OSS, WINDOW, make_moe_model
 
 
@@ -100,6 +103,25 @@ def test_quantized_experts_equal_dequantized(gpt_oss: Native, tmp_path: Path) ->
         experts = e.runner.model.layers[1].mlp.experts
         assert (experts.q_gate_up is not None) == (quant is not None)
     assert experts.down_bias is not None
+    assert outs[0] == outs[1]
+
+
+def test_mxfp4_experts_kept_equal_dequantized(gpt_oss: Native, tmp_path: Path) -> None:
+    """An MXFP4 checkpoint served with ``quantization="mxfp4"`` (the experts kept as stored,
+    through the C++ experts op) gives the tokens of the same checkpoint dequantized at load,
+    under preemption with KV checked every step."""
+    write_mxfp4(gpt_oss.path, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = []
+    for quant in ("mxfp4", None):
+        config = build_engine_config(str(tmp_path), dtype="float32", block_size=4,
+                                     num_kv_blocks=12, quantization=quant)  # fmt: skip
+        e = LLMEngine(config)
+        outs.append(run_engine_checked(e, PROMPTS, params))
+        assert e.stats()["num_preemptions"] > 0
+        experts = e.runner.model.layers[1].mlp.experts
+        assert (experts.q_gate_up is not None) == (quant is not None)
+        assert experts.use_kernel == cpu_kernels.available()
     assert outs[0] == outs[1]
 
 

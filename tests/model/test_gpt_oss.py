@@ -16,13 +16,14 @@ from transformers import PreTrainedModel
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-from kvserve.config import Quantization
+from kvserve.config import ModelConfig, Quantization, QuantizedActivations
 from kvserve.model.gpt_oss import GptOssForCausalLM, GptOssMoeBlock
 from kvserve.model.llama import RotaryEmbedding
 from kvserve.model.loader import load_model
 from kvserve.ops import cpu_kernels
 from kvserve.quantization.apply import QuantOptions
-from kvserve.quantization.mxfp4 import dequantize_mxfp4, fp4_e2m1_values
+from kvserve.quantization.mxfp4 import dequantize_mxfp4, fp4_e2m1_values, mxfp4_qweight
+from kvserve.quantization.qlinear import QuantLinear
 from tests.model.tiny_moe import GPT_OSS, WINDOW, make_moe_model, moe_config
 from tests.model.tiny_native import kvserve_logits
 
@@ -103,23 +104,20 @@ def _mxfp4_codes(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Te
     return blocks, scales
 
 
-def test_mxfp4_checkpoint_loads_dequantized(
-    gpt_oss: tuple[Path, PreTrainedModel], tmp_path: Path
-) -> None:
-    """A checkpoint whose experts are MXFP4 blocks and scales (``quant_method: mxfp4``, as
-    OpenAI's) gives the logits of transformers' model holding the same experts dequantized by
-    transformers' own converter (which also checks this dequantizer against it)."""
-    src, hf = gpt_oss
+def write_mxfp4(src: Path, dst: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """``src``'s checkpoint at ``dst`` with random MXFP4 experts (``quant_method: mxfp4``, as
+    OpenAI's): its config, transformers' dequantized ``[E, in, out]`` experts by name, and
+    each expert tensor's (blocks, scales)."""
     for f in src.iterdir():
         if f.suffix != ".safetensors":
-            shutil.copy(f, tmp_path / f.name)
+            shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (dst / "config.json").write_text(json.dumps(cfg))
     state = load_file(str(src / "model.safetensors"))
     gen = torch.Generator().manual_seed(11)
     e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
-    dense = {}
+    dense, stored = {}, {}
     for layer in range(cfg["num_hidden_layers"]):
         for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
             name = f"model.layers.{layer}.mlp.experts.{proj}"
@@ -127,9 +125,21 @@ def test_mxfp4_checkpoint_loads_dequantized(
             del state[name]
             state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
             dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            stored[name] = (blocks, scales)
             ours = dequantize_mxfp4(blocks, scales).transpose(1, 2)
             assert torch.equal(ours, dense[name])
-    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return cfg, dense, stored
+
+
+def test_mxfp4_checkpoint_loads_dequantized(
+    gpt_oss: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """A checkpoint whose experts are MXFP4 blocks and scales (``quant_method: mxfp4``, as
+    OpenAI's) gives the logits of transformers' model holding the same experts dequantized by
+    transformers' own converter (which also checks this dequantizer against it)."""
+    src, hf = gpt_oss
+    _, dense, _ = write_mxfp4(src, tmp_path)
     reference = type(hf)(hf.config).eval()
     reference.load_state_dict({**hf.state_dict(), **dense})
     model = load_model(tmp_path, torch.float32, "cpu", max_positions=64)
@@ -144,11 +154,71 @@ def test_mxfp4_checkpoint_loads_dequantized(
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], got)
 
 
+def test_mxfp4_qweight_is_the_dequantized_block_bit_for_bit() -> None:
+    """Every E2M1 code and every scale byte but NaN's: codes * scales == dequantize_mxfp4's
+    float32 values, codes twice the E2M1 values (integers), scales powers of two."""
+    codes = torch.arange(256, dtype=torch.uint8)  # every pair of E2M1 codes once
+    blocks = codes.repeat(255).reshape(255, 16, 16)  # [N 255, G 16, 16]
+    scales = torch.arange(255, dtype=torch.uint8).reshape(255, 1).expand(255, 16).contiguous()
+    qw = mxfp4_qweight(blocks, scales)
+    assert qw.bits == 8 and qw.group_size == 32 and qw.zeros is None
+    assert torch.equal(qw.dequantize(), dequantize_mxfp4(blocks, scales))
+    assert set(qw.codes.unique().tolist()) == {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8,
+                                               -12}  # fmt: skip
+    assert torch.equal(torch.log2(qw.scales[:, 0].double()), torch.arange(255.0) - 128)
+    with pytest.raises(ValueError, match="NaN"):
+        mxfp4_qweight(blocks[:1], torch.full((1, 16), 255, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+def test_mxfp4_experts_kept_as_stored(
+    gpt_oss: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """``--quantization mxfp4``: each expert is a quantized layer holding its blocks' values
+    exactly (the layer times an identity gives the dequantized weight, gate rows then up
+    rows, bit for bit), nothing else is quantized, and the logits are the dequantized
+    model's (another summation order: within float32 rounding)."""
+    src, _ = gpt_oss
+    cfg, _, stored = write_mxfp4(src, tmp_path)
+    dense = load_model(tmp_path, torch.float32, "cpu", max_positions=64)
+    keep = QuantOptions(Quantization.MXFP4, activations=QuantizedActivations.NONE)
+    kept = load_model(tmp_path, torch.float32, "cpu", max_positions=64, quant=keep)
+    e, layers = cfg["num_local_experts"], cfg["num_hidden_layers"]
+    report = kept.quant_report  # type: ignore[attr-defined]
+    assert report.method == "mxfp4" and report.layers == 2 * e * layers
+    assert not any(isinstance(m, QuantLinear) for m in kept.layers[0].self_attn.modules())
+    for layer in range(layers):
+        experts = kept.layers[layer].mlp.experts
+        assert experts.gate_up_proj.numel() == 0  # the dense stacks were never kept
+        for proj, q in (("gate_up_proj", experts.q_gate_up), ("down_proj", experts.q_down)):
+            blocks, scales = stored[f"model.layers.{layer}.mlp.experts.{proj}"]
+            for i in range(e):
+                want = dequantize_mxfp4(blocks[i], scales[i])  # [rows, cols]
+                if proj == "gate_up_proj":
+                    want = torch.cat([want[0::2], want[1::2]])
+                assert isinstance(q[i], QuantLinear) and q[i].path == "kernel"
+                got = q[i](torch.eye(want.shape[1])).t()  # [rows, cols]
+                assert torch.equal(got, want), (layer, proj, i)
+    want = kvserve_logits(dense, IDS, 9, True)
+    torch.testing.assert_close(kvserve_logits(kept, IDS, 9, True), want, atol=1e-5, rtol=1e-5)
+
+
+def test_mxfp4_refused_elsewhere(gpt_oss: tuple[Path, PreTrainedModel]) -> None:
+    """mxfp4 keeps MXFP4 experts; a checkpoint without them is refused by name, and so is
+    the LM head flag with it."""
+    src, _ = gpt_oss
+    with pytest.raises(ValueError, match="not a gpt-oss checkpoint with MXFP4 experts"):
+        load_model(src, torch.float32, "cpu", 64, quant=QuantOptions(Quantization.MXFP4))
+    with pytest.raises(ValueError, match="quantization_lm_head is not for quantization 'mxfp4'"):
+        ModelConfig(str(src), quantization="mxfp4", quantization_lm_head=True)
+
+
 def test_quantization_refused() -> None:
-    """int8/int4 RTN run (tests/engine/test_gpt_oss.py); the others are refused by name."""
+    """int8/int4 RTN and mxfp4 run (tests/engine/test_gpt_oss.py, above); the others are
+    refused by name."""
     for method in Quantization:
         reason = GptOssForCausalLM.quantization_refusal(method)
-        if method in (Quantization.INT8, Quantization.INT4):
+        if method in (Quantization.INT8, Quantization.INT4, Quantization.MXFP4):
             assert reason is None
         else:
             assert reason is not None and "gpt-oss" in reason and "MXFP4" in reason
