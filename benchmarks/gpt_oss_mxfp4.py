@@ -9,8 +9,8 @@ codes, scales 2^-7 .. 2^-4), the rest random bf16. Then, per setting and in a fr
 load time, the process's peak RSS (VmHWM) and RSS after loading, and output tok/s of one
 ``generate`` of ``c`` random 32-token prompts, 32 tokens each (greedy, ``ignore_eos``), at
 each ``--concurrency``, best of ``--repeats``; plus the first prompt's tokens (the settings'
-weights are the same values: at float32 activations the tokens agree; with int8 activations,
-auto on VNNI CPUs, they may part).
+weights are the same values; with int8 activations, auto on VNNI CPUs for bf16, the tokens
+part; ``mxfp4-act-none`` multiplies the exact weights by the bf16 activations).
 
     python benchmarks/gpt_oss_mxfp4.py --layers 4 --out benchmarks/results/gpt_oss_mxfp4.json
 """
@@ -29,7 +29,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-SETTINGS = {"dequantized": None, "mxfp4": "mxfp4"}
+# name -> (--quantization, --quantization-activations)
+SETTINGS = {"dequantized": (None, "auto"), "mxfp4": ("mxfp4", "auto"),
+            "mxfp4-act-none": ("mxfp4", "none")}  # fmt: skip
 STD = 0.02
 
 
@@ -111,14 +113,15 @@ def write_checkpoint(folder: Path, layers: int) -> Path:
     return folder
 
 
-def measure(path: str, quant: str | None, concurrency: list[int], repeats: int) -> dict:
+def measure(path: str, quant: tuple[str | None, str], concurrency: list[int], repeats: int) -> dict:
     """One setting, in this (fresh) process."""
     import torch
 
     from kvserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(path, dtype="bfloat16", quantization=quant, max_model_len=128,
+    llm = LLM(path, dtype="bfloat16", quantization=quant[0], quantization_activations=quant[1],
+              max_model_len=128,
               kv_cache_memory="512MiB", max_num_seqs=max(concurrency))  # fmt: skip
     load_s = time.perf_counter() - t0
     status = Path("/proc/self/status").read_text()
@@ -174,9 +177,10 @@ def main() -> None:
             + ", ".join(f"c={c} {r[f'tok_s_c{c}']:.1f} tok/s" for c in conc),
             flush=True,
         )
-    same = results["dequantized"]["first_tokens"] == results["mxfp4"]["first_tokens"]
-    results["first_tokens_equal"] = same
-    print(f"first prompt's tokens equal: {same}")
+    for name in ("mxfp4", "mxfp4-act-none"):
+        same = results["dequantized"]["first_tokens"] == results[name]["first_tokens"]
+        results[f"first_tokens_equal_{name}"] = same
+        print(f"first prompt's tokens, {name} == dequantized: {same}")
     if args.out is not None:
         from benchmarks.machine import machine_info
 
