@@ -201,21 +201,44 @@ def async_engine(tiny_llama: Path) -> Iterator[AsyncLLMEngine]:
     engine.shutdown()
 
 
+class LayerHold:
+    """Holds the engine's next forward of its first layer, once armed, until released: a
+    step in flight at a known place (the engine thread waits in the hook)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.armed = False
+        engine.runner.model.layers[0].register_forward_hook(self._hold)  # type: ignore[union-attr]
+
+    def _hold(self, *_: object) -> None:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            assert self.go.wait(30)
+
+    async def arm_and_wait(self) -> None:
+        self.armed = True
+        assert await asyncio.to_thread(self.entered.wait, 30)
+
+
+def tokens_alone(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    """Each request's tokens on a fresh engine of the same config, without interruptions."""
+    alone = LLMEngine(engine.config)
+    for rid, prompt, sp in requests:
+        alone.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    done = {}
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
 def test_an_online_request_gives_the_background_step_up(async_engine: AsyncLLMEngine) -> None:
     """A background step held in its first layer until an online request is queued: it is
     given up at the next layer, and both requests get the tokens they get alone."""
     engine = async_engine.engine
-    layer0 = engine.runner.model.layers[0]  # type: ignore[union-attr]
-    entered, go = threading.Event(), threading.Event()
-    armed = {"on": False}
-
-    def hold(*_: object) -> None:
-        if armed["on"]:
-            armed["on"] = False
-            entered.set()
-            assert go.wait(30)
-
-    layer0.register_forward_hook(hold)
+    hold = LayerHold(engine)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
@@ -223,25 +246,17 @@ def test_an_online_request_gives_the_background_step_up(async_engine: AsyncLLMEn
         batch = async_engine.generate({"prompt_token_ids": PROMPTS[3]}, long, "b",
                                       background=True)  # fmt: skip
         first = await batch.__anext__()  # decoding now
-        armed["on"] = True
-        assert await asyncio.to_thread(entered.wait, 30)
+        await hold.arm_and_wait()
         online = async_engine.generate({"prompt_token_ids": PROMPTS[0]}, short, "o")
         assert engine.step_interrupt.is_set()
-        go.set()
+        hold.go.set()
         outs = [o async for o in online]
         rest = [o async for o in batch]
         return outs[-1].outputs[0].token_ids, (rest or [first])[-1].outputs[0].token_ids
 
     online_ids, batch_ids = asyncio.run(main())
     assert engine.scheduler.stats.num_background_steps_interrupted == 1
-    alone = LLMEngine(engine.config)
-    for rid, p, sp in (("o", PROMPTS[0], short), ("b", PROMPTS[3], long)):
-        alone.add_request(rid, {"prompt_token_ids": p}, sp)
-    done = {}
-    while alone.has_unfinished_requests():
-        for out in alone.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = tokens_alone(engine, [("o", PROMPTS[0], short), ("b", PROMPTS[3], long)])
     assert online_ids == done["o"] and batch_ids == done["b"]
 
 
@@ -255,17 +270,7 @@ def test_a_step_of_an_aborted_request_gives_way(
     row left and is given up, so "o" starts one layer later, with the tokens it gets alone.
     A step whose online row is still wanted runs to its end."""
     engine = async_engine.engine
-    layer0 = engine.runner.model.layers[0]  # type: ignore[union-attr]
-    entered, go = threading.Event(), threading.Event()
-    armed = {"on": False}
-
-    def hold(*_: object) -> None:
-        if armed["on"]:
-            armed["on"] = False
-            entered.set()
-            assert go.wait(30)
-
-    layer0.register_forward_hook(hold)
+    hold = LayerHold(engine)
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
@@ -279,8 +284,7 @@ def test_a_step_of_an_aborted_request_gives_way(
             await batch.__anext__()
         first = async_engine.generate({"prompt_token_ids": PROMPTS[1]}, long, "a")
         await first.__anext__()  # "a" decodes from now on
-        armed["on"] = True
-        assert await asyncio.to_thread(entered.wait, 30)
+        await hold.arm_and_wait()
         # the engine thread waits in the hook: steps given up so far (the batch line's, when
         # "a" arrived during one) are not this test's
         counts["before"] = engine.scheduler.stats.num_background_steps_interrupted
@@ -288,7 +292,7 @@ def test_a_step_of_an_aborted_request_gives_way(
             async_engine.abort("a")  # the client closed it at its first token
         online = async_engine.generate({"prompt_token_ids": PROMPTS[0]}, short, "o")
         assert engine.step_interrupt.is_set() == abort
-        go.set()
+        hold.go.set()
         outs = [o async for o in online]
         if not abort:
             assert len([o async for o in first][-1].outputs[0].token_ids) == 20
@@ -299,11 +303,5 @@ def test_a_step_of_an_aborted_request_gives_way(
     online_tokens = asyncio.run(main())
     given_up = engine.scheduler.stats.num_background_steps_interrupted - counts["before"]
     assert given_up == int(abort)
-    alone = LLMEngine(engine.config)
-    alone.add_request("o", {"prompt_token_ids": PROMPTS[0]}, short)
-    done = {}
-    while alone.has_unfinished_requests():
-        for out in alone.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert online_tokens == done["o"] and len(online_tokens) == 5
+    assert online_tokens == tokens_alone(engine, [("o", PROMPTS[0], short)])["o"]
+    assert len(online_tokens) == 5
