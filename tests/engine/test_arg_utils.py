@@ -222,7 +222,7 @@ def test_llm_refuses_unknown_and_unsupported_keywords() -> None:
         LLM(quantization="bitsandbytes")
     assert str(e.value) == (
         "quantization must be one of ['int8', 'int4', 'gguf', 'compressed-tensors', 'awq', "
-        "'gptq'], got 'bitsandbytes'"
+        "'gptq', 'mxfp4'], got 'bitsandbytes'"
     )
 
 
