@@ -214,7 +214,8 @@ def load_model(
         model.quant_report = report  # type: ignore[attr-defined]
     where = {
         "native": not on_transformers_backend(cls),
-        "quantized": quant is not None and quant.method is not None,
+        # mxfp4 quantizes gpt-oss's experts only: its linear layers stay dense (packable)
+        "quantized": quant is not None and quant.method not in (None, Quantization.MXFP4),
         "tp": tp.world_size if tp is not None else 1,
     }
     wide = resolve_weight_dtype(

@@ -16,10 +16,11 @@ from transformers import PreTrainedModel
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-from kvserve.config import ModelConfig, Quantization, QuantizedActivations
+from kvserve.config import CpuLinearKernel, ModelConfig, Quantization, QuantizedActivations
 from kvserve.model.gpt_oss import GptOssForCausalLM, GptOssMoeBlock
 from kvserve.model.llama import RotaryEmbedding
 from kvserve.model.loader import load_model
+from kvserve.model.wide_linear import WideLinear, bf16_kernel_linears
 from kvserve.ops import cpu_kernels
 from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.mxfp4 import dequantize_mxfp4, fp4_e2m1_values, mxfp4_qweight
@@ -201,6 +202,13 @@ def test_mxfp4_experts_kept_as_stored(
                 assert torch.equal(got, want), (layer, proj, i)
     want = kvserve_logits(dense, IDS, 9, True)
     torch.testing.assert_close(kvserve_logits(kept, IDS, 9, True), want, atol=1e-5, rtol=1e-5)
+    # in bf16 the linears stay dense, so they take the packed bf16 layout where a dense
+    # model's would (AVX512-BF16 kernels, no AMX), oneDNN's packing elsewhere
+    bf16 = load_model(tmp_path, torch.bfloat16, "cpu", 64, prepack=True, quant=keep)
+    packed = bf16_kernel_linears(CpuLinearKernel.AUTO, torch.bfloat16, torch.device("cpu"),
+                                 native=True, quantized=False, tp=1)  # fmt: skip
+    qkv = bf16.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, WideLinear) == packed, type(qkv)
 
 
 def test_mxfp4_refused_elsewhere(gpt_oss: tuple[Path, PreTrainedModel]) -> None:
