@@ -57,7 +57,6 @@ class StepInterrupt:
         self._online_waits = False  # an online request was queued since the last take
         self._aborted: set[str] = set()  # requests aborted since the last take (not yet applied)
         self._live: set[str] | None = None  # the step in flight's online rows still wanted
-        self.count = 0  # steps given up so far (the engine's stat)
 
     def set(self) -> None:
         """An online request was queued (the submitting thread)."""
