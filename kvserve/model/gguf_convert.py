@@ -1,5 +1,6 @@
 """Convert a GGUF file (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``,
-``phi3``) into a plain Hugging Face model folder.
+``phi3``, ``qwen2moe``, ``qwen3moe``, ``olmoe``, ``gpt-oss``) into a plain Hugging Face model
+folder.
 
 kvserve's model code only ever loads ordinary Hugging Face folders (``config.json`` +
 ``model.safetensors`` + tokenizer files). GGUF files — in particular the built-in SmolLM2 model
@@ -59,6 +60,7 @@ from kvserve.model.gguf_metadata import (
     SUPPORTED_ARCHITECTURES,
     LlamaHParams,
     build_config_dict,
+    eos_token_ids,
     read_architecture,
     read_hparams,
     write_json,
@@ -230,7 +232,7 @@ def _write_model(gguf_path: Path, work_dir: Path) -> None:
     write_json(work_dir / "config.json", build_config_dict(hp))
     generation = {
         "bos_token_id": hp.bos_token_id,
-        "eos_token_id": hp.eos_token_id,
+        "eos_token_id": eos_token_ids(reader, hp),
         "pad_token_id": hp.pad_token_id,
     }
     write_json(

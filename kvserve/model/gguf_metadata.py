@@ -29,6 +29,8 @@ from kvserve.model.gguf_rope import llama3_rope_scaling
 # q/k/v and gate/up (gguf_convert). A phi3 file with a sliding window is written as Mistral
 # (Llama with a window on every layer, as transformers' Phi3 applies it); a llama file with
 # experts (`llama.expert_count`) as Mixtral. olmoe's q/k norms span the whole projection.
+# gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE): attention sinks, biases, a biased router, every
+# 2nd layer global, YaRN, its experts usually MXFP4 blocks (kept by --quantization gguf).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -40,9 +42,13 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # MoE architectures whose files must name their experts (`{arch}.expert_count`)
-_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")
+GPT_OSS = "gpt-oss"
+# llama.cpp's YaRN betas when the file names none (llama_context's cparams defaults)
+_YARN_BETAS = (32.0, 1.0)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's gemma2 / gemma3 27B shapes (by layer count) scale queries by hidden / heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -151,10 +157,7 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
     if rope_scaling is not None and scaling_type not in (None, "none"):
         raise ValueError(f"GGUF has both rope_freqs.weight and rope scaling {scaling_type!r}")
     if scaling_type not in (None, "none"):
-        factor = _field(reader, f"{arch}.rope.scaling.factor")
-        if scaling_type != "linear" or factor is None:
-            raise ValueError(f"unsupported rope scaling {scaling_type!r} in GGUF")
-        rope_scaling = {"rope_type": "linear", "factor": float(factor)}
+        rope_scaling = _rope_scaling(reader, arch, str(scaling_type))
 
     def optional_int(key: str) -> int | None:
         value = _field(reader, key)
@@ -162,6 +165,8 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
 
     extra = {**_family_extra(reader, arch, hidden // n_head, head_dim), **_moe_extra(reader, arch)}
     ffn = _field(reader, f"{arch}.feed_forward_length") or extra.get("moe_intermediate_size")
+    if arch == GPT_OSS:  # its experts' size (llama.cpp's graph reads this key only)
+        ffn = _require(reader, f"{arch}.expert_feed_forward_length")
     if ffn is None:
         raise ValueError(f"GGUF metadata is missing required key '{arch}.feed_forward_length'")
     return LlamaHParams(
@@ -186,6 +191,32 @@ def read_hparams(reader: GGUFLike) -> LlamaHParams:
     )
 
 
+def _rope_scaling(reader: GGUFLike, arch: str, scaling_type: str) -> dict[str, Any]:
+    """``{arch}.rope.scaling.*`` as transformers' ``rope_scaling``: linear, or YaRN with
+    llama.cpp's defaults for what the file leaves out. gpt-oss's YaRN keeps its correction
+    range unrounded (``truncate: False``, as OpenAI's config and transformers compute it;
+    llama.cpp's ``ggml_rope_yarn_corr_dims`` rounds it outwards, a small difference on the
+    few frequencies at its edges); the other families round it, as both do."""
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None or scaling_type not in ("linear", "yarn"):
+        raise ValueError(f"unsupported rope scaling {scaling_type!r} in GGUF")
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    for key in ("yarn_ext_factor", "yarn_attn_factor", "attn_factor", "yarn_log_multiplier"):
+        value = _field(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None and float(value) not in (1.0, -1.0):  # -1: llama.cpp's "unset"
+            raise ValueError(f"GGUF YaRN with rope.scaling.{key} {value} is not supported")
+    fast, slow = _YARN_BETAS
+    return {
+        "rope_type": "yarn", "factor": float(factor),
+        "original_max_position_embeddings": int(
+            _require(reader, f"{arch}.rope.scaling.original_context_length")),
+        "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", fast)),
+        "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", slow)),
+        "truncate": arch != GPT_OSS,
+    }  # fmt: skip
+
+
 def _llama3_scaling(reader: GGUFLike, theta: float, head_dim: int) -> dict[str, Any] | None:
     """Llama 3's rope scaling solved from ``rope_freqs.weight`` (``gguf_rope``), or None."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -203,6 +234,8 @@ def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: i
     window = int(window) if window else None
     if arch == "phi3":
         return {} if window is None else {"sliding_window": window}
+    if arch == GPT_OSS:
+        return _gpt_oss_extra(reader, window)
     if arch not in ("gemma2", "gemma3"):
         return {}
     layers = int(_require(reader, f"{arch}.block_count"))
@@ -224,6 +257,21 @@ def _family_extra(reader: GGUFLike, arch: str, hidden_per_head: int, head_dim: i
     if pattern is not None:  # else transformers' default, as llama.cpp's runtime assumes it
         extra["layer_types"] = _layer_types(pattern, layers)
     return extra
+
+
+def _gpt_oss_extra(reader: GGUFLike, window: int | None) -> dict[str, Any]:
+    """gpt-oss's window and which layers slide (the file's pattern, else every 2nd layer
+    global, as llama.cpp's ``load_swa_pattern(ml, 2)``); one RoPE base for both kinds."""
+    arch = GPT_OSS
+    if window is None:
+        raise ValueError(f"GGUF metadata is missing required key '{arch}.attention.sliding_window'")
+    base, swa_base = (_field(reader, f"{arch}.rope.{k}") for k in ("freq_base", "freq_base_swa"))
+    if swa_base is not None and float(swa_base) != float(base or 10000.0):
+        raise ValueError(f"gpt-oss GGUF with its own sliding layers' RoPE base ({swa_base}) is "
+                         "not supported")  # fmt: skip
+    layers = int(_require(reader, f"{arch}.block_count"))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2)
+    return {"sliding_window": window, "layer_types": _layer_types(pattern, layers)}
 
 
 def _layer_types(pattern: Any, layers: int) -> list[str]:
@@ -251,6 +299,8 @@ def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:
     if arch not in ("llama", *_MOE_ARCHS):
         raise ValueError(f"{arch} GGUF with experts ({arch}.expert_count) is not supported")
     used = int(_require(reader, f"{arch}.expert_used_count"))
+    if arch == GPT_OSS:  # softmax over the top-k logits: llama.cpp's SOFTMAX_WEIGHT gating
+        return {"num_local_experts": int(experts), "num_experts_per_tok": used}
     if arch == "llama":  # Mixtral
         return {"num_local_experts": int(experts), "num_experts_per_tok": used}
     norm = _field(reader, f"{arch}.expert_weights_norm")
@@ -267,6 +317,22 @@ def _moe_extra(reader: GGUFLike, arch: str) -> dict[str, Any]:
         key = f"{arch}.expert_shared_feed_forward_length"
         extra["shared_expert_intermediate_size"] = int(_require(reader, key))
     return extra
+
+
+# harmony's end-of-generation tokens: gpt-oss's own generation_config.json lists them, and
+# llama.cpp's vocabulary (llama-vocab.cpp) ends generation on them in gpt-oss files; not on
+# <|end|>, which closes a message (the analysis channel) the model goes on after
+_GPT_OSS_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
+
+
+def eos_token_ids(reader: GGUFLike, hp: LlamaHParams) -> int | list[int] | None:
+    """``generation_config.json``'s ``eos_token_id``: the file's eos, and for gpt-oss every
+    harmony stop token its vocabulary has (eos first)."""
+    tokens = _field(reader, "tokenizer.ggml.tokens") if hp.architecture == GPT_OSS else None
+    if hp.eos_token_id is None or tokens is None:
+        return hp.eos_token_id
+    stops = [i for i, t in enumerate(tokens) if t in _GPT_OSS_STOPS]
+    return list(dict.fromkeys([hp.eos_token_id, *stops]))
 
 
 def hf_architecture(hp: LlamaHParams) -> str:
@@ -307,6 +373,10 @@ def _config_class(hp: LlamaHParams) -> tuple[type, dict[str, Any]]:
                                              **hp.extra}  # fmt: skip
     if arch == "olmoe":  # whole-projection q/k norms and no biases are built in
         return transformers.OlmoeConfig, dict(hp.extra)
+    if arch == GPT_OSS:  # biases everywhere; llama.cpp's SwiGLU alpha and limit are the
+        # config's defaults (1.702, 7.0: hard-coded in its graph)
+        return transformers.GptOssConfig, {"head_dim": hp.head_dim, "attention_bias": True,
+                                           **hp.extra}  # fmt: skip
     if hf_architecture(hp) == "MistralForCausalLM":
         return transformers.MistralConfig, {"head_dim": hp.head_dim, **hp.extra}
     if hf_architecture(hp) == "MixtralForCausalLM":  # no window: llama.cpp's llama graph
@@ -375,9 +445,8 @@ def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     arch = read_architecture(reader)
     # transformers' AutoTokenizer refuses a GGUF whose architecture its model loader lacks
     # (gemma 1, olmoe), though its GGUF tokenizer builder takes any: name the class for those.
-    tokenizer_class = {"gemma": GemmaTokenizer, "olmoe": PreTrainedTokenizerFast}.get(
-        arch, AutoTokenizer
-    )
+    tokenizer_class = {"gemma": GemmaTokenizer, "olmoe": PreTrainedTokenizerFast,
+                       GPT_OSS: PreTrainedTokenizerFast}.get(arch, AutoTokenizer)  # fmt: skip
     tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -64,12 +64,29 @@ _MIXTRAL_MAP = {
     "ffn_up_exps": _L + "block_sparse_moe.experts.{e}.w3.weight",
     "ffn_down_exps": _L + "block_sparse_moe.experts.{e}.w2.weight",
 }
+# gpt-oss: sinks, biases on every projection and the router, a post-attention norm in place
+# of ffn_norm; each stacked bias [E, rows] goes whole to FusedExperts (``*_proj_bias``)
+_GPT_OSS_MAP = {
+    **BLOCK_TENSOR_MAP,
+    "post_attention_norm": _L + "post_attention_layernorm.weight",
+    "attn_sinks": _L + "self_attn.sinks",
+    "ffn_gate_inp": _L + "mlp.router.weight",
+    "ffn_gate_exps": _L + "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps": _L + "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps": _L + "mlp.experts.{e}.down_proj.weight",
+    "ffn_gate_exps.bias": _L + "mlp.experts.gate_proj_bias",
+    "ffn_up_exps.bias": _L + "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": _L + "mlp.experts.down_proj_bias",
+}
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm")
 _LLAMA_KINDS = (*_ATTN, "ffn_gate", "ffn_up", "ffn_down")
 _GEMMA2_KINDS = (*_LLAMA_KINDS, "post_attention_norm", "post_ffw_norm")
 _QKV_BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _EXPERTS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+_GPT_OSS_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "post_attention_norm",
+                  *_QKV_BIAS, "attn_output.bias", "attn_sinks", *_EXPERTS,
+                  *(f"{k}.bias" for k in _EXPERTS))  # fmt: skip
 # The per-block tensors each architecture has, all of them required (gguf.constants'
 # MODEL_TENSORS less the optional rope_freqs / rope_factors: read_hparams turns a llama
 # file's rope_freqs into Llama 3's rope scaling and refuses the others).
@@ -85,6 +102,7 @@ _ARCH_BLOCK_KINDS: dict[str, tuple[str, ...]] = {
     "qwen3moe": (*_ATTN, "attn_q_norm", "attn_k_norm", *_EXPERTS),
     "olmoe": (*_ATTN, "attn_q_norm", "attn_k_norm", *_EXPERTS),
     "llama+experts": (*_ATTN, *_EXPERTS),  # Mixtral: a llama file with llama.expert_count
+    "gpt-oss": _GPT_OSS_KINDS,
 }
 _PHI3_FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}
 GLOBAL_TENSOR_MAP: dict[str, str] = {
@@ -165,14 +183,16 @@ def _names(hp: LlamaHParams) -> dict[str, str]:
         return _GEMMA23_MAP
     if family in ("qwen2moe", "qwen3moe", "olmoe"):
         return _QWEN_MOE_MAP
+    if family == "gpt-oss":
+        return _GPT_OSS_MAP
     return _MIXTRAL_MAP if family == "llama+experts" else BLOCK_TENSOR_MAP
 
 
 def block_hf_name(hp: LlamaHParams, kind: str, layer: int, expert: int = 0) -> str:
     """HF name of block tensor ``kind`` (``attn_q``, ``attn_q.bias``, ...) of ``layer``."""
     names = _names(hp)
-    if kind.endswith(".bias"):
-        weight = names[kind.removesuffix(".bias")].format(i=layer)
+    if kind.endswith(".bias") and kind not in names:  # else a name of its own (gpt-oss's
+        weight = names[kind.removesuffix(".bias")].format(i=layer)  # stacked expert biases)
         return weight.removesuffix("weight") + "bias"
     return names[kind].format(i=layer, e=expert)
 
@@ -200,6 +220,9 @@ def expected_shapes(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         "ffn_down": (h, hp.intermediate_size),
         "attn_norm": (h,), "ffn_norm": (h,), "post_attention_norm": (h,), "post_ffw_norm": (h,),
         "attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,),
+        "attn_output.bias": (h,), "attn_sinks": (hp.num_attention_heads,),
+        "ffn_gate_inp.bias": (experts,), "ffn_gate_exps.bias": (experts, inter),
+        "ffn_up_exps.bias": (experts, inter), "ffn_down_exps.bias": (experts, h),
         "attn_q_norm": (q_norm,), "attn_k_norm": (k_norm,),
         "ffn_gate_inp": (experts, h),
         "ffn_gate_exps": (inter, h), "ffn_up_exps": (inter, h), "ffn_down_exps": (h, inter),
@@ -245,7 +268,7 @@ def _check_dequantizable(tensor: ReaderTensor) -> None:
 
 def _parts(hp: LlamaHParams, kind: str, shapes: dict) -> list[tuple[str, int, tuple[int, ...]]]:
     """The HF tensors GGUF tensor ``kind`` holds, in row order: (kind, expert, shape)."""
-    if kind.endswith("_exps"):
+    if kind.endswith("_exps"):  # each expert a run of rows (a stacked bias goes whole)
         return [(kind, e, shapes[kind]) for e in range(moe_sizes(hp)[0])]
     if hp.architecture == "phi3" and kind in _PHI3_FUSED:
         return [(p, 0, shapes[p]) for p in _PHI3_FUSED[kind]]

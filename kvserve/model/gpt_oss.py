@@ -21,7 +21,10 @@ it:
   store the experts in MXFP4 (``*_blocks``/``*_scales``, ``[E, rows, cols]`` orientation):
   they are dequantized to the model dtype at load (``quantization/mxfp4.py``), or with
   ``--quantization mxfp4`` (vLLM's name) kept as stored, each expert a quantized layer of exact
-  8-bit codes and a power-of-two scale per 32 weights (``mxfp4_qweight``).
+  8-bit codes and a power-of-two scale per 32 weights (``mxfp4_qweight``). llama.cpp's
+  GGUF files (``gpt-oss``) hold each expert's gate, up and down separately, their biases
+  likewise (``gguf_names``); ``--quantization gguf`` keeps their MXFP4 blocks as the same
+  codes and scales (``gguf_blocks``).
 
 Numbers: in float32 every step is transformers'; in bf16 transformers keeps the RMSNorm
 weights in float32 (``_keep_in_fp32_modules``) and takes the router and attention softmaxes in
@@ -55,6 +58,9 @@ _EXPERTS = re.compile(
     r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$"
 )
 _SINKS = re.compile(r"^layers\.\d+\.self_attn\.sinks$")
+# a GGUF's stacked expert biases, one projection each (gguf_names; its expert matrices come
+# one expert at a time under the other MoE families' names, ``MoEForCausalLM``'s stream)
+_PART_BIAS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate|up|down)_proj_bias$")
 
 
 def load_stacked_experts(experts: FusedExperts, name: str, tensor: torch.Tensor) -> None:
@@ -112,15 +118,16 @@ class GptOssForCausalLM(MoEForCausalLM):
     @staticmethod
     def quantization_refusal(method: Quantization | None) -> str | None:
         """int8/int4 round-to-nearest run (the experts' matrices as the other families', their
-        biases kept in the model dtype), and mxfp4 keeps an MXFP4 checkpoint's experts as
-        stored; GGUF and pre-quantized checkpoints do not."""
-        if method is None or method in RTN_METHODS or method is Quantization.MXFP4:
+        biases kept in the model dtype), mxfp4 keeps an MXFP4 checkpoint's experts as stored
+        and gguf a GGUF's blocks; pre-quantized checkpoints do not."""
+        allowed = (Quantization.MXFP4, Quantization.GGUF)
+        if method is None or method in RTN_METHODS or method in allowed:
             return None
         return (
-            "only int8/int4 round-to-nearest at load and mxfp4 (an MXFP4 checkpoint's experts "
-            "as stored) are implemented for gpt-oss's experts, not GGUF or pre-quantized "
-            "(compressed-tensors, AWQ, GPTQ) checkpoints; without mxfp4 its MXFP4 checkpoints "
-            "load dequantized to the model dtype"
+            "only int8/int4 round-to-nearest at load, mxfp4 (an MXFP4 checkpoint's experts "
+            "as stored) and a GGUF's own blocks are implemented for gpt-oss's experts, not "
+            "pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoints; without mxfp4 its "
+            "MXFP4 checkpoints load dequantized to the model dtype"
         )
 
     def make_layer(self, config: PretrainedConfig, arch: str, layer: int) -> nn.Module:
@@ -134,6 +141,7 @@ class GptOssForCausalLM(MoEForCausalLM):
         """Llama's loading, with the sinks (this rank's heads) and the stacked experts (dense
         or MXFP4) taken out of the stream and copied into place here."""
         self._extra_loaded: set[str] = set()  # bias and sink parameters loaded here
+        self._bias_parts: dict[str, set[str]] = {}  # a GGUF's expert biases loaded, by layer
         self._mxfp4: dict[str, torch.Tensor] = {}  # a *_blocks or *_scales awaiting its pair
         # --quantization mxfp4: a layer's quantized experts of one projection, awaiting the other
         self._mxfp4_layers: dict[str, dict[str, list[nn.Module]]] = {}
@@ -145,11 +153,20 @@ class GptOssForCausalLM(MoEForCausalLM):
     def _expert_stream(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """gpt-oss's own tensors taken here; per-expert matrices (a GGUF's) go on to the
+        other MoE families' stream, the rest to Llama's loading."""
+        return super()._expert_stream(self._gpt_oss_stream(weights))
+
+    def _gpt_oss_stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            m = _EXPERTS.match(name)
+            m, bias = _EXPERTS.match(name), _PART_BIAS.match(name)
             if _SINKS.match(name):
                 self._load_sinks(name, tensor)
+            elif bias is not None:
+                self._load_part_bias(bias[1], bias[2], tensor)
             elif m is None:
                 yield name, tensor
             elif m[3] in ("_blocks", "_scales"):
@@ -166,6 +183,18 @@ class GptOssForCausalLM(MoEForCausalLM):
                              f"({h * self.tp.world_size},)")  # fmt: skip
         attn.sinks.copy_(tensor.narrow(0, self.tp.rank * h, h))
         self._extra_loaded.add(name)
+
+    def _load_part_bias(self, module: str, part: str, tensor: torch.Tensor) -> None:
+        """One projection's biases of every expert, ``[E, I]`` (gate, up) or ``[E, H]``."""
+        experts = self.get_submodule(module)
+        assert isinstance(experts, FusedExperts)
+        experts.load_bias(part, tensor)
+        done = self._bias_parts.setdefault(module, set())
+        done.add(part)
+        if "down" in done:
+            self._extra_loaded.add(f"{module}.down_bias")
+        if {"gate", "up"} <= done:
+            self._extra_loaded.add(f"{module}.gate_up_bias")
 
     def _take_mxfp4(self, module: str, proj: str, part: str, tensor: torch.Tensor) -> None:
         """Hold a ``*_blocks`` or ``*_scales`` tensor until its pair arrives, then dequantize

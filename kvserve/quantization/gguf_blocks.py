@@ -19,6 +19,12 @@ bit (tests/quantization/test_gguf_weights.py holds every type to it):
 | Q6_K | 16 (of 256) | q - 32 in [-32, 31] (int8) | (d * sc) * (q - 32) | float32 |
 | IQ4_NL | 32 | kvalues[q] in [-127, 113] (int8) | d * kvalues[q] | float16 d |
 | IQ4_XS | 32 (of 256) | kvalues[q] (int8) | (d * (ls - 32)) * kvalues[q] | float32 |
+| MXFP4 | 32 | 2 * E2M1[q] in [-12, 12] (int8) | d * (2 * E2M1[q]) | float32 d = 2^(e - 128) |
+
+MXFP4 (gpt-oss's experts: one E8M0 byte per 32 values, ``e8m0_to_fp32_half``) holds its
+values exactly as ``quantization/mxfp4.mxfp4_qweight`` holds a safetensors checkpoint's (the
+same codes and scales; only the nibble order within a block differs: low nibbles are elements
+0..15 here, even elements there).
 
 The 5-bit types and the IQ4 lookups ride the int8 codes, the 2- and 3-bit K-quants the int4
 ones: the kernels' tests cover each (bits, group, zeros) combination used here. Where the
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from gguf.quants import IQ4_NL, Q4_K
+from gguf.quants import IQ4_NL, MXFP4, Q4_K
 
 T = GGMLQuantizationType
 
@@ -41,11 +47,12 @@ T = GGMLQuantizationType
 LAYOUTS: dict[T, tuple[int, int]] = {
     T.Q8_0: (32, 8), T.Q4_0: (32, 4), T.Q4_1: (32, 4), T.Q5_0: (32, 8), T.Q5_1: (32, 8),
     T.Q2_K: (16, 4), T.Q3_K: (16, 4), T.Q4_K: (32, 4), T.Q5_K: (32, 8), T.Q6_K: (16, 8),
-    T.IQ4_NL: (32, 8), T.IQ4_XS: (32, 8),
+    T.IQ4_NL: (32, 8), T.IQ4_XS: (32, 8), T.MXFP4: (32, 8),
 }  # fmt: skip
 SUPPORTED_TYPES = tuple(LAYOUTS)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)  # IQ4's 16 non-linear levels
+_E2M1X2 = np.array(MXFP4.kvalues, dtype=np.int8)  # twice the 16 FP4 E2M1 values
 
 # A K-quant's two levels (qweight.SuperScales): d [nb] float16, sc [nb, groups] int8, and
 # dmin, m likewise or None
@@ -172,6 +179,12 @@ def _iq4_xs(raw: np.ndarray) -> Decoded:
     return _KVALUES[q].reshape(-1), scales, None, supers
 
 
+def _mxfp4(raw: np.ndarray) -> Decoded:
+    b = raw.reshape(-1, 17)  # an E8M0 exponent byte, then 16 bytes of nibbles
+    scales = MXFP4.e8m0_to_fp32_half(b[:, 0]).astype(np.float32)  # [nb]: 2^(e - 128)
+    return _E2M1X2[_nibbles(b[:, 1:])].reshape(-1), scales, None, None
+
+
 def decode_blocks(raw: np.ndarray, qtype: T) -> Decoded:
     """One tensor's blocks (uint8) -> codes ``[E]`` int8, scales and zeros ``[E / g]``, and
     a K-quant's two levels of scales (else None)."""
@@ -187,4 +200,6 @@ def decode_blocks(raw: np.ndarray, qtype: T) -> Decoded:
         return _q6_k(raw)
     if qtype == T.IQ4_XS:
         return _iq4_xs(raw)
+    if qtype == T.MXFP4:
+        return _mxfp4(raw)
     raise ValueError(f"GGUF type {qtype.name} has no quantized layer in kvserve")

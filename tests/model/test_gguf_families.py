@@ -349,7 +349,8 @@ def test_unsupported_architecture_refused_by_name(tmp_path: Path) -> None:
 
     path = _write_gguf(tmp_path / "falcon.gguf", "falcon", fill)
     want = (r"architecture 'falcon': kvserve can only convert \['gemma', 'gemma2', 'gemma3', "
-            r"'llama', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]")  # fmt: skip
+            r"'gpt-oss', 'llama', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+            r"'qwen3moe'\]")  # fmt: skip
     with pytest.raises(ValueError, match=want):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -1,5 +1,6 @@
 """The test files' GGUF writers against llama.cpp's own ``convert_hf_to_gguf.py``: for each
-family the other GGUF tests write by hand (Gemma 1/2/3, Phi-3, Qwen2-MoE, Qwen3-MoE, Mixtral),
+family the other GGUF tests write by hand (Gemma 1/2/3, Phi-3, Qwen2-MoE, Qwen3-MoE, Mixtral,
+OLMoE, and gpt-oss from a checkpoint with MXFP4 experts),
 llama.cpp's converter, run on the same tiny model, writes the same tensors (names, types,
 shapes, values) and the same architecture metadata, so what those tests show holds for files
 llama.cpp writes.
@@ -20,9 +21,11 @@ import numpy as np
 import pytest
 
 from tests.model.test_gguf_gemma_phi3 import make_model, write_gguf
+from tests.model.test_gguf_gpt_oss import write_gpt_oss_gguf
 from tests.model.test_gguf_moe import ARCHS as MOE_ARCHS
 from tests.model.test_gguf_moe import EPS, write_moe_gguf
-from tests.model.tiny_moe import make_moe_model
+from tests.model.test_gpt_oss import write_mxfp4
+from tests.model.tiny_moe import GPT_OSS, make_moe_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TREE = Path(os.environ.get("KVSERVE_LLAMA_CPP", ROOT / ".peers/llamacpp/src/vendor/llama.cpp"))
@@ -31,7 +34,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (TREE / "convert_hf_to_gguf.py").is_file(), reason=_NO_TREE),
 ]
-FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", *MOE_ARCHS)
+FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", *MOE_ARCHS, GPT_OSS)
 # metadata llama.cpp writes that the hand-written files leave out, none read by kvserve:
 # Phi-3's original context (LongRoPE only), llama's rope dimension and vocab size (implied)
 EXTRA_KEYS = {"phi3.rope.scaling.original_context_length", "llama.rope.dimension_count",
@@ -45,7 +48,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     pairs: dict[str, tuple[Path, Path]] = {}
     for family in FAMILIES:
         folder = work / family
-        if family in MOE_ARCHS:
+        if family == GPT_OSS:  # the converter repacks the MXFP4 blocks as they are
+            make_moe_model(family, work / "gpt_oss_dense", swiglu_limit=7.0)
+            folder.mkdir()
+            write_mxfp4(work / "gpt_oss_dense", folder)
+            ours = write_gpt_oss_gguf(folder, work / f"{family}.ours.gguf")
+        elif family in MOE_ARCHS:
             gguf_arch, _, overrides = MOE_ARCHS[family]
             make_moe_model(family, folder, **{"rms_norm_eps": EPS, **overrides})
             ours = write_moe_gguf(folder, gguf_arch, work / f"{family}.ours.gguf")

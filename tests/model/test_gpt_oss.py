@@ -222,11 +222,12 @@ def test_mxfp4_refused_elsewhere(gpt_oss: tuple[Path, PreTrainedModel]) -> None:
 
 
 def test_quantization_refused() -> None:
-    """int8/int4 RTN and mxfp4 run (tests/engine/test_gpt_oss.py, above); the others are
-    refused by name."""
+    """int8/int4 RTN, mxfp4 and gguf run (tests/engine/test_gpt_oss.py, above,
+    test_gguf_gpt_oss.py); the others are refused by name."""
+    runs = (Quantization.INT8, Quantization.INT4, Quantization.MXFP4, Quantization.GGUF)
     for method in Quantization:
         reason = GptOssForCausalLM.quantization_refusal(method)
-        if method in (Quantization.INT8, Quantization.INT4, Quantization.MXFP4):
+        if method in runs:
             assert reason is None
         else:
             assert reason is not None and "gpt-oss" in reason and "MXFP4" in reason

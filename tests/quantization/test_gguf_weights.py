@@ -27,21 +27,23 @@ def _float_weights(seed: int) -> np.ndarray:
 _F16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_XS: (0,),
+    T.IQ4_XS: (0,), T.MXFP4: (),
 }  # fmt: skip
 # what gguf-py can quantize to (the rest it only dequantizes: their blocks are random bytes)
-_QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+_QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4)
 
 
 def _random_k_blocks(qtype: T, seed: int) -> np.ndarray:
     """Random blocks of ``qtype`` (every bit pattern is a valid block) with finite float16
-    scales of either sign, as ``[N, bytes per row]``."""
+    scales of either sign (MXFP4: small powers of two), as ``[N, bytes per row]``."""
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (N * K // block, size), dtype=np.uint8)
     for at in _F16_FIELDS[qtype]:
         d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == T.MXFP4:  # an E8M0 exponent byte: 2^-28 .. 2^-1 (a random byte overflows)
+        blocks[:, 0] = rng.integers(100, 127, len(blocks), dtype=np.uint8)
     return blocks.reshape(N, -1)
 
 
