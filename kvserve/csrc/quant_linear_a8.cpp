@@ -26,6 +26,12 @@
 //   plane per higher bit: [8 quads] 64-bit masks, bit 4j + i of quad t's = that bit of u for
 //   channel j, k = 4t + i (64 bytes a plane). The kernel adds 16 (32) to a quad's nibbles
 //   under its mask (one vpaddb with a mask register), so a 6-bit code streams 6 bits, not 8.
+// Table codes (scale_format bit 2, A8_TABLE in qlinear.py; int4 layout, per-group records):
+// weights with at most 16 distinct code values (MXFP4's doubled E2M1 values, IQ4_NL's levels)
+// store 4-bit indices, and the buffer ends with a 64-byte trailer whose first 16 bytes are the
+// table of u = c + o; the kernel maps each nibble through it (one vpshufb per 64 codes) and runs
+// the 8-bit products. An MXFP4 weight streams 4.5 bits per weight this way (float16 scales)
+// instead of 6 (5-bit planes, float32 scales).
 // Each vector is one stream of records, one per group of g values (g = 16: per block of 32,
 // holding both its groups): the group's 16 scales (float16 or float32; two groups' for g = 16),
 // its 16 zeros likewise if there are zeros (else zero 0), then the codes of its g / 32 blocks:
@@ -98,7 +104,29 @@ struct A8Args {
   int64_t planes;             // bit planes above the nibbles: 0 (int4), 1 (5 bits), 2 (6 bits)
   int64_t block_bytes;        // one vector's codes for one block of 32
   int64_t vec_base = 0;       // packed holds vectors vec_base.. (a tile's expanded copy)
+  const uint8_t* table = nullptr;  // table codes: the 16 values of u the nibbles index
 };
+
+// The 16-byte table in each 128-bit lane (vpshufb looks up within a lane; vpermb's 64 entries
+// are it four times over), or zeros.
+inline __m512i load_table(const uint8_t* table) {
+  if (table == nullptr) return _mm512_setzero_si512();
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+}
+
+// The two halves of 64 packed bytes of table codes, looked up: lo = table[b & 15], hi =
+// table[b >> 4]. vpermb (AVX512-VBMI) indexes by the low 6 bits, and the repeated table
+// ignores bits 4-5, so neither half needs the mask vpshufb does.
+inline void table_halves(__m512i table, __m512i packed, __m512i& lo, __m512i& hi) {
+#if defined(__AVX512VBMI__)
+  lo = _mm512_permutexvar_epi8(packed, table);
+  hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(packed, 4), table);
+#else
+  const __m512i low4 = _mm512_set1_epi8(15);
+  lo = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, low4));
+  hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+#endif
+}
 
 struct A8Rows {  // x, quantized (quantize_rows)
   const int8_t* q;  // [M, K]
@@ -175,6 +203,7 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
   const int8_t* q[MR];
   for (int r = 0; r < MR; ++r) q[r] = rows.q + (r0 + r) * a.k;
   const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i table = load_table(a.table);
   const __m512 off = _mm512_set1_ps(a.offset);
   __m512 total[MR][NV], s0[NV], s1[NV];
   for (int r = 0; r < MR; ++r)
@@ -234,6 +263,10 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
         const uint8_t* p = w[v] + rec * a.record + a.header + in_rec * code_bytes;
         if constexpr (INT4) {
           __m512i packed = _mm512_loadu_si512(p + t * 64);
+          if (a.table != nullptr) {  // table codes: nibble i -> u = table[i] (no planes)
+            table_halves(table, packed, lo[v], hi[v]);
+            continue;
+          }
           lo[v] = _mm512_and_si512(packed, low4);
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
           for (int64_t pl = 0; pl < a.planes; ++pl) {  // 5- and 6-bit codes: + 16 (32)
@@ -347,7 +380,10 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
   // Tiles per task: a small layer runs on the calling thread (waking the pool costs more
   // than ~64K weights of work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 64 * a.k));
-  if (INT4 && m >= kExpandRows) {  // each tile's codes unpacked once
+  // each tile's codes unpacked once; table codes too (8 gpt-oss gate/up projections, [5760,
+  // 2880] MXFP4, AMD EPYC Zen 5, 2 threads, medians of 15, ms: in place 2.6 / 3.2 / 5.0 / 7.8
+  // at 1 / 2 / 4 / 8 rows, the copy from 2 rows 5.6 / 6.1 / 7.7; level at 8)
+  if (INT4 && m >= kExpandRows) {
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> buf;
       for (int64_t t = begin; t < end; ++t) {
@@ -371,6 +407,9 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
 }
 #endif
 
+constexpr int64_t kTableCodes = 4;  // scale_format's bit: 4-bit indices into a table
+constexpr int64_t kTableBytes = 64;  // the trailer holding the table (16 bytes used)
+
 void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t bits,
                      int64_t group, int64_t offset, int64_t scale_format, bool has_zeros) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
@@ -384,9 +423,14 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   TORCH_CHECK(out.size(0) == m, "quant_linear_a8: out rows");
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
               "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
+  const bool tabled = (scale_format & kTableCodes) != 0;
+  scale_format &= ~kTableCodes;
   TORCH_CHECK(scale_format >= 0 && scale_format <= 2,
-              "quant_linear_a8: scale_format is 0 (float32), 1 (float16) or 2 (super-blocks)");
+              "quant_linear_a8: scale_format is 0 (float32), 1 (float16) or 2 (super-blocks), "
+              "plus 4 for table codes");
   const bool half_scales = scale_format == 1, supers = scale_format == 2;
+  TORCH_CHECK(!tabled || (bits == 4 && !supers),
+              "quant_linear_a8: table codes are 4-bit indices with per-group records");
   TORCH_CHECK(!supers || (k % 256 == 0 && (group == 16 || group == 32)),
               "quant_linear_a8: super-block records need K a multiple of 256 and g 16 or 32");
   int64_t bpr = group == 16 ? 1 : group / 32;  // blocks of 32 per record
@@ -401,8 +445,9 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   const int64_t planes = bits == 8 ? 0 : bits - 4;  // bit planes above the nibbles
   const int64_t block_bytes = bits == 8 ? 512 : 256 + 64 * planes;
   const int64_t record = header + bpr * block_bytes;
+  const int64_t records_bytes = (n / 16) * (k / 32 / bpr) * record;
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.numel() == (n / 16) * (k / 32 / bpr) * record,
+                  packed.numel() == records_bytes + (tabled ? kTableBytes : 0),
               "quant_linear_a8: packed does not hold N x K weights in pack_a8's records");
   const int64_t zg = group == 16 ? 16 : group;
 #if defined(KVSERVE_A8_VNNI)
@@ -411,6 +456,7 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
     A8Args a{packed.data_ptr<uint8_t>(), half_scales, supers, sc_at, m_at, has_zeros, group, n, k,
              static_cast<float>(offset), zg, scale_bytes, header, record, bpr, planes,
              block_bytes};
+    if (tabled) a.table = packed.data_ptr<uint8_t>() + records_bytes;
     std::vector<int8_t> q(m * k);
     std::vector<float> d(m * (k / 32)), xs(m * (k / zg));
     const auto* xp = x.data_ptr<c10::BFloat16>();
@@ -429,10 +475,10 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   }
 #endif
 #if defined(KVSERVE_A8_AVX2)
-  TORCH_CHECK(!supers && planes == 0,
-              "quant_linear_a8: super-block records and 5- or 6-bit codes run on AVX512-VNNI "
-              "only (bf16 activations); pack this weight with per-group records and 4- or "
-              "8-bit codes");
+  TORCH_CHECK(!supers && planes == 0 && !tabled,
+              "quant_linear_a8: super-block records, 5- or 6-bit codes and table codes run on "
+              "AVX512-VNNI only (bf16 activations); pack this weight with per-group records "
+              "and 4- or 8-bit codes");
   if (m == 0) return;
   A8Avx2Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, n, k,
                static_cast<float>(offset), zg, scale_bytes, record, bpr};

@@ -34,6 +34,7 @@ A8Args expand_codes(const A8Args& a, int64_t v0, int64_t nv, std::vector<uint8_t
   const int halves = a.group == 16 ? 2 : 1;
   A8Args e = a;
   e.planes = 0;
+  e.table = nullptr;  // the copy holds u itself
   e.block_bytes = 512;
   e.vec_base = v0;
   if (a.supers) {  // one record per block: its groups' float32 scales (and zeros)
@@ -47,6 +48,7 @@ A8Args expand_codes(const A8Args& a, int64_t v0, int64_t nv, std::vector<uint8_t
   buf.resize(nv * dst_vector);
   e.packed = buf.data();
   const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i table = load_table(a.table);
   for (int64_t v = 0; v < nv; ++v) {
     const uint8_t* src = a.packed + (v0 + v - a.vec_base) * src_records * a.record;
     uint8_t* dst = buf.data() + v * dst_vector;
@@ -76,6 +78,7 @@ A8Args expand_codes(const A8Args& a, int64_t v0, int64_t nv, std::vector<uint8_t
         const __m512i packed = _mm512_loadu_si512(p + t * 64);
         __m512i lo = _mm512_and_si512(packed, low4);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        if (a.table != nullptr) table_halves(table, packed, lo, hi);  // no planes then
         for (int64_t pl = 0; pl < a.planes; ++pl) {
           const uint8_t* bits = p + 256 + pl * 64;
           const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));

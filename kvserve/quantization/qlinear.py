@@ -27,6 +27,7 @@ from torch import nn
 
 from kvserve.config import QuantizedActivations
 from kvserve.ops import cpu_kernels
+from kvserve.quantization.a8_table import A8_TABLE, A8Table, a8_table
 from kvserve.quantization.qweight import INT4_RANGES, SUPER_BLOCK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ def a8_code_bits(qw: QuantizedWeight, vnni: bool) -> int:
 PACK_ROWS = 4096
 
 
-def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+def pack_codes_a8(
+    codes: torch.Tensor, bits: int, off: int | None = None
+) -> tuple[torch.Tensor, int]:
     """Codes ``[N, K]`` in the int8-activation kernel's layout, and the offset ``o`` added to
     them (128 for int8, 8 or 0 for int4, ``plane_offset`` for 5 and 6 bits): vpdpbusd
     multiplies unsigned bytes by signed ones.
@@ -113,7 +116,9 @@ def pack_codes_a8(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     See ``csrc/quant_linear_a8.cpp``.
     """
     n = codes.shape[0]
-    if bits == 8:
+    if off is not None:  # the caller's (a8_table's indices: 0)
+        pass
+    elif bits == 8:
         off = 128
     elif bits == 4:
         off = int4_offset(codes)
@@ -173,9 +178,15 @@ class A8Scales(enum.IntEnum):
 
 
 def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
-    """float16 when scales and zeros are all float16 (GGUF, kvserve's RTN), else float32."""
-    zeros = qw.zeros.dtype if qw.zeros is not None else torch.float16
-    return torch.float16 if qw.scales.dtype == zeros == torch.float16 else torch.float32
+    """float16 when scales and zeros are all float16 (GGUF, kvserve's RTN) or float32 values
+    float16 holds exactly (MXFP4's powers of two: the same products, half the bytes), else
+    float32."""
+    floats = [qw.scales] if qw.zeros is None else [qw.scales, qw.zeros]
+    if all(f.dtype == torch.float16 for f in floats):
+        return torch.float16
+    if all(f.dtype == torch.float32 and torch.equal(f.half().float(), f) for f in floats):
+        return torch.float16
+    return torch.float32
 
 
 def a8_scale_format(qw: QuantizedWeight, vnni: bool) -> A8Scales:
@@ -208,7 +219,11 @@ def _pack_supers(qw: QuantizedWeight, codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_a8(
-    qw: QuantizedWeight, scales: A8Scales | None = None, bits: int | None = None
+    qw: QuantizedWeight,
+    scales: A8Scales | None = None,
+    bits: int | None = None,
+    table: A8Table | None = None,
+    off: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The int8-activation kernel's one buffer for ``qw``, and the offset ``o`` of its codes.
 
@@ -219,10 +234,16 @@ def pack_a8(
     with scales and zeros in streams of their own a one-row int4 pass read 11% slower
     (see ``csrc/quant_linear_a8.cpp``). Scales and zeros are stored as ``scales`` says
     (default: ``a8_scale_dtype``; ``A8Scales.SUPERS``: ``_pack_supers``' records), the codes
-    in ``bits`` (default ``qw.bits``; 5 or 6: ``pack_codes_a8``'s bit planes).
+    in ``bits`` (default ``qw.bits``; 5 or 6: ``pack_codes_a8``'s bit planes); with a
+    ``table`` (``a8_table``), 4-bit indices into it and the table in a trailer of
+    ``TABLE_BYTES`` after the records (the op's ``scale_format`` then carries ``A8_TABLE``).
+    ``off``: the codes' offset instead of ``pack_codes_a8``'s choice (tests).
     """
     n, k = qw.shape
-    codes, off = pack_codes_a8(qw.codes, bits or qw.bits)  # [N/16, K/32, ...]
+    if table is not None:
+        codes, off = pack_codes_a8(table.indices(qw.codes), 4, 0)  # [N/16, K/32, 4, 16, 4]
+    else:
+        codes, off = pack_codes_a8(qw.codes, bits or qw.bits, off)  # [N/16, K/32, ...]
     if scales is A8Scales.SUPERS:
         return _pack_supers(qw, codes), off
     g = qw.group_size
@@ -235,7 +256,10 @@ def pack_a8(
     parts = [pack_scales_a8(f.to(dtype)).view(torch.uint8).reshape(n // 16, records, -1)
              for f in floats]  # fmt: skip
     parts.append(codes.reshape(n // 16, records, -1))
-    return torch.cat(parts, dim=2).contiguous(), off
+    packed = torch.cat(parts, dim=2).contiguous()  # [N/16, records, bytes]
+    if table is None:
+        return packed, off
+    return torch.cat([packed.reshape(-1), table.trailer()]), table.offset
 
 
 def _transposed(scales: torch.Tensor) -> torch.Tensor:
@@ -401,7 +425,12 @@ class QuantLinear(nn.Module):
         self.code_bits = a8_code_bits(qw, vnni)  # the kernel's codes: 4, 5, 6 or 8 bits
         self.has_zeros = qw.zeros is not None
         if self.path == "a8":  # one buffer: scales, zeros and codes per group (pack_a8)
-            self.codes, self.offset = pack_a8(qw, A8Scales(self.scale_format), self.code_bits)
+            # at most 16 code values (MXFP4, IQ4_NL): 4-bit indices into a table (VNNI only)
+            table = a8_table(qw) if vnni and self.scale_format != A8Scales.SUPERS else None
+            self.codes, self.offset = pack_a8(qw, A8Scales(self.scale_format), self.code_bits,
+                                              table)  # fmt: skip
+            if table is not None:
+                self.code_bits, self.scale_format = 4, self.scale_format | A8_TABLE
             self.nbytes = int(self.codes.numel())
         elif self.use_kernel:
             self.codes, self.offset = pack_codes(qw.codes, qw.bits)

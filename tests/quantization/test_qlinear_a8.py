@@ -137,8 +137,9 @@ def test_pack_a8_records() -> None:
         assert torch.equal(rec[:32].view(torch.float16), scales[16 * v : 16 * v + 16, r])
         assert torch.equal(rec[32:64].view(torch.float16), zeros[16 * v : 16 * v + 16, r])
         assert torch.equal(rec[64:], blocks[v, 2 * r : 2 * r + 2].reshape(-1))
-    # g = 16: a record per block of 32 holds both groups' scales; float32 where zeros are
-    halves = QuantizedWeight(codes, scales.float().repeat(1, 4), None, 4, 16)
+    # g = 16: a record per block of 32 holds both groups' scales; float32 where they are
+    # (and float16 cannot hold them: 1 + 2^-12 needs float32's mantissa)
+    halves = QuantizedWeight(codes, scales.float().repeat(1, 4) * (1 + 2.0**-12), None, 4, 16)
     packed, _ = pack_a8(halves)
     assert packed.shape == (2, 4, 32 * 4 + 256)
     rec = packed[1, 3]

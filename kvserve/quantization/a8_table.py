@@ -1,0 +1,72 @@
+"""Table codes for the int8-activation kernel (``csrc/quant_linear_a8.cpp``, AVX512-VNNI):
+8-bit codes that take at most 16 distinct values stored as 4-bit indices into a table.
+
+Which weights: MXFP4 (gpt-oss's experts: twice the E2M1 values, 15 of them in [-12, 12]) and
+GGUF's IQ4_NL / IQ4_XS (16 non-linear levels in [-127, 113]). As plain 8-bit codes they stream
+8 bits a weight, as 5-bit planes (MXFP4's range) 5; indexed, 4, the same as the file's. The
+kernel maps each nibble through the table with one vpshufb per 64 codes and multiplies the
+bytes it gets, so the sums, and the outputs, are those of the 8-bit codes bit for bit.
+
+Layout: ``pack_a8``'s int4 records of the indices, then a trailer of ``TABLE_BYTES`` whose
+first 16 bytes are the table of ``u = value + offset`` (unsigned, as vpdpbusd takes the
+weights); the op learns of it from ``A8_TABLE`` in its ``scale_format``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.quantization.qweight import QuantizedWeight
+
+A8_TABLE = 4  # the op's scale_format bit: codes are indices into the trailer's table
+TABLE_BYTES = 64  # the trailer (16 bytes used; a cache line keeps the records aligned)
+TABLE_SIZE = 16
+CHUNK = 1 << 20  # codes looked at a time: 8 MB of int64 temporaries
+
+
+@dataclass(frozen=True)
+class A8Table:
+    """Up to 16 code values (ascending, int8) and the offset making them unsigned bytes."""
+
+    values: torch.Tensor  # [V <= 16] int8, ascending
+
+    @property
+    def offset(self) -> int:
+        """``o``: ``u = c + o`` in [0, 255] for every value (0 if none is negative)."""
+        return max(0, -int(self.values[0]))
+
+    def indices(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes [N, K]`` int8 as their places in the table ``[N, K]`` int8 in [0, V),
+        ``CHUNK`` codes at a time (an int64 index per code, whole, would be 8 bytes a weight)."""
+        place = torch.zeros(256, dtype=torch.int8)  # by the code's byte
+        place[self.values.view(torch.uint8).long()] = torch.arange(len(self.values),
+                                                                   dtype=torch.int8)  # fmt: skip
+        flat, out = codes.reshape(-1), torch.empty(codes.numel(), dtype=torch.int8)
+        for i in range(0, flat.numel(), CHUNK):
+            out[i : i + CHUNK] = place[flat[i : i + CHUNK].view(torch.uint8).long()]
+        return out.reshape(codes.shape)
+
+    def trailer(self) -> torch.Tensor:
+        """``[TABLE_BYTES]`` uint8: the table of u (unused entries repeat the last)."""
+        u = self.values.to(torch.int16) + self.offset  # [V] in [0, 255]
+        table = torch.cat([u, u[-1:].expand(TABLE_SIZE - len(u))]).to(torch.uint8)
+        return torch.cat([table, torch.zeros(TABLE_BYTES - TABLE_SIZE, dtype=torch.uint8)])
+
+
+def a8_table(qw: QuantizedWeight) -> A8Table | None:
+    """The table of ``qw``'s 8-bit codes if they take at most 16 values, else None (codes
+    already 4-bit gain nothing from one). Counted ``CHUNK`` codes at a time, stopping at the
+    first chunk past 16 values (an RTN int8 weight's first)."""
+    if qw.bits != 8 or qw.codes.dtype != torch.int8 or qw.codes.numel() == 0:
+        return None
+    flat = qw.codes.reshape(-1).view(torch.uint8)
+    seen = torch.zeros(256, dtype=torch.bool)  # by the code's byte
+    for i in range(0, flat.numel(), CHUNK):
+        seen[flat[i : i + CHUNK].long()] = True
+        if int(seen.sum()) > TABLE_SIZE:
+            return None
+    present = torch.nonzero(seen).reshape(-1)  # bytes, ascending
+    values = torch.where(present >= 128, present - 256, present)  # as int8
+    return A8Table(values.sort().values.to(torch.int8))
