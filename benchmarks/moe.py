@@ -181,8 +181,8 @@ def run_part(
         return {"part": part, "model": str(model.path),
                 "ggufs": {k: str(v) for k, v in ggufs.items()}}  # fmt: skip
     total, active = SHAPES[name].parameters() if name in SHAPES else (None, None)
-    print(f"\n== {part}: {model.tag} ({total or 0:.3g} parameters, {active or 0:.3g} active)",
-          flush=True)  # fmt: skip
+    size = f" ({total:.3g} parameters, {active:.3g} active)" if total and active else ""
+    print(f"\n== {part}: {model.tag}{size}", flush=True)
     servers, runs = q.measure(args, settings, partial(server_command, args), model, ggufs)
     summary = q.summarize(runs, servers, settings, args.concurrency, PEER_OF)
     context = args.input_len + args.output_len // 2

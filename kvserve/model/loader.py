@@ -356,8 +356,13 @@ def _load_native(
         streaming = StreamingQuantizer(model, quant, torch.device(device), dtype, source)
         if hasattr(model, "quantize_experts_with"):  # MoE experts: stacked, not nn.Linear
             model.quantize_experts_with(streaming)
+    # a GGUF's own LM head replaces the dense one after loading: that one stays on meta
+    size = tp.world_size if tp is not None else 1
+    head = streaming is not None and streaming.head_from_file(size, model.tie_word_embeddings)
     for module in model.modules():
-        if not isinstance(module, PendingLinear):  # its storage comes as its weights do
+        if isinstance(module, PendingLinear):  # its storage comes as its weights do
+            continue
+        if not (head and module is model.lm_head):
             module.to_empty(device=device, recurse=False)
     model.rotary.to_device(device)
     if model.tie_word_embeddings:

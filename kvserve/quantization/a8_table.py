@@ -23,7 +23,7 @@ from kvserve.quantization.qweight import QuantizedWeight
 A8_TABLE = 4  # the op's scale_format bit: codes are indices into the trailer's table
 TABLE_BYTES = 64  # the trailer (16 bytes used; a cache line keeps the records aligned)
 TABLE_SIZE = 16
-CHUNK = 1 << 20  # codes looked at a time: 8 MB of int64 temporaries
+CHUNK = 1 << 20  # codes indexed at a time: 8 MB of int64 temporaries
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,13 @@ class A8Table:
 
 def a8_table(qw: QuantizedWeight) -> A8Table | None:
     """The table of ``qw``'s 8-bit codes if they take at most 16 values, else None (codes
-    already 4-bit gain nothing from one). Counted ``CHUNK`` codes at a time, stopping at the
-    first chunk past 16 values (an RTN int8 weight's first)."""
+    already 4-bit gain nothing from one). Counted on the codes' bytes (no wider copy: 8 ms
+    for a gpt-oss expert's 16.6M codes)."""
     if qw.bits != 8 or qw.codes.dtype != torch.int8 or qw.codes.numel() == 0:
         return None
-    flat = qw.codes.reshape(-1).view(torch.uint8)
-    seen = torch.zeros(256, dtype=torch.bool)  # by the code's byte
-    for i in range(0, flat.numel(), CHUNK):
-        seen[flat[i : i + CHUNK].long()] = True
-        if int(seen.sum()) > TABLE_SIZE:
-            return None
-    present = torch.nonzero(seen).reshape(-1)  # bytes, ascending
+    counts = torch.bincount(qw.codes.reshape(-1).view(torch.uint8), minlength=256)  # by byte
+    present = torch.nonzero(counts).reshape(-1)  # bytes, ascending
+    if len(present) > TABLE_SIZE:
+        return None
     values = torch.where(present >= 128, present - 256, present)  # as int8
     return A8Table(values.sort().values.to(torch.int8))

@@ -152,7 +152,7 @@ class GGUFLinears:
     in ``experts``), which the loader need not read.
 
     A fused module any part of which is stored as floats (F32/F16/BF16) or in a type with no
-    quantized layer (``dense_types``: the IQ1/IQ2/IQ3 grids, TQ1_0, TQ2_0, MXFP4, ...) is left
+    quantized layer (``dense_types``: the IQ1/IQ2/IQ3 grids, TQ1_0, TQ2_0, ...) is left
     out: it stays an ordinary layer of the serving dtype, its weights the converted folder's
     (gguf's dequantizer's values). phi3's fused q/k/v and gate/up are read a run of rows each
     (``gguf_names.plan_block``)."""
@@ -233,6 +233,12 @@ def _output_tensor(files: GGUFFiles) -> Any:
     tensors = {t.name: t for t in files.tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     return None if t is None or t.tensor_type not in SUPPORTED_TYPES else t
+
+
+def output_tensor_kept(path: str | Path) -> bool:
+    """Whether the GGUF has an untied ``output.weight`` of a type kvserve keeps quantized."""
+    t = _output_tensor(open_gguf(path))
+    return t is not None and t.name == "output.weight"
 
 
 def read_output_weight(path: str | Path) -> tuple[QuantizedWeight, str] | None:

@@ -3,7 +3,9 @@ experts, dequantized at load to the model dtype, or (``--quantization mxfp4``) k
 ``QuantizedWeight``s (``mxfp4_qweight``): twice an E2M1 value is one of the integers 0, 1,
 2, 3, 4, 6, 8 or 12 (signed), so a block is exactly 8-bit codes times a float32 scale
 ``2 ** (s - 128)`` per 32 weights, the layout GGUF's IQ4_NL already rides on the quantized
-kernels (9 bits a weight in memory against bf16's 16).
+kernels (9 bits a weight in memory against bf16's 16; 4.5 on the AVX512-VNNI int8-activation
+kernel, which takes such codes as 4-bit indices into a table, ``a8_table``, and the scale as
+float16). GGUF files store the same blocks in their ``MXFP4`` type (``gguf_blocks``).
 
 A block is 32 elements sharing one scale:
 - each element is FP4 E2M1: a sign bit, a 2-bit exponent (bias 1) and a 1-bit mantissa,

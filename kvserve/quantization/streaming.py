@@ -155,7 +155,7 @@ class StreamingQuantizer:
             check_known(self.source.modules, targets)
             # projections the file stores as floats stay ordinary layers
             targets = [t for t in targets if t[2] in self.source.modules]
-            self.skip = self.source.checkpoint_names
+            self.skip = set(self.source.checkpoint_names)
         else:
             check_rtn_groups(quant, targets)
         self.pending: dict[str, tuple[nn.Module, str]] = {}
@@ -164,6 +164,25 @@ class StreamingQuantizer:
                                      prequantized=self.source is not None)  # fmt: skip
             setattr(parent, attr, stand_in)
             self.pending[name] = (parent, attr)
+
+    def head_from_file(self, tp_size: int, tied: bool) -> bool:
+        """Whether the LM head will be the GGUF's own output tensor (``quantize_lm_head``
+        after loading): then its dense weight is never read (``skip``) nor allocated by the
+        caller. Only an untied head of a kept type: the dequantized float32 copy and the
+        model-dtype weight of gpt-oss-20b's 201,088 x 2880 head would be 2.3 + 1.2 GB of
+        load peak for a weight dropped right after."""
+        from kvserve.quantization.gguf_weights import output_tensor_kept
+        from kvserve.quantization.lm_head import wants_quantized_head
+
+        if self.quant.method is not Quantization.GGUF or tied:
+            return False
+        if not wants_quantized_head(self.quant, True, tp_size):
+            return False
+        assert self.quant.gguf_file is not None
+        if not output_tensor_kept(self.quant.gguf_file):
+            return False
+        self.skip.add("lm_head.weight")
+        return True
 
     def _quantize(self, stand_in: PendingLinear) -> None:
         name, w = stand_in.name, stand_in.weight

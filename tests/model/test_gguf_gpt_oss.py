@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
@@ -86,9 +87,10 @@ def gguf_tensors(folder: Path) -> dict[str, tuple[np.ndarray, T | None]]:
     return out
 
 
-def write_gpt_oss_gguf(folder: Path, path: Path) -> Path:
+def write_gpt_oss_gguf(folder: Path, path: Path, head: T | None = None) -> Path:
     """The MXFP4 checkpoint in ``folder`` as llama.cpp's converter writes it (``--outtype
-    f32``: the experts stay MXFP4, the rest float32)."""
+    f32``: the experts stay MXFP4, the rest float32; ``head``: ``output.weight`` quantized to
+    that type by gguf-py, as ``--outtype q8_0`` writes it)."""
     c = json.loads((folder / "config.json").read_text())
     rope = c["rope_parameters"]
 
@@ -114,7 +116,10 @@ def write_gpt_oss_gguf(folder: Path, path: Path) -> Path:
         w.add_expert_feed_forward_length(c["intermediate_size"])
         add_tiny_tokenizer(w)
         for name, (t, qtype) in gguf_tensors(folder).items():
-            if qtype is None:
+            if name == "output.weight" and head is not None:
+                w.add_tensor(name, quantize(np.ascontiguousarray(t, np.float32), head),
+                             raw_dtype=head)  # fmt: skip
+            elif qtype is None:
                 w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
             else:
                 w.add_tensor(name, np.ascontiguousarray(t), raw_dtype=qtype)
@@ -217,7 +222,7 @@ def test_dequantizer_reads_what_the_checkpoint_holds(
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     t = tensors["blk.0.ffn_down_exps.weight"]
     assert t.tensor_type == T.MXFP4
-    got = gguf.quants.dequantize(t.data, t.tensor_type)  # [E, H, I]
+    got = dequantize(t.data, t.tensor_type)  # [E, H, I]
     want = dense["model.layers.0.mlp.experts.down_proj"].transpose(1, 2).numpy()
     assert np.array_equal(got, want)
 
@@ -306,3 +311,40 @@ def test_harmony_stop_tokens_end_generation(
     assert eos_token_ids(reader, replace(hp, architecture="qwen3moe", eos_token_id=3)) == 3
     out = convert_gguf(path, tmp_path / "out")  # the tiny vocabulary has none of them
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1]
+
+
+def test_a_kept_head_is_never_read_densely(
+    gpt_oss_gguf: tuple[PreTrainedModel, Path, dict[str, torch.Tensor], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file whose untied ``output.weight`` is Q8_0: with ``--quantization gguf`` the head is
+    the file's Q8_0 (the logits of transformers' model holding those values), and the
+    loader hands the model no dense head (a meta tensor: never dequantized nor allocated)."""
+    from kvserve.model import loader
+
+    reference, folder, _, _ = gpt_oss_gguf
+    path = write_gpt_oss_gguf(folder, tmp_path / "q8-head.gguf", head=T.Q8_0)
+    out = convert_gguf(path, tmp_path / "out")
+    seen: dict[str, bool] = {}
+    real = loader._iter_weights
+
+    def spy(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for name, tensor in real(*args, **kwargs):  # type: ignore[arg-type]
+            seen[name] = tensor.is_meta
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "_iter_weights", spy)
+    keep = QuantOptions(
+        Quantization.GGUF, None, str(path), activations=QuantizedActivations.NONE, lm_head=None
+    )  # the default
+    model = load_model(out, torch.float32, "cpu", 64, quant=keep)
+    assert seen["lm_head.weight"] is True and seen["model.embed_tokens.weight"] is False
+    assert model.quant_report.lm_head == "Q8_0"  # type: ignore[attr-defined]
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
+    head = torch.from_numpy(dequantize(t.data, T.Q8_0).reshape(reference.lm_head.weight.shape))
+    twin = type(reference)(reference.config).eval()
+    twin.load_state_dict({**reference.state_dict(), "lm_head.weight": head})
+    got = kvserve_logits(model, IDS, 9, False)
+    torch.testing.assert_close(got, reference_logits(twin), atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(got, reference_logits(reference), atol=1e-4)  # Q8_0 mattered
