@@ -104,6 +104,9 @@ SETTINGS = (
     Setting("kvserve-gguf-q5_k_m-lmhead", "kvserve", "gguf", "Q5_K_M", lm_head=True),
     Setting("llamacpp-q4_k_m", "llamacpp", None, "Q4_K_M"),
     Setting("llamacpp-q5_k_m", "llamacpp", None, "Q5_K_M"),
+    # IQ4_NL: its levels as 4-bit table indices on AVX512-VNNI (quantization/a8_table.py)
+    Setting("kvserve-gguf-iq4_nl-lmhead", "kvserve", "gguf", "IQ4_NL", lm_head=True),
+    Setting("llamacpp-iq4_nl", "llamacpp", None, "IQ4_NL"),
 )
 BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
@@ -116,6 +119,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-q4_k_m": "llamacpp-q4_k_m", "kvserve-gguf-q5_k_m": "llamacpp-q5_k_m",
     "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m",
     "kvserve-gguf-q5_k_m-lmhead": "llamacpp-q5_k_m",
+    "kvserve-gguf-iq4_nl-lmhead": "llamacpp-iq4_nl",
 }  # fmt: skip
 # The targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (

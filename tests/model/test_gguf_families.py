@@ -8,6 +8,7 @@ original model, and a Q8_0 file's projections equal ``gguf``'s own dequantizer."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -60,8 +61,9 @@ FAST = {
 }
 
 
-def make_model(arch: str) -> PreTrainedModel:
-    """A random float32 Qwen2 (untied, q/k/v biases) or Qwen3 (tied, q/k norms, head_dim 16)."""
+def make_model(arch: str, rope: dict[str, object] | None = None) -> PreTrainedModel:
+    """A random float32 Qwen2 (untied, q/k/v biases) or Qwen3 (tied, q/k norms, head_dim 16);
+    ``rope``: its ``rope_parameters`` (default: plain RoPE, base 50000)."""
     common = {
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
@@ -72,7 +74,7 @@ def make_model(arch: str) -> PreTrainedModel:
         "max_position_embeddings": 256,
         # exact in float32 (GGUF stores them as f32), so the configs compare equal
         "rms_norm_eps": 2.0**-10,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        "rope_parameters": rope or {"rope_type": "default", "rope_theta": 50000.0},
         "bos_token_id": 1,
         "eos_token_id": 2,
         # 10x transformers' 0.02: at 0.02 these tiny models mostly repeat one token (Qwen3,
@@ -162,12 +164,14 @@ def write_family_gguf(
     tokenizer_source: Path | None,
     qtype: T = T.F32,
     extra: dict[str, np.ndarray] | None = None,
+    metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """``model`` as llama.cpp's converter writes an ``arch`` GGUF; 2-D projections in ``qtype``
     (norms, biases and the embedding stay F32, as llama-quantize leaves 1-D tensors).
     ``tokenizer_source``: the GGUF whose tokenizer metadata it carries (None: none, for files
     only the quantized-layer reader opens; parsing tokens and merges takes seconds).
-    ``extra``: more tensors by llama.cpp name (``rope_freqs.weight``)."""
+    ``extra``: more tensors by llama.cpp name (``rope_freqs.weight``); ``metadata``: writes
+    more keys."""
     gguf_arch = "llama" if arch == "mistral" else arch
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if gguf_arch == "llama":  # LlamaModel.modify_tensors: q/k rows in GGML's rotary order
@@ -190,6 +194,8 @@ def write_family_gguf(
         if arch != "qwen2":  # TextModel.set_gguf_parameters: written when config has head_dim
             w.add_key_length(HEAD_DIM[arch])
             w.add_value_length(HEAD_DIM[arch])
+        if metadata is not None:
+            metadata(w)
         if tokenizer_source is not None:
             _copy_tokenizer_metadata(w, tokenizer_source, VOCAB)
         for hf, data in state.items():
@@ -354,3 +360,32 @@ def test_unsupported_architecture_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=want):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_yarn_rope_scaling_from_metadata(
+    tokenizer_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A qwen3 file with YaRN (``rope.scaling.type yarn``, factor, original context, betas, as
+    llama.cpp's converter writes a Qwen3 config's ``rope_scaling``) is served with that YaRN:
+    the config's parameters and transformers' greedy tokens (plain RoPE gives others)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 64}  # fmt: skip
+    model = make_model("qwen3", yarn)
+
+    def keys(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+
+    path = write_family_gguf(model, "qwen3", tmp_path / "yarn.gguf", tokenizer_source,
+                             metadata=keys)  # fmt: skip
+    out = convert_gguf(path, tmp_path / "out")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {**yarn, "truncate": True}  # transformers' default: llama.cpp's rounding
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    got = kvserve_greedy(str(path), PROMPTS)
+    assert got == [transformers_greedy(model, p) for p in PROMPTS]
+    assert got != [transformers_greedy(make_model("qwen3"), p) for p in PROMPTS]
