@@ -322,7 +322,7 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[r][v])));
 }
 
-// Rows r0..r0 + mc (mc <= 5) times nv (1, 2 or 4) vectors from v0.
+// Rows r0..r0 + mc (mc <= 5; <= 8 for one vector) times nv (1, 2 or 4) vectors from v0.
 template <bool INT4, bool HALVES>
 void a8_rows(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t mc, int64_t v0, int64_t nv,
              c10::BFloat16* out) {
@@ -342,6 +342,9 @@ void a8_rows(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t mc, int64_
     return;
   }
   switch (mc) {
+    case 8: KVSERVE_A8(8, 1); break;
+    case 7: KVSERVE_A8(7, 1); break;
+    case 6: KVSERVE_A8(6, 1); break;
     case 5: KVSERVE_A8(5, 1); break;
     case 4: KVSERVE_A8(4, 1); break;
     case 3: KVSERVE_A8(3, 1); break;
@@ -363,8 +366,14 @@ void a8_tile(const A8Args& a, const A8Rows& rows, int64_t m0, int64_t mc, int64_
   // 6-bit codes with g = 16 take one vector of 5 rows: their unpacking (masked adds of the
   // bit planes) is paid once per micro-tile, and 2 rows did not repay it.
   const bool tall = INT4 && HALVES && a.planes > 0;
-  const int64_t kMR = tall ? 5 : (HALVES ? 2 : (INT4 ? 5 : 4));
-  const int64_t kNV = tall ? 1 : 2;
+  // Table codes (g >= 32): 8 rows of one vector, each lookup paid once per 8 rows. 8 gpt-oss
+  // gate/up projections ([5760, 2880] MXFP4), AMD EPYC Zen 5, 2 threads, medians of 15, ms,
+  // at 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 rows: 2.3 / 2.8 / 3.7 / 4.5 / 8.2 / 15.4 / 29.5 /
+  // 58.4, against 5 rows x 2 vectors 2.6 / 3.2 / 5.0 / 7.8 and the 8-bit copy from 16 rows
+  // 11.3 / 18.1; the same codes as bytes 4.0 / 4.6 / 4.5 / 6.4 / 9.8 / 16.7 / 30.3 / 59.7.
+  const bool tabled = INT4 && !HALVES && a.table != nullptr;
+  const int64_t kMR = tabled ? 8 : (tall ? 5 : (HALVES ? 2 : (INT4 ? 5 : 4)));
+  const int64_t kNV = (tall || tabled) ? 1 : 2;
   for (int64_t v = v0; v < v0 + nv; v += kNV) {
     const int64_t w = std::min<int64_t>(kNV, v0 + nv - v);
     for (int64_t r = m0; r < m0 + mc; r += kMR) {
@@ -380,10 +389,10 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
   // Tiles per task: a small layer runs on the calling thread (waking the pool costs more
   // than ~64K weights of work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 64 * a.k));
-  // each tile's codes unpacked once; table codes too (8 gpt-oss gate/up projections, [5760,
-  // 2880] MXFP4, AMD EPYC Zen 5, 2 threads, medians of 15, ms: in place 2.6 / 3.2 / 5.0 / 7.8
-  // at 1 / 2 / 4 / 8 rows, the copy from 2 rows 5.6 / 6.1 / 7.7; level at 8)
-  if (INT4 && m >= kExpandRows) {
+  // Each tile's codes unpacked once into an 8-bit copy; not table codes (g >= 32): their
+  // 8-row tiles beat the copy at every row count (a8_tile)
+  const bool expand = INT4 && m >= kExpandRows && (a.table == nullptr || HALVES);
+  if (expand) {
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> buf;
       for (int64_t t = begin; t < end; ++t) {
