@@ -29,8 +29,8 @@
 // Table codes (scale_format bit 2, A8_TABLE in qlinear.py; int4 layout, per-group records):
 // weights with at most 16 distinct code values (MXFP4's doubled E2M1 values, IQ4_NL's levels)
 // store 4-bit indices, and the buffer ends with a 64-byte trailer whose first 16 bytes are the
-// table of u = c + o; the kernel maps each nibble through it (one vpshufb per 64 codes) and runs
-// the 8-bit products. An MXFP4 weight streams 4.5 bits per weight this way (float16 scales)
+// table of u = c + o; the kernel maps each nibble through it (one vpermb per 64 codes, vpshufb
+// without AVX512-VBMI) and runs the 8-bit products. An MXFP4 weight streams 4.5 bits per weight this way (float16 scales)
 // instead of 6 (5-bit planes, float32 scales).
 // Each vector is one stream of records, one per group of g values (g = 16: per block of 32,
 // holding both its groups): the group's 16 scales (float16 or float32; two groups' for g = 16),

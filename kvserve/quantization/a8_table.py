@@ -2,10 +2,13 @@
 8-bit codes that take at most 16 distinct values stored as 4-bit indices into a table.
 
 Which weights: MXFP4 (gpt-oss's experts: twice the E2M1 values, 15 of them in [-12, 12]) and
-GGUF's IQ4_NL / IQ4_XS (16 non-linear levels in [-127, 113]). As plain 8-bit codes they stream
-8 bits a weight, as 5-bit planes (MXFP4's range) 5; indexed, 4, the same as the file's. The
-kernel maps each nibble through the table with one vpshufb per 64 codes and multiplies the
-bytes it gets, so the sums, and the outputs, are those of the 8-bit codes bit for bit.
+GGUF's IQ4_NL (16 non-linear levels in [-127, 113]; IQ4_XS keeps its super-block records and
+byte codes: table codes take per-group records only). As plain 8-bit codes they stream 8 bits a
+weight, as 5-bit planes (MXFP4's range) 5; indexed, 4, the same as the file's. The kernel maps
+each nibble through the table with one vpermb per 64 codes (vpshufb and a mask without
+AVX512-VBMI) and multiplies the bytes it gets, so the sums, and the outputs, are those of the
+8-bit codes bit for bit; tiles of 8 rows pay each lookup once for 8 rows (faster than the
+bytes at every row count measured, 1-128: ``csrc/quant_linear_a8.cpp``'s ``a8_tile``).
 
 Layout: ``pack_a8``'s int4 records of the indices, then a trailer of ``TABLE_BYTES`` whose
 first 16 bytes are the table of ``u = value + offset`` (unsigned, as vpdpbusd takes the

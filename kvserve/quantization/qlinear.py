@@ -116,18 +116,8 @@ def pack_codes_a8(
     See ``csrc/quant_linear_a8.cpp``.
     """
     n = codes.shape[0]
-    if off is not None:  # the caller's (a8_table's indices: 0)
-        pass
-    elif bits == 8:
-        off = 128
-    elif bits == 4:
-        off = int4_offset(codes)
-    else:
-        plane = plane_offset(codes, bits)
-        if plane is None:
-            raise ValueError(f"codes span [{int(codes.min())}, {int(codes.max())}], more than "
-                             f"{bits} bits")  # fmt: skip
-        off = plane
+    if off is None:  # else the caller's (a table's indices: 0, whatever their span)
+        off = _a8_offset(codes, bits)
     first = _pack_rows_a8(codes[:PACK_ROWS], bits, off)
     if n <= PACK_ROWS:
         return first, off
@@ -137,6 +127,19 @@ def pack_codes_a8(
     for r in range(PACK_ROWS, n, PACK_ROWS):
         out[r // 16 : (r + PACK_ROWS) // 16] = _pack_rows_a8(codes[r : r + PACK_ROWS], bits, off)
     return out, off
+
+
+def _a8_offset(codes: torch.Tensor, bits: int) -> int:
+    """``pack_codes_a8``'s offset for ``bits``-bit codes (module docstring there)."""
+    if bits == 8:
+        return 128
+    if bits == 4:
+        return int4_offset(codes)
+    plane = plane_offset(codes, bits)
+    if plane is None:
+        raise ValueError(f"codes span [{int(codes.min())}, {int(codes.max())}], more than "
+                         f"{bits} bits")  # fmt: skip
+    return plane
 
 
 def _pack_rows_a8(codes: torch.Tensor, bits: int, off: int) -> torch.Tensor:
