@@ -24,15 +24,17 @@ from kvserve.config import Quantization, QuantizedActivations
 from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.gpt_oss import GptOssForCausalLM
 from kvserve.model.loader import load_model
+from kvserve.quantization.a8_table import A8_TABLE
 from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.mxfp4 import dequantize_mxfp4
-from kvserve.quantization.qlinear import QuantLinear
+from kvserve.quantization.qlinear import A8Scales, QuantLinear
 from tests.model.test_gguf import _write_gguf
 from tests.model.test_gguf_families import FAST
 from tests.model.test_gguf_gemma_phi3 import add_tiny_tokenizer
 from tests.model.test_gpt_oss import IDS, reference_logits, write_mxfp4
 from tests.model.tiny_moe import GPT_OSS, make_moe_model
 from tests.model.tiny_native import kvserve_logits
+from tests.quantization.test_qlinear_a8 import needs_a8
 
 ARCH = "gpt-oss"
 # the HF names of a layer's tensors other than the experts -> llama.cpp's
@@ -348,3 +350,28 @@ def test_a_kept_head_is_never_read_densely(
     got = kvserve_logits(model, IDS, 9, False)
     torch.testing.assert_close(got, reference_logits(twin), atol=2e-5, rtol=1e-5)
     assert not torch.allclose(got, reference_logits(reference), atol=1e-4)  # Q8_0 mattered
+
+
+@needs_a8
+def test_bf16_experts_run_table_codes_through_the_experts_op(
+    gpt_oss_gguf: tuple[PreTrainedModel, Path, dict[str, torch.Tensor], Path], tmp_path: Path
+) -> None:
+    """bf16 on AVX512-VNNI (int8 activations, the default): each kept MXFP4 expert streams
+    4-bit table codes with float16 scales, and the C++ experts op (one call per layer, the
+    table flag in its records) gives the PyTorch grouped path's outputs bit for bit, on a
+    routing that leaves some experts without tokens and gives others several."""
+    _, _, _, path = gpt_oss_gguf
+    out = convert_gguf(path, tmp_path / "out")
+    keep = QuantOptions(Quantization.GGUF, None, str(path), lm_head=None)
+    model = load_model(out, torch.bfloat16, "cpu", 64, fused_ops=True, quant=keep)
+    experts = model.layers[1].mlp.experts
+    assert experts.use_kernel and experts.kernel() is not None
+    for layer in (*experts.q_gate_up, *experts.q_down):
+        assert layer.code_bits == 4 and layer.scale_format == A8_TABLE | A8Scales.FLOAT16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, model.config.hidden_size, generator=gen).bfloat16()  # [T, H]
+    ids = torch.tensor([[0, 1]] * 4 + [[2, 0], [1, 3], [0, 2], [3, 1], [0, 1]])  # [9, 2]
+    weights = torch.rand(9, 2, generator=gen)
+    fused = experts(x, weights, ids)
+    experts.use_kernel = False
+    assert torch.equal(experts(x, weights, ids).view(torch.int16), fused.view(torch.int16))
