@@ -76,9 +76,13 @@ A8Args expand_codes(const A8Args& a, int64_t v0, int64_t nv, std::vector<uint8_t
       uint8_t* q = out + e.header + (a.supers ? 0 : in) * 512;
       for (int t = 0; t < 4; ++t) {
         const __m512i packed = _mm512_loadu_si512(p + t * 64);
-        __m512i lo = _mm512_and_si512(packed, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-        if (a.table != nullptr) table_halves(table, packed, lo, hi);  // no planes then
+        __m512i lo, hi;
+        if (a.table != nullptr) {  // table codes (no planes then)
+          table_halves(table, packed, lo, hi);
+        } else {
+          lo = _mm512_and_si512(packed, low4);
+          hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        }
         for (int64_t pl = 0; pl < a.planes; ++pl) {
           const uint8_t* bits = p + 256 + pl * 64;
           const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));
