@@ -79,10 +79,20 @@ GPT_OSS_SETTINGS = (
     q.Setting("kvserve-gguf-mxfp4-lmhead", "kvserve", "gguf", GPT_OSS_GGUF, lm_head=True),
     q.Setting("kvserve-mxfp4", "kvserve", "mxfp4"),
     q.Setting("llamacpp-mxfp4", "llamacpp", gguf_type=GPT_OSS_GGUF),
+    # float32 (dtype auto on AVX2-only CPUs): the experts as the weight-only kernel's table codes
+    q.Setting(
+        "kvserve-gguf-mxfp4-lmhead-f32",
+        "kvserve",
+        "gguf",
+        GPT_OSS_GGUF,
+        lm_head=True,
+        dtype="float32",
+    ),
 )
 GPT_OSS_MODEL = "gpt-oss-20b-4l"
 PEER_OF = {
     "kvserve-gguf-mxfp4-lmhead": "llamacpp-mxfp4", "kvserve-mxfp4": "llamacpp-mxfp4",
+    "kvserve-gguf-mxfp4-lmhead-f32": "llamacpp-mxfp4",
     "kvserve-int4-lmhead": "llamacpp-q4_0", "kvserve-gguf-q4_0-lmhead": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m", "kvserve-f32": "vllm-f32",
     "kvserve-bf16": "vllm-bf16",

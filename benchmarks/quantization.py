@@ -107,6 +107,10 @@ SETTINGS = (
     # IQ4_NL: its levels as 4-bit table indices on AVX512-VNNI (quantization/a8_table.py)
     Setting("kvserve-gguf-iq4_nl-lmhead", "kvserve", "gguf", "IQ4_NL", lm_head=True),
     Setting("llamacpp-iq4_nl", "llamacpp", None, "IQ4_NL"),
+    # float32 (dtype auto on AVX2-only CPUs): the weight-only kernel's table codes
+    Setting(
+        "kvserve-gguf-iq4_nl-lmhead-f32", "kvserve", "gguf", "IQ4_NL", lm_head=True, dtype="float32"
+    ),
 )
 BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
@@ -120,6 +124,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-q4_k_m-lmhead": "llamacpp-q4_k_m",
     "kvserve-gguf-q5_k_m-lmhead": "llamacpp-q5_k_m",
     "kvserve-gguf-iq4_nl-lmhead": "llamacpp-iq4_nl",
+    "kvserve-gguf-iq4_nl-lmhead-f32": "llamacpp-iq4_nl",
 }  # fmt: skip
 # The targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (

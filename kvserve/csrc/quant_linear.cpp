@@ -23,6 +23,11 @@
 //         16 bytes of W[16b + j, 2p + 1];
 //   int4: [N / 16][K / 2][16] uint8: byte j = (c[16b+j, 2p] + o) | (c[16b+j, 2p+1] + o) << 4,
 //         o = 8 for codes in [-8, 7], 0 for codes in [0, 15] (with a zero point).
+//   table (offset kTableOffset): int4's layout of 4-bit indices i, W's code being table[i],
+//         then kTableBytes whose first 16 are the table (int8; pack_codes_table). For 8-bit
+//         codes of at most 16 values (MXFP4, GGUF IQ4_NL): the file's 4 bits a weight streamed
+//         instead of 8, the same values looked up in registers (pshufb / vpermd), so the
+//         outputs are the byte codes' bit for bit.
 // scales / zeros: [K / g, N] float32 or float16 (zeros may be empty: zero 0). g is even.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +53,8 @@ namespace {
 constexpr int64_t kTileVecs = 4;    // 16-channel vectors per tile: 64 output channels
 constexpr int64_t kChunkPairs = 128;  // K pairs dequantized at once: 256 values of K
 constexpr int64_t kRowChunk = 64;   // batch rows that share one dequantized chunk
+constexpr int64_t kTableOffset = -1;  // the op's offset for table codes (qlinear.TABLE_OFFSET)
+constexpr int64_t kTableBytes = 64;   // the table's trailer after the codes (16 bytes used)
 
 struct QuantArgs {
   const void* codes;
@@ -58,7 +65,8 @@ struct QuantArgs {
   int64_t group;      // g, even, divides K
   int64_t n;          // N
   int64_t k;          // K
-  int64_t offset;     // int4: the stored nibble is code + offset (8 or 0)
+  int64_t offset;     // int4: the stored nibble is code + offset (8 or 0; 0 with a table)
+  const int8_t* table;  // nullptr, or the 16 values int4 nibbles index (the codes' trailer)
 };
 
 inline float scale_at(const QuantArgs& a, const void* p, int64_t grp, int64_t n) {
@@ -76,6 +84,11 @@ inline void codes_at(const QuantArgs& a, int64_t b, int64_t p, int64_t j, int& l
     hi = c[16 + j];
   } else {
     uint8_t c = static_cast<const uint8_t*>(a.codes)[(b * pairs + p) * 16 + j];
+    if (a.table) {
+      lo = a.table[c & 15];
+      hi = a.table[c >> 4];
+      return;
+    }
     lo = static_cast<int>(c & 15) - static_cast<int>(a.offset);
     hi = static_cast<int>(c >> 4) - static_cast<int>(a.offset);
   }
@@ -132,6 +145,12 @@ inline __m512 load_scales(const QuantArgs& a, const void* p, int64_t grp, int64_
   return _mm512_loadu_ps(static_cast<const float*>(p) + i);
 }
 
+// The 16 table values as int32 lanes, vpermd's lookup table (zeros without a table).
+inline __m512i table_i32(const QuantArgs& a) {
+  return a.table ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.table)))
+                 : _mm512_setzero_si512();
+}
+
 void dequant_bf16(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, int64_t np,
                   __m512bh* buf) {
   const int64_t pairs = a.k / 2;
@@ -144,6 +163,7 @@ void dequant_bf16(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, int64_
   const __m512i idx = _mm512_load_si512(idx_words);
   const __m512i low4 = _mm512_set1_epi32(15);
   const __m512i offset = _mm512_set1_epi32(static_cast<int>(a.offset));
+  const __m512i table = table_i32(a);
   __m512 s[kTileVecs], z[kTileVecs];
   int64_t cur = -1;
   for (int64_t p = p0; p < p0 + np; ++p) {
@@ -166,6 +186,10 @@ void dequant_bf16(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, int64_
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
         lo_i = _mm512_sub_epi32(_mm512_and_si512(bytes, low4), offset);
         hi_i = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), offset);
+        if (a.table) {  // offset 0: the nibbles index the table
+          lo_i = _mm512_permutexvar_epi32(lo_i, table);
+          hi_i = _mm512_permutexvar_epi32(hi_i, table);
+        }
       }
       __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo_i), s[v]), z[v]);
       __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi_i), s[v]), z[v]);
@@ -231,6 +255,7 @@ void direct_tile(const QuantArgs& a, const float* x, int64_t ldx, const float* x
   const int64_t pairs = a.k / 2;
   const int64_t gp = a.group / 2;  // pairs per group
   const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512i table = table_i32(a);
   __m512 total[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
@@ -251,8 +276,13 @@ void direct_tile(const QuantArgs& a, const float* x, int64_t ldx, const float* x
           const uint8_t* c = static_cast<const uint8_t*>(a.codes) + ((b0 + v) * pairs + p) * 16;
           __m512i bytes =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-          lo[v] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
-          hi[v] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+          __m512i lo_i = _mm512_and_si512(bytes, low4), hi_i = _mm512_srli_epi32(bytes, 4);
+          if (a.table) {  // offset 0: the nibbles index the table
+            lo_i = _mm512_permutexvar_epi32(lo_i, table);
+            hi_i = _mm512_permutexvar_epi32(hi_i, table);
+          }
+          lo[v] = _mm512_cvtepi32_ps(lo_i);
+          hi[v] = _mm512_cvtepi32_ps(hi_i);
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -420,10 +450,15 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
                     zeros.scalar_type() == scales.scalar_type(),
                 "quant_linear: zeros must match scales");
   }
-  TORCH_CHECK(codes.is_contiguous() && codes.numel() * (bits == 8 ? 1 : 2) == n * k,
-              "quant_linear: codes do not hold N x K weights");
+  const bool table = offset == kTableOffset;
+  TORCH_CHECK(!table || bits == 4, "quant_linear: table codes are 4-bit indices");
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 &&
+                  codes.numel() == n * k / (bits == 8 ? 1 : 2) + (table ? kTableBytes : 0),
+              "quant_linear: codes do not hold N x K weights", table ? " and a table" : "");
+  const auto* table_values =
+      table ? static_cast<const int8_t*>(codes.data_ptr()) + n * k / 2 : nullptr;
   QuantArgs a{codes.data_ptr(), scales.data_ptr(), has_zeros ? zeros.data_ptr() : nullptr,
-              half, bits, group, n, k, offset};
+              half, bits, group, n, k, table ? 0 : offset, table_values};
   if (m == 0) return;
   if (x.scalar_type() == at::kFloat) {
     run_f32(a, x.data_ptr<float>(), m, out.data_ptr<float>(), direct_rows);

@@ -40,16 +40,27 @@ inline __m256i widen8u(const void* p) {  // 8 unsigned bytes -> 8 int32
 }
 
 // Pair p of block b as int32: lo (k = 2p) and hi (k = 2p + 1), channels 0-7 and 8-15 each.
-// int4 gives the stored nibbles (code + offset).
-template <int BITS>
+// int4 gives the stored nibbles (code + offset); TABLE int4 the values the nibbles index in
+// `table` (16 int8, one pshufb per 16 codes: the byte codes' values, so the same sums).
+template <int BITS, bool TABLE = false>
 inline void codes_i32(const void* codes, int64_t pairs, int64_t b, int64_t p, __m256i lo[2],
-                      __m256i hi[2]) {
+                      __m256i hi[2], __m128i table = _mm_setzero_si128()) {
   if constexpr (BITS == 8) {
     const int8_t* c = static_cast<const int8_t*>(codes) + (b * pairs + p) * 32;
     lo[0] = widen8(c);
     lo[1] = widen8(c + 8);
     hi[0] = widen8(c + 16);
     hi[1] = widen8(c + 24);
+  } else if constexpr (TABLE) {
+    const uint8_t* c = static_cast<const uint8_t*>(codes) + (b * pairs + p) * 16;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m128i l8 = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));  // 16 values
+    const __m128i h8 = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    lo[0] = _mm256_cvtepi8_epi32(l8);
+    lo[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(l8, 8));
+    hi[0] = _mm256_cvtepi8_epi32(h8);
+    hi[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(h8, 8));
   } else {
     const uint8_t* c = static_cast<const uint8_t*>(codes) + (b * pairs + p) * 16;
     const __m256i low4 = _mm256_set1_epi32(15);
@@ -61,11 +72,18 @@ inline void codes_i32(const void* codes, int64_t pairs, int64_t b, int64_t p, __
   }
 }
 
+// The 16 table values as pshufb's lookup bytes (zeros without a table).
+inline __m128i table_bytes(const QuantArgs& a) {
+  return a.table ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.table))
+                 : _mm_setzero_si128();
+}
+
 // ---- direct: out[nv * 16] = x[K] . W[b0 * 16 .. (b0 + nv) * 16, :]^T for one row.
-template <int BITS, int NV>
+template <int BITS, bool TABLE, int NV>
 void direct_row_avx2(const QuantArgs& a, const float* x, const float* xsum, int64_t b0,
                      float* out) {
   const int64_t pairs = a.k / 2, gp = a.group / 2, ngroups = a.k / a.group;
+  const __m128i table = table_bytes(a);
   const bool shift = a.zeros != nullptr || (BITS == 4 && a.offset != 0);
   const __m256 offset = _mm256_set1_ps(static_cast<float>(a.offset));
   __m256 total[2 * NV];
@@ -78,7 +96,7 @@ void direct_row_avx2(const QuantArgs& a, const float* x, const float* xsum, int6
       const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
       for (int v = 0; v < NV; ++v) {
         __m256i lo[2], hi[2];
-        codes_i32<BITS>(a.codes, pairs, b0 + v, p, lo, hi);
+        codes_i32<BITS, TABLE>(a.codes, pairs, b0 + v, p, lo, hi, table);
         for (int h = 0; h < 2; ++h) {
           part[2 * v + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[h]), x0, part[2 * v + h]);
           part[2 * v + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[h]), x1, part[2 * v + h]);
@@ -102,14 +120,14 @@ void direct_row_avx2(const QuantArgs& a, const float* x, const float* xsum, int6
   for (int i = 0; i < 2 * NV; ++i) _mm256_storeu_ps(out + 8 * i, total[i]);
 }
 
-template <int BITS>
+template <int BITS, bool TABLE>
 void direct_tile_avx2(const QuantArgs& a, const float* x, const float* xsum, int64_t b0,
                       int64_t nv, float* out) {
   switch (nv) {
-    case 4: direct_row_avx2<BITS, 4>(a, x, xsum, b0, out); break;
-    case 3: direct_row_avx2<BITS, 3>(a, x, xsum, b0, out); break;
-    case 2: direct_row_avx2<BITS, 2>(a, x, xsum, b0, out); break;
-    default: direct_row_avx2<BITS, 1>(a, x, xsum, b0, out); break;
+    case 4: direct_row_avx2<BITS, TABLE, 4>(a, x, xsum, b0, out); break;
+    case 3: direct_row_avx2<BITS, TABLE, 3>(a, x, xsum, b0, out); break;
+    case 2: direct_row_avx2<BITS, TABLE, 2>(a, x, xsum, b0, out); break;
+    default: direct_row_avx2<BITS, TABLE, 1>(a, x, xsum, b0, out); break;
   }
 }
 
@@ -131,9 +149,11 @@ void run_direct_avx2(const QuantArgs& a, const float* x, int64_t m, float* out) 
         const float* sr = xsum.data() + r * ngroups;
         float* o = out + r * a.n + b0 * 16;
         if (a.bits == 8) {
-          direct_tile_avx2<8>(a, xr, sr, b0, nv, o);
+          direct_tile_avx2<8, false>(a, xr, sr, b0, nv, o);
+        } else if (a.table) {
+          direct_tile_avx2<4, true>(a, xr, sr, b0, nv, o);
         } else {
-          direct_tile_avx2<4>(a, xr, sr, b0, nv, o);
+          direct_tile_avx2<4, false>(a, xr, sr, b0, nv, o);
         }
       }
     }
@@ -141,10 +161,11 @@ void run_direct_avx2(const QuantArgs& a, const float* x, int64_t m, float* out) 
 }
 
 // ---- tiles: dequantize pairs p0..p0+np of blocks b0..b0+nv into buf [nv][2 * np][16].
-template <int BITS>
+template <int BITS, bool TABLE>
 void dequant_f32_avx2(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, int64_t np,
                       float* buf) {
   const int64_t pairs = a.k / 2;
+  const __m128i table = table_bytes(a);
   const __m256i offset = _mm256_set1_epi32(static_cast<int>(a.offset));
   for (int64_t v = 0; v < nv; ++v) {
     float* dst = buf + v * (2 * np) * 16;
@@ -159,9 +180,9 @@ void dequant_f32_avx2(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, in
         cur = grp;
       }
       __m256i lo[2], hi[2];
-      codes_i32<BITS>(a.codes, pairs, b0 + v, p, lo, hi);
+      codes_i32<BITS, TABLE>(a.codes, pairs, b0 + v, p, lo, hi, table);
       for (int h = 0; h < 2; ++h) {
-        if constexpr (BITS == 4) {  // the code itself, exactly, as the reference has it
+        if constexpr (BITS == 4 && !TABLE) {  // the code itself, as the reference has it
           lo[h] = _mm256_sub_epi32(lo[h], offset);
           hi[h] = _mm256_sub_epi32(hi[h], offset);
         }
@@ -177,7 +198,7 @@ void dequant_f32_avx2(const QuantArgs& a, int64_t b0, int64_t nv, int64_t p0, in
 
 #include "f32_micro_avx2.h"  // micro_f32_avx2, rows_f32_avx2
 
-template <int BITS>
+template <int BITS, bool TABLE>
 void tile_f32_avx2(const QuantArgs& a, const float* x, int64_t m, float* out, int64_t b0,
                    int64_t nv, float* acc, float* buf) {
   const int64_t width = nv * 16, pairs = a.k / 2;
@@ -186,7 +207,7 @@ void tile_f32_avx2(const QuantArgs& a, const float* x, int64_t m, float* out, in
     std::fill(acc, acc + mc * width, 0.0f);
     for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
       const int64_t np = std::min(kChunkPairs, pairs - p0);
-      dequant_f32_avx2<BITS>(a, b0, nv, p0, np, buf);
+      dequant_f32_avx2<BITS, TABLE>(a, b0, nv, p0, np, buf);
       rows_f32_avx2(x + m0 * a.k + 2 * p0, a.k, mc, buf, 2 * np, nv, acc);
     }
     for (int64_t r = 0; r < mc; ++r)
@@ -205,9 +226,11 @@ void run_tiles_avx2(const QuantArgs& a, const float* x, int64_t m, float* out) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * kTileVecs, nv = std::min(kTileVecs, blocks - b0);
       if (a.bits == 8) {
-        tile_f32_avx2<8>(a, x, m, out, b0, nv, acc.data(), buf.data());
+        tile_f32_avx2<8, false>(a, x, m, out, b0, nv, acc.data(), buf.data());
+      } else if (a.table) {
+        tile_f32_avx2<4, true>(a, x, m, out, b0, nv, acc.data(), buf.data());
       } else {
-        tile_f32_avx2<4>(a, x, m, out, b0, nv, acc.data(), buf.data());
+        tile_f32_avx2<4, false>(a, x, m, out, b0, nv, acc.data(), buf.data());
       }
     }
   });

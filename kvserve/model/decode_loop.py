@@ -173,7 +173,7 @@ def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
                           lin.has_zeros)  # fmt: skip
     else:
         layers.add_linear(KIND_QUANT, lin.codes, lin.scales_t, lin.zeros_t, lin.bias,
-                          lin.out_features, lin.bits, lin.group_size, lin.offset,
+                          lin.out_features, lin.code_bits, lin.group_size, lin.offset,
                           lin.direct_rows, 0, False)  # fmt: skip
 
 

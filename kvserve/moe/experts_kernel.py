@@ -76,7 +76,7 @@ def _add_quant(op: torch.ScriptObject, layer: nn.Module) -> None:
                       layer.has_zeros)  # fmt: skip
     else:
         op.add_linear(_QUANT, layer.codes, layer.scales_t, layer.zeros_t, layer.out_features,
-                      layer.bits, layer.group_size, layer.offset, layer.direct_rows, 0,
+                      layer.code_bits, layer.group_size, layer.offset, layer.direct_rows, 0,
                       layer.has_zeros)  # fmt: skip
 
 

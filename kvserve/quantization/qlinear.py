@@ -27,7 +27,7 @@ from torch import nn
 
 from kvserve.config import QuantizedActivations
 from kvserve.ops import cpu_kernels
-from kvserve.quantization.a8_table import A8_TABLE, A8Table, a8_table
+from kvserve.quantization.a8_table import A8_TABLE, TABLE_OFFSET, A8Table, a8_table
 from kvserve.quantization.qweight import INT4_RANGES, SUPER_BLOCK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -59,8 +59,9 @@ def int4_offset(codes: torch.Tensor) -> int:
     raise ValueError(f"int4 codes span [{lo}, {hi}], not one of {INT4_RANGES}")
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
-    """Codes ``[N, K]`` in the kernel's tile layout, and the int4 offset (0 for int8).
+def pack_codes(codes: torch.Tensor, bits: int, off: int | None = None) -> tuple[torch.Tensor, int]:
+    """Codes ``[N, K]`` in the kernel's tile layout, and the int4 offset (0 for int8;
+    ``int4_offset`` unless ``off`` is given).
 
     int8: ``[N/16, K/2, 2, 16]`` (16 channels of k, then of k + 1); int4: ``[N/16, K/2, 16]``
     bytes holding ``(c[k] + off) | (c[k + 1] + off) << 4``. See ``csrc/quant_linear.cpp``.
@@ -69,10 +70,21 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     blocks = codes.reshape(n // 16, 16, k // 2, 2)  # [N/16, 16, K/2, 2]
     if bits == 8:
         return blocks.permute(0, 2, 3, 1).contiguous(), 0
-    off = int4_offset(codes)
+    off = int4_offset(codes) if off is None else off
     u = (blocks.to(torch.int16) + off).to(torch.uint8)  # [N/16, 16, K/2, 2] in [0, 15]
     packed = u[..., 0] | (u[..., 1] << 4)  # [N/16, 16, K/2]
     return packed.permute(0, 2, 1).contiguous(), off
+
+
+def pack_kernel_codes(qw: QuantizedWeight) -> tuple[torch.Tensor, int, int]:
+    """``qw``'s codes for ``quant_linear``: (codes, offset, bits). 8-bit codes of at most 16
+    values (MXFP4, IQ4_NL) as table codes: the indices' int4 layout, the values in a trailer,
+    offset ``TABLE_OFFSET`` (``a8_table``'s docstring); else ``pack_codes``."""
+    table = a8_table(qw)
+    if table is None:
+        return (*pack_codes(qw.codes, qw.bits), qw.bits)
+    packed, _ = pack_codes(table.indices(qw.codes), 4, off=0)  # [N/16, K/2, 16] nibbles
+    return torch.cat([packed.reshape(-1), table.signed_trailer()]), TABLE_OFFSET, 4
 
 
 def plane_offset(codes: torch.Tensor, bits: int) -> int | None:
@@ -435,12 +447,17 @@ class QuantLinear(nn.Module):
             if table is not None:
                 self.code_bits, self.scale_format = 4, self.scale_format | A8_TABLE
             self.nbytes = int(self.codes.numel())
-        elif self.use_kernel:
-            self.codes, self.offset = pack_codes(qw.codes, qw.bits)
-            self.scales_t = _transposed(qw.scales)  # [K/g, N]
+        elif self.use_kernel:  # at most 16 code values: 4-bit indices into a table
+            self.codes, self.offset, self.code_bits = pack_kernel_codes(qw)
+            sdtype = a8_scale_dtype(qw)  # float16 where exact (MXFP4): the same products
+            self.scales_t = _transposed(qw.scales).to(sdtype)  # [K/g, N]
             self.zeros_t = (
-                torch.empty(0, dtype=qw.scales.dtype) if qw.zeros is None else _transposed(qw.zeros)
+                torch.empty(0, dtype=sdtype)
+                if qw.zeros is None
+                else _transposed(qw.zeros).to(sdtype)
             )
+            self.nbytes = sum(int(t.numel() * t.element_size())
+                              for t in (self.codes, self.scales_t, self.zeros_t))  # fmt: skip
         else:
             logger.warning(
                 "no quantized-linear kernel for %s %s: dequantizing every call (slow)",
@@ -471,7 +488,7 @@ class QuantLinear(nn.Module):
             )  # fmt: skip
         else:
             torch.ops.kvserve.quant_linear(
-                out, x2, self.codes, self.scales_t, self.zeros_t, self.bits, self.group_size,
+                out, x2, self.codes, self.scales_t, self.zeros_t, self.code_bits, self.group_size,
                 self.offset, self.direct_rows,
             )  # fmt: skip
         if self.bias is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
@@ -31,6 +31,7 @@ from transformers import (
 
 from kvserve.model.builtin import find_builtin_gguf
 from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
+from kvserve.quantization.a8_table import TABLE_OFFSET
 from kvserve.quantization.gguf_weights import GGUFLinears
 from tests.model.test_gguf import (
     PROMPT_IDS,
@@ -157,6 +158,23 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_BLOCK_NAMES[rest]}"
 
 
+def quantize_rows(data: np.ndarray, qtype: T) -> np.ndarray:
+    """``data [rows, cols]`` float32 as ``qtype`` blocks: gguf's quantizer, or for IQ4_NL
+    (which gguf cannot write) llama.cpp's simplest rule: per block of 32 the scale maps the
+    value of largest magnitude to the first level (-127), each value its nearest level."""
+    if qtype != T.IQ4_NL:
+        return quantize(data, qtype)
+    levels = np.array(IQ4_NL.kvalues, dtype=np.float32)  # [16]
+    blocks = data.reshape(-1, 32)  # [B, 32]
+    peak = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(1)]  # [B] signed
+    d = (peak / levels[0]).astype(np.float16)  # [B]
+    safe = np.where(d == 0, 1, d).astype(np.float32)[:, None, None]  # [B, 1, 1]
+    idx = np.abs(blocks[..., None] / safe - levels).argmin(-1).astype(np.uint8)  # [B, 32]
+    nibbles = idx[:, :16] | (idx[:, 16:] << 4)  # element j low, j + 16 high
+    raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), nibbles], axis=1)  # [B, 18]
+    return raw.reshape(data.shape[0], -1)
+
+
 def write_family_gguf(
     model: PreTrainedModel,
     arch: str,
@@ -201,7 +219,7 @@ def write_family_gguf(
         for hf, data in state.items():
             name = gguf_name(hf)
             if qtype != T.F32 and data.ndim == 2 and name != "token_embd.weight":
-                w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+                w.add_tensor(name, quantize_rows(data, qtype), raw_dtype=qtype)
             else:
                 w.add_tensor(name, data)
         for name, data in (extra or {}).items():
@@ -347,6 +365,46 @@ def test_q8_0_kept_quantized_gives_the_dequantized_tokens(
         tokens[quantization] = [list(o.outputs[0].token_ids) for o in outputs]
     assert tokens["gguf"] == tokens[None]
     assert len({t[0] for t in tokens[None]}) == len(PROMPTS)  # not one repeated token
+
+
+@pytest.mark.slow
+def test_table_codes_run_in_the_decode_loop(
+    tokenizer_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An IQ4_NL Qwen3 file served at float32 with ``--quantization gguf``: every projection
+    streams 4-bit table codes on the weight-only kernel (float16 scales, as the file's), and
+    the C++ decode loop (fused ops, the CPU attention kernel) gives the Python layers'
+    tokens (``enforce_eager``) on the same file."""
+    from kvserve import LLM, SamplingParams
+
+    model = make_model("qwen3")
+    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy()  # [HIDDEN, FFN]
+    back = dequantize(quantize_rows(w, T.IQ4_NL), T.IQ4_NL)  # gguf's own reading
+    assert back.shape == w.shape and np.abs(back - w).max() < 0.1 * np.abs(w).max()
+    path = write_family_gguf(model, "qwen3", tmp_path / "iq4_nl.gguf", tokenizer_source,
+                             T.IQ4_NL)  # fmt: skip
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens, loop_steps = {}, 0
+    for eager in (True, False):
+        llm = LLM(model=str(path), quantization="gguf", dtype="float32", num_kv_blocks=64,
+                  enforce_eager=eager, warmup=False)  # fmt: skip
+        try:
+            model = llm.engine.runner.model
+            assert model.quant_report.layers == 4 * LAYERS
+            for layer in model.layers:
+                for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+                    assert (lin.path, lin.code_bits, lin.offset) == ("kernel", 4, TABLE_OFFSET)
+            assert (model.decode_loop is None) == eager
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            loop_steps = 0 if eager else model.decode_loop.steps
+        finally:
+            llm.engine.close()
+        tokens[eager] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens[False] == tokens[True]
+    assert loop_steps >= MAX_TOKENS - 2  # the decode steps ran in C++
+    assert len({t[0] for t in tokens[True]}) > 1  # not one repeated token
 
 
 def test_unsupported_architecture_refused_by_name(tmp_path: Path) -> None:

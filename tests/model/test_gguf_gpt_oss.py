@@ -24,7 +24,7 @@ from kvserve.config import Quantization, QuantizedActivations
 from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.gpt_oss import GptOssForCausalLM
 from kvserve.model.loader import load_model
-from kvserve.quantization.a8_table import A8_TABLE
+from kvserve.quantization.a8_table import A8_TABLE, TABLE_OFFSET
 from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.mxfp4 import dequantize_mxfp4
 from kvserve.quantization.qlinear import A8Scales, QuantLinear
@@ -188,8 +188,9 @@ def test_logits_equal_transformers_dense_and_kept(
     gpt_oss_gguf: tuple[PreTrainedModel, Path, dict[str, torch.Tensor], Path], tmp_path: Path
 ) -> None:
     """The converted folder (dequantized experts) and ``--quantization gguf`` (each expert a
-    quantized layer of the file's MXFP4 blocks: its values bit for bit) give transformers'
-    logits on the same experts, prefill then decode past the window."""
+    quantized layer of the file's MXFP4 blocks, as table codes: its values bit for bit) give
+    transformers' logits on the same experts, prefill then decode past the window, through
+    the PyTorch grouped path and the C++ experts op."""
     reference, folder, _, path = gpt_oss_gguf
     want = reference_logits(reference)
     out = convert_gguf(path, tmp_path / "out")
@@ -207,6 +208,9 @@ def test_logits_equal_transformers_dense_and_kept(
     blocks, scales = state[down + "_blocks"], state[down + "_scales"]
     for i in range(e):
         assert isinstance(experts.q_down[i], QuantLinear)
+        # float32: the weight-only kernel's table codes (4-bit indices, float16 scales)
+        assert (experts.q_down[i].code_bits, experts.q_down[i].offset) == (4, TABLE_OFFSET)
+        assert experts.q_down[i].scales_t.dtype == torch.float16
         value = experts.q_down[i](torch.eye(blocks.shape[2] * 32)).t()  # [H, I]
         assert torch.equal(value, dequantize_mxfp4(blocks[i], scales[i])), i
     assert experts.gate_up_proj.numel() == 0  # the dense stacks were never kept
@@ -352,26 +356,35 @@ def test_a_kept_head_is_never_read_densely(
     assert not torch.allclose(got, reference_logits(reference), atol=1e-4)  # Q8_0 mattered
 
 
-@needs_a8
-def test_bf16_experts_run_table_codes_through_the_experts_op(
-    gpt_oss_gguf: tuple[PreTrainedModel, Path, dict[str, torch.Tensor], Path], tmp_path: Path
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.bfloat16, marks=needs_a8), torch.float32], ids=str
+)
+def test_experts_run_table_codes_through_the_experts_op(
+    gpt_oss_gguf: tuple[PreTrainedModel, Path, dict[str, torch.Tensor], Path],
+    tmp_path: Path,
+    dtype: torch.dtype,
 ) -> None:
-    """bf16 on AVX512-VNNI (int8 activations, the default): each kept MXFP4 expert streams
-    4-bit table codes with float16 scales, and the C++ experts op (one call per layer, the
-    table flag in its records) gives the PyTorch grouped path's outputs bit for bit, on a
-    routing that leaves some experts without tokens and gives others several."""
+    """Each kept MXFP4 expert streams 4-bit table codes with float16 scales (bf16 on
+    AVX512-VNNI: the int8-activation kernel's records; float32: the weight-only kernel's
+    codes), and the C++ experts op (one call per layer, the table flag in its records or
+    offset) gives the PyTorch grouped path's outputs bit for bit, on a routing that leaves
+    some experts without tokens and gives others several."""
     _, _, _, path = gpt_oss_gguf
     out = convert_gguf(path, tmp_path / "out")
     keep = QuantOptions(Quantization.GGUF, None, str(path), lm_head=None)
-    model = load_model(out, torch.bfloat16, "cpu", 64, fused_ops=True, quant=keep)
+    model = load_model(out, dtype, "cpu", 64, fused_ops=True, quant=keep)
     experts = model.layers[1].mlp.experts
     assert experts.use_kernel and experts.kernel() is not None
     for layer in (*experts.q_gate_up, *experts.q_down):
-        assert layer.code_bits == 4 and layer.scale_format == A8_TABLE | A8Scales.FLOAT16
+        if dtype == torch.bfloat16:
+            assert layer.code_bits == 4 and layer.scale_format == A8_TABLE | A8Scales.FLOAT16
+        else:
+            assert (layer.path, layer.code_bits, layer.offset) == ("kernel", 4, TABLE_OFFSET)
+            assert layer.scales_t.dtype == torch.float16
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(9, model.config.hidden_size, generator=gen).bfloat16()  # [T, H]
+    x = torch.randn(9, model.config.hidden_size, generator=gen).to(dtype)  # [T, H]
     ids = torch.tensor([[0, 1]] * 4 + [[2, 0], [1, 3], [0, 2], [3, 1], [0, 1]])  # [9, 2]
     weights = torch.rand(9, 2, generator=gen)
     fused = experts(x, weights, ids)
     experts.use_kernel = False
-    assert torch.equal(experts(x, weights, ids).view(torch.int16), fused.view(torch.int16))
+    assert torch.equal(experts(x, weights, ids).view(torch.uint8), fused.view(torch.uint8))

@@ -31,8 +31,8 @@ BUILD_TIMEOUT = 900  # s: a cold build of every kernel took 272 s on a busy 2-co
 # kernel's float32 paths (one row: direct; 7 and 64 rows: tiles) equal the reference,
 # float32 int8 activations (the AVX2 vpmaddubsw path in both builds) equal theirs, and the
 # LoRA kernel (its AVX2 or AVX-512 path; bf16 by vdpbf16ps in the AVX-512 build) equals its
-# reference in float32 and bf16 with row and channel tails; on VNNI, table codes (bf16) equal
-# the same codes as bytes.
+# reference in float32 and bf16 with row and channel tails; table codes equal the same codes
+# as bytes on the weight-only kernel (float32 and bf16) and, on VNNI, the int8 one (bf16).
 CHECK = """
 import sys
 import torch
@@ -61,15 +61,25 @@ for bits, group, sym in ((8, 32, None), (8, None, None), (4, 32, True), (4, 128,
         x = torch.randn(rows, 384, generator=g)
         ref = reference_linear_a8(x.double(), qw).float()
         torch.testing.assert_close(a8(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-if torch.ops.kvserve.quant_linear_a8_supported():  # bf16 on VNNI: table codes (MXFP4's
-    # values; the forced AVX-512 build has no VBMI, so its vpshufb lookup) equal byte codes
-    from kvserve.quantization.a8_table import A8_TABLE, a8_table
-    from kvserve.quantization.qlinear import A8Scales, pack_a8
-    from kvserve.quantization.qweight import QuantizedWeight
-    levels = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
-    codes = levels[torch.randint(0, 15, (80, 384), generator=g)]
-    scales = torch.exp2(torch.randint(-9, -3, (80, 12), generator=g).float())
-    qw = QuantizedWeight(codes, scales, None, 8, 32)
+from kvserve.quantization.a8_table import A8_TABLE, TABLE_OFFSET, a8_table
+from kvserve.quantization.qlinear import A8Scales, pack_a8, pack_codes
+from kvserve.quantization.qweight import QuantizedWeight
+levels = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+codes = levels[torch.randint(0, 15, (80, 384), generator=g)]  # MXFP4's values
+scales = torch.exp2(torch.randint(-9, -3, (80, 12), generator=g).float())
+qw = QuantizedWeight(codes, scales, None, 8, 32)
+packed, _ = pack_codes(codes, 8)
+for dtype in (torch.float32, torch.bfloat16):  # weight-only table codes equal byte codes
+    layer = QuantLinear(qw, None, cpu, dtype)
+    assert layer.offset == TABLE_OFFSET
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 384, generator=g).to(dtype)
+        want = torch.empty(rows, 80, dtype=dtype)
+        torch.ops.kvserve.quant_linear(want, x, packed, layer.scales_t, layer.zeros_t, 8, 32, 0,
+                                       layer.direct_rows)
+        assert torch.equal(layer(x).view(torch.uint8), want.view(torch.uint8))
+if torch.ops.kvserve.quant_linear_a8_supported():  # bf16 on VNNI: table codes (the forced
+    # AVX-512 build has no VBMI, so its vpshufb lookup) equal byte codes
     layer = QuantLinear(qw, None, cpu, torch.bfloat16, QuantizedActivations.INT8)
     assert layer.scale_format & A8_TABLE
     table = a8_table(qw)

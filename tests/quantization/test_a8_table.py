@@ -1,7 +1,9 @@
 """Table codes (``quantization/a8_table.py``): 8-bit codes of at most 16 values (MXFP4, GGUF
 IQ4_NL) stream as 4-bit indices into a 16-byte table on the AVX512-VNNI int8-activation
 kernel, giving the outputs of the same codes stored as bytes (with the same offset) bit for
-bit, in 4.5 bits a weight for MXFP4 (float16 scales, which hold its powers of two exactly)."""
+bit, in 4.5 bits a weight for MXFP4 (float16 scales, which hold its powers of two exactly);
+and on the weight-only kernel (float32 activations on every CPU, bf16 ones with
+``--quantization-activations none``), giving its byte codes' outputs bit for bit too."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve.config import QuantizedActivations
-from kvserve.quantization.a8_table import A8_TABLE, TABLE_BYTES, A8Table, a8_table
+from kvserve.quantization.a8_table import A8_TABLE, TABLE_BYTES, TABLE_OFFSET, A8Table, a8_table
 from kvserve.quantization.gguf_weights import tensor_to_qweight
-from kvserve.quantization.qlinear import A8Scales, QuantLinear, a8_scale_dtype, pack_a8
+from kvserve.quantization.qlinear import (
+    A8Scales,
+    QuantLinear,
+    a8_scale_dtype,
+    pack_a8,
+    pack_codes,
+    reference_linear,
+)
 from kvserve.quantization.qweight import QuantizedWeight
 from tests.quantization.test_a8_gguf_records import assert_near_exact, k_blocks
 from tests.quantization.test_qlinear_a8 import needs_a8
@@ -47,6 +56,10 @@ def test_table_of_the_codes() -> None:
     trailer = table.trailer()
     assert trailer.shape == (TABLE_BYTES,)
     assert trailer[:16].tolist() == [0, 11, 12, 15, 18, 24] + [24] * 10
+    signed = table.signed_trailer()  # quant_linear's: the values' own bytes
+    assert signed.shape == (TABLE_BYTES,) and signed.dtype == torch.uint8
+    assert signed[:16].view(torch.int8).tolist() == [-12, -1, 0, 3, 6, 12] + [12] * 10
+    assert signed[16:].tolist() == [0] * (TABLE_BYTES - 16)
     assert A8Table(torch.tensor([0, 5], dtype=torch.int8)).offset == 0
     # 17 values, or codes already 4-bit: no table
     many = torch.arange(-8, 9, dtype=torch.int8).repeat(16, 2)[:, :32]
@@ -109,3 +122,48 @@ def test_table_codes_only_on_the_vnni_kernel() -> None:
         torch.ops.kvserve.quant_linear_a8(out, x, packed[:-TABLE_BYTES], 4, 32, off, fmt, False)
     with pytest.raises(RuntimeError, match="AVX512-VNNI only"):
         torch.ops.kvserve.quant_linear_a8(out.float(), x.float(), packed, 4, 32, off, fmt, False)
+
+
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_only_kernel_takes_table_codes(qtype: T, dtype: torch.dtype) -> None:
+    """Activations in the model dtype (float32: the AVX2 paths, pshufb; bf16 with
+    activations 'none': vdpbf16ps tiles and vpermd, or widened to float32 without AVX512-BF16):
+    the layer packs 4-bit indices and the table, and gives the outputs of the same codes
+    packed as bytes bit for bit, on the direct path (1-4 rows) and the tiles (5, 17, 70),
+    for full tiles and 1- and 2-vector tails (N 96, 80)."""
+    for n in (96, 80):
+        qw = weight(qtype, n, n)
+        layer = QuantLinear(qw, None, CPU, dtype, QuantizedActivations.NONE)
+        assert layer.path == "kernel" and (layer.code_bits, layer.offset) == (4, TABLE_OFFSET)
+        assert layer.codes.numel() == n * K // 2 + TABLE_BYTES  # 4 bits a weight + the table
+        # IQ4_NL's scales as the file has them (float16), MXFP4's float32 powers of two as
+        # float16 (exact: the same products): 4.5 bits a weight
+        assert qw.scales.dtype == (torch.float16 if qtype == T.IQ4_NL else torch.float32)
+        assert layer.scales_t.dtype == torch.float16
+        assert layer.nbytes == n * K // 2 + TABLE_BYTES + n * K // 32 * 2
+        packed, off = pack_codes(qw.codes, 8)
+        assert packed.numel() == n * K and off == 0
+        for rows in (1, 3, 4, 5, 17, 70):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            out = layer(x)
+            ref = torch.empty_like(out)
+            torch.ops.kvserve.quant_linear(ref, x, packed, layer.scales_t, layer.zeros_t, 8, 32,
+                                           0, layer.direct_rows)  # fmt: skip
+            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))  # bit for bit
+            want = reference_linear(x.double(), qw)  # the dequantized weight, float64
+            err = (out.double() - want).abs().max() / want.abs().max()
+            assert err < (1e-5 if dtype == torch.float32 else 1e-2), (rows, float(err))
+
+
+def test_weight_only_op_checks_table_codes() -> None:
+    """quant_linear refuses table codes of another width and a buffer without its table."""
+    qw = mxfp4_weight(32, 2)
+    layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.NONE)
+    out, x = torch.empty(1, 32), torch.randn(1, K)
+    args = (layer.scales_t, layer.zeros_t)
+    with pytest.raises(RuntimeError, match="table codes are 4-bit indices"):
+        torch.ops.kvserve.quant_linear(out, x, layer.codes, *args, 8, 32, TABLE_OFFSET, 4)
+    with pytest.raises(RuntimeError, match="do not hold N x K weights and a table"):
+        torch.ops.kvserve.quant_linear(out, x, layer.codes[:-TABLE_BYTES], *args, 4, 32,
+                                       TABLE_OFFSET, 4)  # fmt: skip
