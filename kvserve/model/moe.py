@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -53,7 +54,15 @@ from kvserve.moe.router import RouterConfig, route
 from kvserve.ops import cpu_kernels
 from kvserve.ops.fused_kernels import fused_kernels_for
 from kvserve.ops.malloc_tuning import trim_heap
-from kvserve.quantization.apply import RTN_METHODS, layer_weight, quantized_layer, rtn_weight
+from kvserve.quantization.apply import (
+    RTN_METHODS,
+    count_layer,
+    layer_weight,
+    load_workers,
+    new_quant_layer,
+    rtn_weight,
+)
+from kvserve.quantization.qlinear import QuantLinear
 from kvserve.quantization.streaming import StreamingQuantizer
 
 QWEN2_MOE, QWEN3_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
@@ -297,23 +306,31 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _quantize_experts(self, module: str, experts: FusedExperts) -> None:
         """RTN of the loaded dense experts, or (``--quantization gguf``) the file's own blocks
         of each expert (``GGUFLinears.take_expert``; a layer the file stores with a type
-        kvserve has no quantized layer for keeps its dense experts)."""
+        kvserve has no quantized layer for keeps its dense experts). Experts are read and
+        packed ``load_workers()`` at a time (numpy and torch release the GIL): a layer's
+        experts are independent and their decoding and packing is most of a MoE GGUF's load."""
         s = self._streaming
         assert s is not None and s.quant.method is not None
         source = s.source if s.quant.method is Quantization.GGUF else None
         if source is not None and module not in source.experts:  # type: ignore[union-attr]
             return
+
+        def build(job: tuple[str, int]) -> tuple[torch.Tensor, QuantLinear, float | None]:
+            pname, e = job
+            name, w = f"{module}.{e}.{pname}", getattr(experts, pname)[e]
+            if source is not None:
+                stored = source.take_expert(module, e, pname)  # type: ignore[union-attr]
+                qw, err = layer_weight(s.quant, name, w, stored)
+            else:
+                qw, err = rtn_weight(w, s.quant.method, s.quant.group_size, name)
+            return w, new_quant_layer(name, qw, None, s.device, s.dtype, s.quant.activations), err
+
         layers: dict[str, list[nn.Module]] = {"gate_up_proj": [], "down_proj": []}
-        for pname, out in layers.items():
-            for e in range(experts.num_experts):
-                name, w = f"{module}.{e}.{pname}", getattr(experts, pname)[e]
-                if source is not None:
-                    stored = source.take_expert(module, e, pname)  # type: ignore[union-attr]
-                    qw, err = layer_weight(s.quant, name, w, stored)
-                else:
-                    qw, err = rtn_weight(w, s.quant.method, s.quant.group_size, name)
-                out.append(quantized_layer(s.report, name, w, None, qw, err, s.device, s.dtype,
-                                           s.quant.activations))  # fmt: skip
+        jobs = [(pname, e) for pname in layers for e in range(experts.num_experts)]
+        with ThreadPoolExecutor(load_workers()) as pool:  # results in the jobs' order
+            for (pname, e), (w, layer, err) in zip(jobs, pool.map(build, jobs), strict=True):
+                count_layer(s.report, w, layer, err, f"{module}.{e}.{pname}")
+                layers[pname].append(layer)
         experts.set_quantized(layers["gate_up_proj"], layers["down_proj"])
         trim_heap()
 

@@ -170,10 +170,38 @@ def quantized_layer(
 ) -> QuantLinear:
     """The ``QuantLinear`` of ``qw`` for layer ``name``, counted in ``report`` (``weight``:
     the dense layer's, for its shape and size only)."""
+    layer = new_quant_layer(name, qw, bias, device, dtype, activations)
+    count_layer(report, weight, layer, error, name)
+    return layer
+
+
+def load_workers() -> int:
+    """Threads that build quantized layers side by side at load (MoE experts): one per
+    intra-op thread, at most 4 (each holds a few bytes a weight of one expert's temporaries).
+    Measured on 2 cores: see docs/moe.md, "Load time"."""
+    return max(1, min(4, torch.get_num_threads()))
+
+
+def new_quant_layer(
+    name: str,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    activations: QuantizedActivations,
+) -> QuantLinear:
+    """The ``QuantLinear`` of ``qw`` for layer ``name`` (its packing; nothing shared is
+    touched, so several can be built at once: ``moe.py``'s experts)."""
     try:
-        layer = QuantLinear(qw, bias, device, dtype, activations)
+        return QuantLinear(qw, bias, device, dtype, activations)
     except ValueError as e:
         raise ValueError(f"cannot quantize {name}: {e}") from e
+
+
+def count_layer(
+    report: QuantReport, weight: torch.Tensor, layer: QuantLinear, error: float | None, name: str
+) -> None:
+    """Count ``layer`` (``weight``: the dense layer's, for its shape and size) in ``report``."""
     first = report.layers == 0
     report.int8_activations = layer.int8_activations and (first or report.int8_activations)
     if error is not None:
@@ -182,7 +210,6 @@ def quantized_layer(
     report.weight_bytes += layer.nbytes  # as packed for its kernel
     report.dense_bytes += weight.numel() * weight.element_size()
     report.kernel &= layer.use_kernel
-    return layer
 
 
 # Round-to-nearest works row by row (groups run along K), so quantizing a few rows at a time

@@ -54,6 +54,27 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)  # IQ4's 16 non-linear levels
 _E2M1X2 = np.array(MXFP4.kvalues, dtype=np.int8)  # twice the 16 FP4 E2M1 values
 
+
+def _pair_table(levels: np.ndarray) -> np.ndarray:
+    """``[256]`` little-endian int16: byte ``b`` -> its two nibbles' levels, the low nibble's
+    in the low byte (one lookup per byte instead of a split into nibbles and one per nibble:
+    3.5x faster on a gpt-oss expert's 8.3M bytes, 12 against 43 ms)."""
+    b = np.arange(256)
+    pairs = np.stack([levels[b & 15], levels[b >> 4]], axis=-1)  # [256, 2] int8
+    return np.ascontiguousarray(pairs).view("<i2").reshape(256)
+
+
+_KVALUES_PAIRS = _pair_table(_KVALUES)
+_E2M1X2_PAIRS = _pair_table(_E2M1X2)
+
+
+def _levels(pairs: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """``[nb, 16]`` bytes -> ``[nb, 32]`` levels: low nibbles are elements 0..15, high 16..31
+    (``_nibbles``' order), through a ``_pair_table``."""
+    both = pairs[qs].view(np.int8).reshape(-1, 16, 2)  # [nb, 16, (low, high)]
+    return both.transpose(0, 2, 1).reshape(-1, 32)
+
+
 # A K-quant's two levels (qweight.SuperScales): d [nb] float16, sc [nb, groups] int8, and
 # dmin, m likewise or None
 Supers = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
@@ -110,7 +131,7 @@ def _legacy(raw: np.ndarray, qtype: T) -> Decoded:
         return q4, _f16(b[:, :2]), _f16(b[:, 2:4]), None
     if qtype == T.IQ4_NL:
         b = raw.reshape(-1, 18)
-        return _KVALUES[_nibbles(b[:, 2:])].reshape(-1), _f16(b[:, :2]), None, None
+        return _levels(_KVALUES_PAIRS, b[:, 2:]).reshape(-1), _f16(b[:, :2]), None, None
     # Q5_0 / Q5_1: a uint32 of fifth bits (bit j: element j), then the nibbles as Q4_x
     head = 2 if qtype == T.Q5_0 else 4
     b = raw.reshape(-1, head + 20)
@@ -175,14 +196,14 @@ def _iq4_xs(raw: np.ndarray) -> Decoded:
     low = _bits(b[:, 4:8], 4, 2).transpose(0, 2, 1).reshape(-1, 8)  # group 2i: byte i's low
     ls = (low | (high.reshape(-1, 8).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
     scales, _, supers = _two_level(b[:, 0:2], ls)  # [nb, 8] groups
-    q = _nibbles(b[:, 8:].reshape(-1, 16))  # [nb * 8, 32]: a group's 16 bytes, low then high
-    return _KVALUES[q].reshape(-1), scales, None, supers
+    q = _levels(_KVALUES_PAIRS, b[:, 8:].reshape(-1, 16))  # [nb * 8, 32]: low, then high
+    return q.reshape(-1), scales, None, supers
 
 
 def _mxfp4(raw: np.ndarray) -> Decoded:
     b = raw.reshape(-1, 17)  # an E8M0 exponent byte, then 16 bytes of nibbles
     scales = MXFP4.e8m0_to_fp32_half(b[:, 0]).astype(np.float32)  # [nb]: 2^(e - 128)
-    return _E2M1X2[_nibbles(b[:, 1:])].reshape(-1), scales, None, None
+    return _levels(_E2M1X2_PAIRS, b[:, 1:]).reshape(-1), scales, None, None
 
 
 def decode_blocks(raw: np.ndarray, qtype: T) -> Decoded:

@@ -19,8 +19,14 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig, PreTrainedModel
 
+from kvserve.config import Quantization
+from kvserve.model import moe
 from kvserve.model.gguf_convert import convert_gguf
+from kvserve.model.loader import load_model
+from kvserve.moe.experts import FusedExperts
+from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.gguf_weights import GGUFLinears
+from kvserve.quantization.qlinear import QuantLinear
 from tests.model.test_gguf import _write_gguf, llama_cpp_permute
 from tests.model.test_gguf_families import FAST
 from tests.model.test_gguf_gemma_phi3 import PROMPTS, add_tiny_tokenizer
@@ -223,6 +229,31 @@ def test_experts_equal_gguf_dequantizer(quantized: tuple[str, PreTrainedModel, P
             got = source.take_expert(f"layers.{layer}.mlp.experts", e, "down_proj")
             want = torch.from_numpy(stacked("ffn_down_exps", e))
             assert torch.equal(got.dequantize(torch.float32), want)
+
+
+def test_experts_built_side_by_side_equal_one_at_a_time(
+    quantized: tuple[str, PreTrainedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader builds a layer's experts on ``load_workers()`` threads: the same layers,
+    in expert order, byte for byte, and the same report as one thread builds."""
+    _, _, path = quantized
+    out = convert_gguf(path, tmp_path / "out")
+    keep = QuantOptions(Quantization.GGUF, None, str(path), lm_head=None)
+    built = {}
+    for workers in (1, 3):
+        monkeypatch.setattr(moe, "load_workers", lambda w=workers: w)
+        model = load_model(out, torch.float32, "cpu", 64, quant=keep)
+        report = model.quant_report  # type: ignore[attr-defined]
+        layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        built[workers] = (
+            [(q.codes, q.scales_t, q.offset) for m in layers for q in (*m.q_gate_up, *m.q_down)],
+            (report.layers, report.weight_bytes, report.dense_bytes),
+        )
+        assert all(isinstance(q, QuantLinear) for m in layers for q in m.q_down)
+    (one, one_report), (three, three_report) = built[1], built[3]
+    assert len(one) == len(three) > 0 and one_report == three_report
+    for a, b in zip(one, three, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
 
 
 @pytest.mark.slow
