@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -48,8 +49,9 @@ from kvserve.model.moe import MoEForCausalLM, RouterLinear
 from kvserve.moe.experts import FusedExperts, GluActivation, GluKind, act_and_mul_for
 from kvserve.moe.router import RouterConfig, Scoring, route
 from kvserve.ops.malloc_tuning import trim_heap
-from kvserve.quantization.apply import RTN_METHODS, quantized_layer
+from kvserve.quantization.apply import RTN_METHODS, count_layer, load_workers, new_quant_layer
 from kvserve.quantization.mxfp4 import dequantize_mxfp4, mxfp4_qweight
+from kvserve.quantization.qlinear import QuantLinear
 
 GPT_OSS = "GptOssForCausalLM"
 
@@ -243,15 +245,20 @@ class GptOssForCausalLM(MoEForCausalLM):
         them (``FusedExperts.set_quantized``). The stacked dense weights are never written."""
         s = self._streaming
         assert s is not None
-        layers = []
-        for e in range(experts.num_experts):
+
+        def build(e: int) -> QuantLinear:  # on load_workers() threads, as moe.py's experts
             b, sc = blocks[e], scales[e]  # [rows, G, 16], [rows, G]
             if proj == "gate_up_proj":  # rows gate0, up0, gate1, ...: gate rows, then up rows
                 b, sc = torch.cat([b[0::2], b[1::2]]), torch.cat([sc[0::2], sc[1::2]])
-            w = getattr(experts, proj)[e]  # [rows, cols]: the shape, never read
-            layers.append(quantized_layer(s.report, f"{module}.{e}.{proj}", w, None,
-                                          mxfp4_qweight(b, sc), None, s.device, s.dtype,
-                                          s.quant.activations))  # fmt: skip
+            return new_quant_layer(f"{module}.{e}.{proj}", mxfp4_qweight(b, sc), None,
+                                   s.device, s.dtype, s.quant.activations)  # fmt: skip
+
+        layers: list[nn.Module] = []
+        with ThreadPoolExecutor(load_workers()) as pool:  # results in expert order
+            for e, layer in enumerate(pool.map(build, range(experts.num_experts))):
+                w = getattr(experts, proj)[e]  # [rows, cols]: the shape, never read
+                count_layer(s.report, w, layer, None, f"{module}.{e}.{proj}")
+                layers.append(layer)
         held = self._mxfp4_layers.setdefault(module, {})
         held[proj] = layers
         if len(held) == 2:

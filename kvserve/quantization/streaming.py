@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,10 +36,13 @@ from kvserve.quantization.apply import (
     check_known,
     check_rtn_groups,
     check_unsharded,
+    count_layer,
     layer_weight,
     linears,
-    quantized_layer,
+    load_workers,
+    new_quant_layer,
 )
+from kvserve.quantization.qlinear import QuantLinear
 
 if TYPE_CHECKING:
     from kvserve.quantization.checkpoint_linears import CheckpointLinears
@@ -159,6 +163,11 @@ class StreamingQuantizer:
         else:
             check_rtn_groups(quant, targets)
         self.pending: dict[str, tuple[nn.Module, str]] = {}
+        # a GGUF's layers are built side by side (``_quantize``); checkpoints' readers
+        # (CheckpointLinears) and RTN's held dense weights stay one layer at a time
+        gguf = quant.method is Quantization.GGUF and load_workers() > 1
+        self._pool = ThreadPoolExecutor(load_workers()) if gguf else None
+        self._building: list[tuple[PendingLinear, Future[tuple[QuantLinear, float | None]]]] = []
         for parent, attr, name in targets:
             stand_in = PendingLinear(getattr(parent, attr), name, device, self._quantize,
                                      prequantized=self.source is not None)  # fmt: skip
@@ -185,21 +194,45 @@ class StreamingQuantizer:
         return True
 
     def _quantize(self, stand_in: PendingLinear) -> None:
+        """``stand_in``'s weight is complete: its layer now (RTN, whose dense weight is held
+        until then) or, from a GGUF, on the ``load_workers()`` threads, put in place by
+        ``finish`` in the order the layers completed (the file's blocks need nothing the
+        loader holds, and reading, decoding and packing them was half of a dense GGUF's
+        load: TinyLlama-1.1B Q4_K_M 5.2 of 10.9 s)."""
+        if self._pool is None:
+            self._install(stand_in, *self._build(stand_in))
+            trim_heap()
+        else:
+            self._building.append((stand_in, self._pool.submit(self._build, stand_in)))
+
+    def _build(self, stand_in: PendingLinear) -> tuple[QuantLinear, float | None]:
         name, w = stand_in.name, stand_in.weight
         qw, err = layer_weight(self.quant, name, w, self.source.take(name) if self.source else None)
         stand_in.release()  # before the codes are packed for the kernel: less at once
-        tp, bias = stand_in.row_tp, stand_in.bias
-        own_bias = None if tp is not None else bias  # a row-parallel shard adds it after
-        layer: nn.Module = quantized_layer(self.report, name, w, own_bias, qw, err, self.device,
-                                           self.dtype, self.quant.activations)  # fmt: skip
-        if tp is not None:  # the partial products of this rank's input slice: all-reduce
-            layer = RowParallelShard(layer, tp, bias)
-        parent, attr = self.pending.pop(name)
-        setattr(parent, attr, layer)
-        trim_heap()
+        own_bias = None if stand_in.row_tp is not None else stand_in.bias  # a shard adds it after
+        layer = new_quant_layer(name, qw, own_bias, self.device, self.dtype,
+                                self.quant.activations)  # fmt: skip
+        return layer, err
+
+    def _install(self, stand_in: PendingLinear, layer: QuantLinear, err: float | None) -> None:
+        """Count ``layer`` and put it where ``stand_in`` stands (on the loading thread)."""
+        count_layer(self.report, stand_in.weight, layer, err, stand_in.name)
+        tp = stand_in.row_tp
+        # the partial products of this rank's input slice: all-reduce
+        done = layer if tp is None else RowParallelShard(layer, tp, stand_in.bias)
+        parent, attr = self.pending.pop(stand_in.name)
+        setattr(parent, attr, done)
 
     def finish(self) -> QuantReport:
         """After ``load_weights``: every layer quantized; the report (also logged)."""
+        if self._pool is not None:
+            try:
+                for stand_in, built in self._building:
+                    self._install(stand_in, *built.result())
+            finally:
+                self._pool.shutdown(cancel_futures=True)
+                self._pool, self._building = None, []
+            trim_heap()
         if self.pending:
             raise ValueError(f"the checkpoint is missing weights of {sorted(self.pending)[:3]}")
         logger.info("quantized %s", self.report.summary())

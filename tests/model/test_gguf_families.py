@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -29,10 +31,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvserve.config import Quantization
 from kvserve.model.builtin import find_builtin_gguf
 from kvserve.model.gguf_convert import convert_gguf, unpermute_rotary
+from kvserve.model.loader import load_model
+from kvserve.quantization import streaming
 from kvserve.quantization.a8_table import TABLE_OFFSET
+from kvserve.quantization.apply import QuantOptions
 from kvserve.quantization.gguf_weights import GGUFLinears
+from kvserve.quantization.qlinear import QuantLinear
 from tests.model.test_gguf import (
     PROMPT_IDS,
     TINY_VOCAB,
@@ -338,6 +345,37 @@ def test_q8_0_projections_equal_gguf_dequantizer(
         )
         down = source.take(f"layers.{i}.mlp.down_proj").dequantize(torch.float32)
         assert torch.equal(down, want(f"blk.{i}.ffn_down.weight"))
+
+
+def test_layers_built_side_by_side_equal_one_at_a_time(
+    q8_0_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--quantization gguf`` builds the layers on ``load_workers()`` threads and puts them
+    in place when the load ends: the same layers, byte for byte, and the same report as one
+    thread building each as it completes."""
+    out = convert_gguf(q8_0_path, tmp_path / "out")
+    keep = QuantOptions(Quantization.GGUF, None, str(q8_0_path), lm_head=None)
+    built, submitted = {}, []
+
+    class Pool(ThreadPoolExecutor):  # counts the layers sent to the threads
+        def submit(self, *args: Any, **kw: Any) -> Any:
+            submitted.append(args)
+            return super().submit(*args, **kw)
+
+    monkeypatch.setattr(streaming, "ThreadPoolExecutor", Pool)
+    for workers in (1, 3):
+        monkeypatch.setattr(streaming, "load_workers", lambda w=workers: w)
+        model = load_model(out, torch.float32, "cpu", 64, quant=keep)
+        assert len(submitted) == (0 if workers == 1 else 4 * LAYERS)
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+        report = model.quant_report  # type: ignore[attr-defined]
+        built[workers] = (layers, (report.layers, report.weight_bytes, report.dense_bytes))
+    (one, one_report), (three, three_report) = built[1], built[3]
+    assert one_report[0] == 4 * LAYERS and one_report == three_report  # (and the LM head)
+    assert len(one) == len(three) >= 4 * LAYERS
+    for (name_a, a), (name_b, b) in zip(one, three, strict=True):
+        assert name_a == name_b and a.offset == b.offset
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales_t, b.scales_t)
 
 
 @pytest.mark.slow
