@@ -4,6 +4,7 @@ gguf's ``GGUFReader`` gives, field for field and tensor for tensor."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from gguf import GGUFReader
 
 from kvserve.model.builtin import find_builtin_gguf
@@ -34,3 +35,22 @@ def test_header_reader_reads_what_gguf_reads() -> None:
         assert np.array_equal(g.data.reshape(-1)[-64:], w.data.reshape(-1)[-64:])
     assert type(got.tensors[0].data) is np.ndarray and isinstance(want.tensors[0].data, np.memmap)
     assert got.data_offset == want.data_offset and got.alignment == want.alignment
+
+
+def test_transformers_gets_the_header_reader_for_one_call_only() -> None:
+    """``gguf_metadata.write_tokenizer`` hands transformers' GGUF tokenizer builder the
+    HeaderReader (it imports ``gguf.GGUFReader`` when called) and puts gguf's back after,
+    even when the call fails."""
+    import gguf
+
+    from kvserve.model.gguf_metadata import _header_reader_for_transformers
+
+    original = gguf.GGUFReader
+    with _header_reader_for_transformers():
+        from gguf import GGUFReader as seen  # what transformers' `from gguf import` gets
+
+        assert seen is HeaderReader
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError, match="boom"), _header_reader_for_transformers():
+        raise RuntimeError("boom")
+    assert gguf.GGUFReader is original
