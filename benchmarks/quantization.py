@@ -107,6 +107,9 @@ SETTINGS = (
     # IQ4_NL: its levels as 4-bit table indices on AVX512-VNNI (quantization/a8_table.py)
     Setting("kvserve-gguf-iq4_nl-lmhead", "kvserve", "gguf", "IQ4_NL", lm_head=True),
     Setting("llamacpp-iq4_nl", "llamacpp", None, "IQ4_NL"),
+    # IQ4_XS: the same levels under two levels of scales; table codes on per-group records
+    Setting("kvserve-gguf-iq4_xs-lmhead", "kvserve", "gguf", "IQ4_XS", lm_head=True),
+    Setting("llamacpp-iq4_xs", "llamacpp", None, "IQ4_XS"),
     # float32 (dtype auto on AVX2-only CPUs): the weight-only kernel's table codes
     Setting(
         "kvserve-gguf-iq4_nl-lmhead-f32", "kvserve", "gguf", "IQ4_NL", lm_head=True, dtype="float32"
@@ -125,6 +128,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-q5_k_m-lmhead": "llamacpp-q5_k_m",
     "kvserve-gguf-iq4_nl-lmhead": "llamacpp-iq4_nl",
     "kvserve-gguf-iq4_nl-lmhead-f32": "llamacpp-iq4_nl",
+    "kvserve-gguf-iq4_xs-lmhead": "llamacpp-iq4_xs",
 }  # fmt: skip
 # The targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (

@@ -41,7 +41,7 @@ DEFAULT_ROOT = Path(os.environ.get("KVSERVE_LLAMACPP_DIR") or REPO / ".peers" / 
 # Q8_0 / Q4_0: issue 16's side by side; Q4_K_M / Q5_K_M: issue 34's (llama-quantize's mixed
 # recipes: Q4_K / Q5_K with Q6_K for the LM head and some layers' attn_v / ffn_down); IQ4_NL:
 # 16 non-linear levels (kvserve's table codes on AVX512-VNNI; no importance matrix needed)
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "IQ4_NL")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "IQ4_NL", "IQ4_XS")
 LOOPBACK = "127.0.0.1"
 
 

@@ -2,9 +2,10 @@
 as 4-bit indices into a table, for both CPU kernels.
 
 Which weights: MXFP4 (gpt-oss's experts: twice the E2M1 values, 15 of them in [-12, 12]) and
-GGUF's IQ4_NL (16 non-linear levels in [-127, 113]; IQ4_XS keeps its super-block records and
-byte codes: table codes take per-group records only). As plain 8-bit codes they stream 8 bits a
-weight, as 5-bit planes (MXFP4's range) 5; indexed, 4, the same as the file's.
+GGUF's IQ4_NL and IQ4_XS (16 non-linear levels in [-127, 113]; table codes take per-group
+records, so IQ4_XS's two levels of scales become a float32 scale per 32: 5 bits a weight
+against its super records' 8.3). As plain 8-bit codes they stream 8 bits a weight, as 5-bit
+planes (MXFP4's range) 5; indexed, 4, the same as the file's.
 
 * The int8-activation kernel (``csrc/quant_linear_a8.cpp``, AVX512-VNNI) maps each nibble
   through the table with one vpermb per 64 codes (vpshufb and a mask without AVX512-VBMI) and

@@ -78,27 +78,32 @@ def test_mxfp4_scales_pack_as_float16() -> None:
 
 
 @needs_a8
-@pytest.mark.parametrize("qtype", [T.MXFP4, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 17, 70])
 def test_table_codes_equal_byte_codes(qtype: T, rows: int) -> None:
     """The layer picks table codes on the VNNI kernel; its outputs equal the same codes'
     8-bit records with the table's offset bit for bit, in place (< 16 rows) and on the
-    expanded copy (17, 70), for full tiles and 1- and 2-vector tails (N 96, 80)."""
+    expanded copy (17, 70), for full tiles and 1- and 2-vector tails (N 96, 80). IQ4_XS
+    (two levels of scales) takes per-group records for it: float32 scales, 5 bits a weight
+    instead of its super records' 8.3."""
+    fmt = A8Scales.FLOAT32 if qtype == T.IQ4_XS else A8Scales.FLOAT16
     for n in (96, 80):
         qw = weight(qtype, n, rows)
+        assert (qw.supers is not None) == (qtype == T.IQ4_XS)
         layer = QuantLinear(qw, None, CPU, torch.bfloat16, QuantizedActivations.INT8)
         table = a8_table(qw)
         assert table is not None and layer.path == "a8"
-        assert (layer.code_bits, layer.scale_format) == (4, A8_TABLE | A8Scales.FLOAT16)
-        # 4-bit indices and float16 scales: 4.5 bits a weight, plus the trailer
-        assert layer.nbytes == n * K // 2 + n * K // 32 * 2 + TABLE_BYTES
+        assert (layer.code_bits, layer.scale_format) == (4, A8_TABLE | fmt)
+        # 4-bit indices and float16 (float32) scales: 4.5 (5) bits a weight, and the trailer
+        width = 4 if fmt == A8Scales.FLOAT32 else 2
+        assert layer.nbytes == n * K // 2 + n * K // 32 * width + TABLE_BYTES
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(n)).bfloat16()
         out = layer(x)
         ref = torch.empty_like(out)
-        packed, off = pack_a8(qw, A8Scales.FLOAT16, 8, off=table.offset)
+        flat = QuantizedWeight(qw.codes, qw.scales, qw.zeros, qw.bits, qw.group_size)
+        packed, off = pack_a8(flat, fmt, 8, off=table.offset)
         assert off == layer.offset
-        torch.ops.kvserve.quant_linear_a8(ref, x, packed, 8, 32, off, int(A8Scales.FLOAT16),
-                                          False)  # fmt: skip
+        torch.ops.kvserve.quant_linear_a8(ref, x, packed, 8, 32, off, int(fmt), False)
         assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
         assert_near_exact(out, x, qw)
 
@@ -124,7 +129,7 @@ def test_table_codes_only_on_the_vnni_kernel() -> None:
         torch.ops.kvserve.quant_linear_a8(out.float(), x.float(), packed, 4, 32, off, fmt, False)
 
 
-@pytest.mark.parametrize("qtype", [T.MXFP4, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_weight_only_kernel_takes_table_codes(qtype: T, dtype: torch.dtype) -> None:
     """Activations in the model dtype (float32: the AVX2 paths, pshufb; bf16 with
@@ -138,10 +143,12 @@ def test_weight_only_kernel_takes_table_codes(qtype: T, dtype: torch.dtype) -> N
         assert layer.path == "kernel" and (layer.code_bits, layer.offset) == (4, TABLE_OFFSET)
         assert layer.codes.numel() == n * K // 2 + TABLE_BYTES  # 4 bits a weight + the table
         # IQ4_NL's scales as the file has them (float16), MXFP4's float32 powers of two as
-        # float16 (exact: the same products): 4.5 bits a weight
+        # float16 (exact: the same products): 4.5 bits a weight; IQ4_XS's d * (ls - 32) per
+        # group float32: 5
         assert qw.scales.dtype == (torch.float16 if qtype == T.IQ4_NL else torch.float32)
-        assert layer.scales_t.dtype == torch.float16
-        assert layer.nbytes == n * K // 2 + TABLE_BYTES + n * K // 32 * 2
+        width = 4 if qtype == T.IQ4_XS else 2
+        assert layer.scales_t.element_size() == width
+        assert layer.nbytes == n * K // 2 + TABLE_BYTES + n * K // 32 * width
         packed, off = pack_codes(qw.codes, 8)
         assert packed.numel() == n * K and off == 0
         for rows in (1, 3, 4, 5, 17, 70):
