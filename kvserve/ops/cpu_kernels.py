@@ -17,6 +17,7 @@ import enum
 import functools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -138,11 +139,22 @@ def build_isa() -> str:
     return isa.value
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if impossible
     (a forced ``$KVSERVE_CPU_ISA`` this CPU lacks too) or not done within
-    ``$KVSERVE_KERNEL_BUILD_TIMEOUT`` seconds. An unknown ``$KVSERVE_CPU_ISA`` raises."""
+    ``$KVSERVE_KERNEL_BUILD_TIMEOUT`` seconds. An unknown ``$KVSERVE_CPU_ISA`` raises. Once
+    per process even when several threads ask first (``functools.cache`` alone lets each
+    caller in until one returns; quantized layers are built on ``load_workers()`` threads)."""
+    with _LOAD_LOCK:
+        return _load()
+
+
+@functools.cache
+def _load() -> bool:
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
         return False
     requested_isa()  # a bad $KVSERVE_CPU_ISA is an error, not a silent fallback

@@ -290,3 +290,34 @@ def test_sigterm_during_the_build_exits_cleanly_and_stops_the_compilers(
         in text
     )
     assert wait_until(lambda: not processes_in(build.directory), 5), processes_in(build.directory)
+
+
+# Run in a fresh interpreter (``available`` is cached in this one): four threads ask at once,
+# the build (a stand-in that takes 0.3 s) runs once and every thread gets its answer.
+ONCE = """
+import threading, time
+from kvserve.ops import cpu_kernels, kernel_build
+calls = []
+def slow(spec, timeout):
+    calls.append(threading.get_ident())
+    time.sleep(0.3)
+    return None
+kernel_build.load = slow
+got = []
+threads = [threading.Thread(target=lambda: got.append(cpu_kernels.available())) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(len(calls), got)
+"""
+
+
+def test_threads_asking_at_once_build_the_kernels_once() -> None:
+    """Quantized layers are built on several threads at load, and the first may ask for the
+    kernels there: ``available`` loads them once, the other threads wait for its answer."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_DISABLE_CPU_KERNELS"}
+    out = subprocess.run([sys.executable, "-c", ONCE], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "1 [True, True, True, True]"
