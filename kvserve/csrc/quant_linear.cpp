@@ -24,8 +24,8 @@
 //   int4: [N / 16][K / 2][16] uint8: byte j = (c[16b+j, 2p] + o) | (c[16b+j, 2p+1] + o) << 4,
 //         o = 8 for codes in [-8, 7], 0 for codes in [0, 15] (with a zero point).
 //   table (offset kTableOffset): int4's layout of 4-bit indices i, W's code being table[i],
-//         then kTableBytes whose first 16 are the table (int8; pack_codes_table). For 8-bit
-//         codes of at most 16 values (MXFP4, GGUF IQ4_NL): the file's 4 bits a weight streamed
+//         then kTableBytes whose first 16 are the table (int8; qlinear.pack_kernel_codes).
+//         For 8-bit codes of at most 16 values (MXFP4, IQ4_NL, IQ4_XS): 4 bits a weight streamed
 //         instead of 8, the same values looked up in registers (pshufb / vpermd), so the
 //         outputs are the byte codes' bit for bit.
 // scales / zeros: [K / g, N] float32 or float16 (zeros may be empty: zero 0). g is even.
