@@ -104,6 +104,7 @@ struct A8Args {
   int64_t planes;             // bit planes above the nibbles: 0 (int4), 1 (5 bits), 2 (6 bits)
   int64_t block_bytes;        // one vector's codes for one block of 32
   int64_t vec_base = 0;       // packed holds vectors vec_base.. (a tile's expanded copy)
+  bool prefetch = true;       // streamed from memory (not a tile's copy, already in L2)
   const uint8_t* table = nullptr;  // table codes: the 16 values of u the nibbles index
 };
 
@@ -184,16 +185,26 @@ void quantize_rows(const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t k, in
 
 // out[MR rows][NV * 16 channels from vector v0] for rows starting at row r0 of `rows`.
 // HALVES: g == 16, so the two halves of a block of 32 have their own scales.
-// kOneChain: int4 tiles of several rows keep one accumulator per row and vector, so the block's
+// kOneChain: tiles of several rows keep one accumulator per row and vector, so the block's
 // sum needs no add, and 5 rows x 2 vectors fit the registers (4 x 2 with two chains): the
 // four projections of a TinyLlama-1.1B layer at 8 to 2048 rows took 5-10% less time
-// (benchmarks/quant_kernels.py shapes, interleaved, medians of 7-15; bit-identical outputs).
-// int8 codes gained nothing that way (0.93-1.02x), and one row needs the two chains'
+// (benchmarks/quant_kernels.py shapes, interleaved, medians of 7-15; bit-identical outputs:
+// int32 sums in any order). int8 codes as stored gained nothing that way (0.93-1.02x); the
+// 8-bit copies of int4 / K-quant tiles (expand_codes) did: TinyLlama-1.1B's Q4_K
+// projections at 64 rows, called directly, 0.50-0.52 -> 0.52-0.56 T int8 ops/s (AMD EPYC
+// Zen 5, 2 threads, medians of 15, alternating trees). One row needs the two chains'
 // independent latency.
+// Where the rest of the int8 peak goes at 64 rows (0.94 T ops/s measured by
+// benchmarks/int8_peak.py; the same Q4_K projections at 0.55): the per-block float work
+// shares the vector pipes with vpdpbusd. Dropping the block's scale (cvt, mul, fmadd per row
+// and vector) ran them at 0.65, dropping the zero term too at 0.73 (wrong outputs, measured
+// only). llama.cpp's integer route for K-quants (activations scaled per 256, each block's
+// int32 sum times its integer scale, vpmulld) measured 0.56-0.58 in the same test: not
+// worth changing the activations' rounding for.
 template <int MR, int NV, bool INT4, bool HALVES>
 void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
   const int64_t code_bytes = a.block_bytes;  // one vector's codes for one block of 32
-  constexpr bool kOneChain = INT4 && !HALVES && MR * NV >= 8;
+  constexpr bool kOneChain = !HALVES && MR * NV >= 8;
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup;
   const int64_t bpr = a.blocks_per_record;
   const int64_t records = nb / bpr;
@@ -215,8 +226,10 @@ void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::
     const int64_t len = in_rec == 0 ? a.header + code_bytes : code_bytes;
     // Prefetch kPrefetchBytes ahead in each vector's stream: a one-row pass over
     // TinyLlama-1.1B's int4 weights took 15.6 ms with the hardware prefetchers alone, 14.4 /
-    // 14.0 / 13.7 ms at 512 / 1024 / 2048 bytes ahead (8 rows: 35.4 against 30.5 ms).
-    for (int v = 0; v < NV; ++v) {
+    // 14.0 / 13.7 ms at 512 / 1024 / 2048 bytes ahead (8 rows: 35.4 against 30.5 ms). Not in
+    // a tile's 8-bit copy: it sits in L2 already, and the prefetches took load slots from the
+    // 64-row tiles (about 3% of those tiles' time).
+    for (int v = 0; v < NV && a.prefetch; ++v) {
       const char* ahead = reinterpret_cast<const char*>(w[v] + first) + kPrefetchBytes;
       for (int64_t line = 0; line < len; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
@@ -362,7 +375,10 @@ void a8_tile(const A8Args& a, const A8Rows& rows, int64_t m0, int64_t mc, int64_
     a8_rows<INT4, HALVES>(a, rows, m0, 1, v0, 4, out);
     return;
   }
-  // Rows per micro-tile: HALVES doubles the accumulators, kOneChain halves them. 5- and
+  // Rows per micro-tile: HALVES doubles the accumulators, kOneChain halves them (HALVES: 3
+  // rows x 2 vectors; 2 read each vector's codes from L2 once per 2 rows: Q6_K's projections
+  // and LM head of TinyLlama-1.1B's Q4_K_M file at 64 rows 0.29-0.36 -> 0.37-0.41 T int8
+  // ops/s; 4 rows: no better). 5- and
   // 6-bit codes with g = 16 take one vector of 5 rows: their unpacking (masked adds of the
   // bit planes) is paid once per micro-tile, and 2 rows did not repay it.
   const bool tall = INT4 && HALVES && a.planes > 0;
@@ -372,7 +388,7 @@ void a8_tile(const A8Args& a, const A8Rows& rows, int64_t m0, int64_t mc, int64_
   // 58.4, against 5 rows x 2 vectors 2.6 / 3.2 / 5.0 / 7.8 and the 8-bit copy from 16 rows
   // 11.3 / 18.1; the same codes as bytes 4.0 / 4.6 / 4.5 / 6.4 / 9.8 / 16.7 / 30.3 / 59.7.
   const bool tabled = INT4 && !HALVES && a.table != nullptr;
-  const int64_t kMR = tabled ? 8 : (tall ? 5 : (HALVES ? 2 : (INT4 ? 5 : 4)));
+  const int64_t kMR = tabled ? 8 : (tall ? 5 : (HALVES ? 3 : 5));
   const int64_t kNV = (tall || tabled) ? 1 : 2;
   for (int64_t v = v0; v < v0 + nv; v += kNV) {
     const int64_t w = std::min<int64_t>(kNV, v0 + nv - v);

@@ -37,6 +37,7 @@ A8Args expand_codes(const A8Args& a, int64_t v0, int64_t nv, std::vector<uint8_t
   e.table = nullptr;  // the copy holds u itself
   e.block_bytes = 512;
   e.vec_base = v0;
+  e.prefetch = false;  // the copy is written here, so it is in L2 when read
   if (a.supers) {  // one record per block: its groups' float32 scales (and zeros)
     e.supers = e.half_scales = false;
     e.blocks_per_record = 1;
