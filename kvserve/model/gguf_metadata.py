@@ -455,6 +455,40 @@ def _header_reader_for_transformers() -> Iterator[None]:
         gguf.GGUFReader = original  # type: ignore[misc]
 
 
+# llama.cpp's pre-tokenizer names (``tokenizer.ggml.pre``) -> how their split regex cuts
+# "12345" (llama-vocab.cpp: \p{N}{1,3} for gpt-4o, gpt-oss's, and llama3's; \p{N} for qwen2's).
+# A transformers release that lacks a name's split builds GPT-2's (\p{N}+: one piece, and
+# other rules differ too): every number, and whatever else those rules cut differently,
+# becomes other tokens than the model was trained on, with no error anywhere.
+_DIGIT_SPLITS: dict[str, list[str]] = {
+    "gpt-4o": ["123", "45"],
+    "llama-bpe": ["123", "45"],
+    "llama3": ["123", "45"],
+    "qwen2": ["1", "2", "3", "4", "5"],
+}
+
+
+def check_pre_tokenizer(tokenizer: Any, pre: str | None) -> None:
+    """Refuse a tokenizer built from a GGUF whose ``pre`` split transformers did not apply
+    (``_DIGIT_SPLITS``; names not listed there are left to transformers)."""
+    want = _DIGIT_SPLITS.get(pre or "")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if want is None or backend is None:
+        return
+    splitter = backend.pre_tokenizer
+    got = [piece for piece, _ in splitter.pre_tokenize_str("12345")] if splitter else ["12345"]
+    if got != want:
+        import transformers
+
+        raise ValueError(
+            f"this GGUF's pre-tokenizer {pre!r} (tokenizer.ggml.pre) was not applied by "
+            f"transformers {transformers.__version__}: '12345' splits as {got}, the model's "
+            f"own rule gives {want}, so its prompts would become tokens it was not trained "
+            "on. Upgrade transformers to a release whose GGUF tokenizer builder applies "
+            "this name (5.24 does)"
+        )
+
+
 def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     """Rebuild the tokenizer from the GGUF metadata and save it (with chat template) to out_dir."""
     from transformers import AutoTokenizer, GemmaTokenizer, PreTrainedTokenizerFast
@@ -469,6 +503,7 @@ def write_tokenizer(gguf_path: Path, reader: GGUFLike, out_dir: Path) -> None:
     with _header_reader_for_transformers():
         tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent),
                                                     gguf_file=gguf_path.name)  # fmt: skip
+    check_pre_tokenizer(tokenizer, _field(reader, "tokenizer.ggml.pre"))
     # Pin eos to the GGUF's own eos id (`<|im_end|>` for SmolLM2-Instruct): generation stops on it.
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")

@@ -97,6 +97,30 @@ def test_integer_inputs_give_exact_products(bits: int, zeros: bool) -> None:
     assert torch.equal(out, want.bfloat16())
 
 
+@needs_a8
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 16), (4, 32), (4, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_offset_codes_cancel_exactly(bits: int, group: int, rows: int) -> None:
+    """Without zeros the codes' offset o (u = c + o) leaves the int32 sums as their start,
+    -o * sum(q): codes that cancel against the activations give exactly 0 whatever the
+    scales. The float zero term the kernel had instead, (-o * s) * sum(d * q), rounded a
+    difference of two large sums (rows: one row, a micro-tile, int4's 8-bit tile copies)."""
+    n, k = 32, 256
+    g = torch.Generator().manual_seed(bits + group + rows)
+    lim = 127 if bits == 8 else 7
+    half = torch.randint(-lim, lim + 1, (n, k // 2), generator=g)
+    codes = torch.stack([half, -half], dim=2).reshape(n, k).to(torch.int8)  # c[2i+1] = -c[2i]
+    scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).to(torch.float16)
+    qw = QuantizedWeight(codes, scales, None, bits, group)
+    x = torch.randn(rows, k // 2, generator=g).repeat_interleave(2, dim=1)  # x[2i] = x[2i+1]
+    layer = QuantLinear(qw, None, CPU, torch.bfloat16, A8.INT8)
+    assert layer.path == "a8" and layer.offset != 0
+    out = layer(x.bfloat16())
+    assert torch.equal(out, torch.zeros_like(out))
+    # the same weights against other activations are not zero (the test can fail)
+    assert bool(layer(torch.randn(rows, k, generator=g).bfloat16()).abs().gt(0).any())
+
+
 def test_quantize_activations_rounds_half_to_even_per_block() -> None:
     x = torch.zeros(2, 64)
     x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])
