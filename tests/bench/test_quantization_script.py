@@ -115,6 +115,20 @@ def test_weight_bytes_and_floor() -> None:
     kv = 1 * 10 * 2 * 2 * 2 * 16 * 2  # batch x context x (K, V) x layers x KV heads x dim x 2 B
     floor = quantization.step_floor_ms(CFG, 1, 10, roof, int4)
     assert floor == pytest.approx((int4 + kv) / 1e9 * 1e3)
+    # compute-bound: int8 settings at the int8 dot-product rate, others at the bf16 one
+    roof = {"bandwidth_bytes_s": 1e15, "bf16_matmul_flop_s": 1e9, "int8_dot_ops_s": 4e9}
+    ops = 2 * 64 * (body + head) + 4 * 64 * 10 * 4 * 16 * 2  # linears, attention (4 heads)
+    assert quantization.step_floor_ms(CFG, 64, 10, roof, int4) == pytest.approx(ops / 1e9 * 1e3)
+    assert quantization.step_floor_ms(CFG, 64, 10, roof, int4, True) == pytest.approx(
+        ops / 4e9 * 1e3
+    )
+    no_vnni = {**roof, "int8_dot_ops_s": None}
+    assert quantization.step_floor_ms(CFG, 64, 10, no_vnni, int4, True) == pytest.approx(
+        ops / 1e9 * 1e3
+    )
+    int8_dots = {s.key for s in quantization.SETTINGS if quantization.int8_dots(s)}
+    assert {"kvserve-int4", "kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_0"} <= int8_dots
+    assert not {"kvserve-bf16", "kvserve-int4-a16", "kvserve-int8-a16"} & int8_dots
 
 
 def _run(setting: str, c: int, rep: int, tput: float, ttft: float, ok: bool = True) -> dict:
