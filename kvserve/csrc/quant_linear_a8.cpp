@@ -209,9 +209,11 @@ void quantize_rows(const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t k, in
 // benchmarks/int8_peak.py; the same Q4_K projections at 0.55): the per-block float work
 // shares the vector pipes with vpdpbusd. Dropping the block's scale (cvt, mul, fmadd per row
 // and vector) ran them at 0.65, dropping the zero term too at 0.73 (wrong outputs, measured
-// only). llama.cpp's integer route for K-quants (activations scaled per 256, each block's
-// int32 sum times its integer scale, vpmulld) measured 0.56-0.58 in the same test: not
-// worth changing the activations' rounding for.
+// only). llama.cpp's integer route for K-quants' scales alone (activations scaled per 256,
+// each block's int32 sum times its integer sub-scale, vpmulld) measured 0.56-0.58 in the
+// same test: not worth a rounding change by itself; with the mins as one vpdpwssd per
+// super-block too, estimated +10-15% (not built; docs/performance.md, "K-quants at 64 rows,
+// again").
 template <int MR, int NV, bool INT4, bool HALVES>
 void a8_micro(const A8Args& a, const A8Rows& rows, int64_t r0, int64_t v0, c10::BFloat16* out) {
   const int64_t code_bytes = a.block_bytes;  // one vector's codes for one block of 32
