@@ -17,8 +17,9 @@ greedy, closed loop), its peak RSS read (``VmHWM``), then stopped. Every setting
 prompts in a repeat, and both engines the same KV room: one slot of input + output + 64
 tokens per concurrent request (llama-server ``-np``/``-c``; kvserve ``--kv-cache-memory`` for
 as many bf16 tokens, ``--max-model-len`` one slot). Prints one markdown table (medians over
-repeats; output tok/s, TTFT, TPOT, the roofline floor of a decode step beside the TPOT, peak
-RSS, ratios to kvserve bf16 and to llama.cpp of the same bits) and the issue's targets; writes
+repeats; output tok/s, TTFT, TPOT, the roofline floor of a decode step beside the TPOT (its
+compute part at the int8 dot-product rate for int8 settings, ``int8_dots``), peak RSS, ratios
+to kvserve bf16 and to llama.cpp of the same bits) and the issue's targets; writes
 everything to ``benchmarks/results/quantization-<model>-<date>.json``.
 
     bash benchmarks/peers/setup_llamacpp.sh                    # once: .peers/llamacpp
