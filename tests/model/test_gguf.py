@@ -305,13 +305,14 @@ def _tokenizer_metadata(source: Path, vocab: int | None) -> dict[str, Any]:
 
 
 def _copy_tokenizer_metadata(
-    writer: gguf.GGUFWriter, source: Path, vocab: int | None = None
+    writer: gguf.GGUFWriter, source: Path, vocab: int | None = None, pre: str | None = None
 ) -> None:
     """Give a synthetic GGUF the real SmolLM2 tokenizer, so transformers can rebuild it
-    (``vocab``: truncated to its first ``vocab`` tokens, see ``_tokenizer_metadata``)."""
+    (``vocab``: truncated to its first ``vocab`` tokens, see ``_tokenizer_metadata``; ``pre``:
+    another pre-tokenizer name than the source's)."""
     get = _tokenizer_metadata(Path(source), vocab)
     writer.add_tokenizer_model(get["model"])
-    writer.add_tokenizer_pre(get["pre"])
+    writer.add_tokenizer_pre(pre or get["pre"])
     writer.add_token_list(get["tokens"])
     writer.add_token_types(get["token_type"])
     writer.add_token_merges(get["merges"])

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from kvserve.model.builtin import find_builtin_gguf
 from kvserve.model.gguf_metadata import check_pre_tokenizer, write_tokenizer
-from tests.model.test_gguf import TINY_VOCAB, _tokenizer_metadata
+from tests.model.test_gguf import TINY_VOCAB, _copy_tokenizer_metadata, _tokenizer_metadata
 
 # tiktoken's o200k_base pattern (openai_public.py), the split gpt-oss's tokenizer.json carries
 O200K = "|".join(
@@ -48,15 +48,9 @@ TEXTS = [
 
 
 def _write(path: Path, pre: str) -> Path:
-    meta = _tokenizer_metadata(find_builtin_gguf(), TINY_VOCAB)
     writer = gguf.GGUFWriter(path, "gpt-oss")
-    writer.add_tokenizer_model(meta["model"])  # "gpt2": byte-level BPE, as gpt-oss's
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(meta["tokens"])
-    writer.add_token_types(meta["token_type"])
-    writer.add_token_merges(meta["merges"])
-    writer.add_bos_token_id(meta["bos_token_id"])
-    writer.add_eos_token_id(meta["eos_token_id"])
+    # "gpt2" (byte-level BPE) vocabulary, as gpt-oss's, under the name ``pre``
+    _copy_tokenizer_metadata(writer, find_builtin_gguf(), TINY_VOCAB, pre)
     writer.add_context_length(4096)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
