@@ -115,7 +115,17 @@ SETTINGS = (
     Setting(
         "kvserve-gguf-iq4_nl-lmhead-f32", "kvserve", "gguf", "IQ4_NL", lm_head=True, dtype="float32"
     ),
-)
+    # issue 31, AVX2-only CPUs (float32): exact float32 activations (auto there), and int8
+    # activations on the vpmaddubsw kernel (llama.cpp's own Q8_0 x Q4_0 scheme)
+    Setting("kvserve-gguf-q4_0-lmhead-f32", "kvserve", "gguf", "Q4_0", lm_head=True,
+            dtype="float32"),
+    Setting("kvserve-gguf-q4_0-lmhead-f32-a8", "kvserve", "gguf", "Q4_0", activations="int8",
+            lm_head=True, dtype="float32"),
+    Setting("kvserve-int4-lmhead-f32-a8", "kvserve", "int4", activations="int8", lm_head=True,
+            dtype="float32"),
+    Setting("kvserve-gguf-q4_k_m-lmhead-f32-a8", "kvserve", "gguf", "Q4_K_M",
+            activations="int8", lm_head=True, dtype="float32"),
+)  # fmt: skip
 BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
     "kvserve-int8": "llamacpp-q8_0", "kvserve-gguf-q8_0": "llamacpp-q8_0",
@@ -130,6 +140,10 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-iq4_nl-lmhead": "llamacpp-iq4_nl",
     "kvserve-gguf-iq4_nl-lmhead-f32": "llamacpp-iq4_nl",
     "kvserve-gguf-iq4_xs-lmhead": "llamacpp-iq4_xs",
+    "kvserve-gguf-q4_0-lmhead-f32": "llamacpp-q4_0",
+    "kvserve-gguf-q4_0-lmhead-f32-a8": "llamacpp-q4_0",
+    "kvserve-int4-lmhead-f32-a8": "llamacpp-q4_0",
+    "kvserve-gguf-q4_k_m-lmhead-f32-a8": "llamacpp-q4_k_m",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -153,6 +167,11 @@ TARGETS = (
     ("kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_k_m", 64, 2.0),
     ("kvserve-gguf-q5_k_m-lmhead", "llamacpp-q5_k_m", 1, 1.0),
     ("kvserve-gguf-q5_k_m-lmhead", "llamacpp-q5_k_m", 64, 2.0),
+    # issue 31 on AVX2-only CPUs: int4 and GGUF Q4_0 at least llama.cpp Q4_0 at 1, 2x at 64
+    ("kvserve-gguf-q4_0-lmhead-f32-a8", "llamacpp-q4_0", 1, 1.0),
+    ("kvserve-gguf-q4_0-lmhead-f32-a8", "llamacpp-q4_0", 64, 2.0),
+    ("kvserve-int4-lmhead-f32-a8", "llamacpp-q4_0", 1, 1.0),
+    ("kvserve-int4-lmhead-f32-a8", "llamacpp-q4_0", 64, 2.0),
 )
 
 

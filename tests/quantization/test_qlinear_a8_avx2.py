@@ -128,3 +128,31 @@ def test_a_row_does_not_depend_on_its_batch(bits: int, group: int, zeros: bool, 
     batch = layer(x)
     for i in range(7):
         assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_round_half_to_even_as_the_reference(dtype: torch.dtype) -> None:
+    """The kernel's own 8-wide quantization of x (scale, rounding, the int8 it stores) reads
+    back exactly as ``quantize_activations``: one-hot int8 codes with unit scales make output
+    n the quantized x at column n + 2, times the block's scale. Columns 0 and 1 of each block
+    hold +-127 (scale 1) except in the last block, whose largest value is 100 (scale 100 / 127,
+    so x * 127 / 100 is rounded); the others are halves (2.5 -> 2, 3.5 -> 4, -0.5 -> 0)."""
+    n, k, rows = 32, 128, 5
+    codes = torch.zeros(n, k, dtype=torch.int8)
+    codes[torch.arange(n), torch.arange(n) * 4 + 2] = 1  # channel j reads column 4j + 2
+    qw = QuantizedWeight(codes, torch.ones(n, k // 32, dtype=torch.float16), None, 8, 32)
+    halves = torch.arange(-64, 64, dtype=torch.float32) + 0.5  # [-63.5 .. 63.5]
+    x = halves[torch.randperm(128, generator=torch.Generator().manual_seed(5))][:k]
+    x = x.repeat(rows, 1)  # [rows, K]
+    x[:, 0:96:32], x[:, 1:96:32] = 127.0, -127.0
+    x[:, 96], x[:, 97] = 100.0, -100.0
+    x[1:] *= torch.arange(1, rows).float().unsqueeze(1) / 4  # other scales per row
+    x = x.to(dtype)
+    q, d = quantize_activations(x)  # [rows, K] int8, [rows, K / 32]
+    want = exact_activations(q, d)[:, torch.arange(n) * 4 + 2]  # [rows, N]
+    out = QuantLinear(qw, None, CPU, dtype, INT8)(x).double()
+    if dtype == torch.float32:
+        assert torch.equal(out, want.float().double())
+    else:  # bf16 outputs: the same values rounded once
+        assert torch.equal(out, want.to(torch.bfloat16).double())
