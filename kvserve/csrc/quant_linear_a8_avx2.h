@@ -269,31 +269,37 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   }
 }
 
-// x [m, K] (float32 or bf16) -> out [m, N] of the same dtype: each 16-channel vector for all
-// rows, four at a time (the vector's records stay in L1/L2 for the next four), vectors split
-// over threads.
+// x [m, K] (float32 or bf16) -> out [m, N] of the same dtype: each 16-channel vector for a
+// block of rows, four at a time (the vector's records stay in L1 for the next four), vectors
+// split over threads. Blocks of rows whose int8 activations fit in 128 KB, so that they stay
+// in L2 while every vector passes over them; one block per parallel region.
 template <typename T, bool INT4, bool HALVES>
 void a8_run_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
                  int64_t m, T* out) {
   const int64_t vecs = a.n / 16;
   // Vectors per task: enough that a small layer runs on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 16 * a.k));
-  at::parallel_for(0, vecs, grain, [&](int64_t begin, int64_t end) {
-    float acc[4 * 16];
-    for (int64_t v = begin; v < end; ++v) {
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, m - r0);
-        switch (mr) {
-          case 4: a8_vec_avx2<4, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
-          case 3: a8_vec_avx2<3, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
-          case 2: a8_vec_avx2<2, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
-          default: a8_vec_avx2<1, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+  const int64_t block = std::max<int64_t>(4, ((1 << 17) / a.k) / 4 * 4);
+  for (int64_t b0 = 0; b0 < m; b0 += block) {
+    const int64_t b1 = std::min(m, b0 + block);
+    at::parallel_for(0, vecs, grain, [&](int64_t begin, int64_t end) {
+      float acc[4 * 16];
+      for (int64_t v = begin; v < end; ++v) {
+        for (int64_t r0 = b0; r0 < b1; r0 += 4) {
+          const int64_t mr = std::min<int64_t>(4, b1 - r0);
+          switch (mr) {
+            case 4: a8_vec_avx2<4, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+            case 3: a8_vec_avx2<3, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+            case 2: a8_vec_avx2<2, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+            default: a8_vec_avx2<1, INT4, HALVES>(a, q, d, xs, r0, v, acc); break;
+          }
+          for (int64_t r = 0; r < mr; ++r)
+            for (int c = 0; c < 16; ++c)
+              out[(r0 + r) * a.n + v * 16 + c] = static_cast<T>(acc[r * 16 + c]);
         }
-        for (int64_t r = 0; r < mr; ++r)
-          for (int c = 0; c < 16; ++c) out[(r0 + r) * a.n + v * 16 + c] = static_cast<T>(acc[r * 16 + c]);
       }
-    }
-  });
+    });
+  }
 }
 
 template <typename T>
