@@ -227,13 +227,15 @@ def setting_weight_bytes(
     return int(body * (bits / 8 + per_group / group) + head_bytes)
 
 
-def int8_dots(setting: Setting) -> bool:
+def int8_dots(setting: Setting, vnni: bool = True) -> bool:
     """Whether the setting's linears run int8 dot products: kvserve's quantized weights with
-    int8 activations (the default where VNNI is; roofline's int8 rate is only measured there)
-    and llama.cpp's quantized files (Q8_0 / Q8_K activations)."""
+    int8 activations (asked for, or ``auto``'s choice: bf16 on a CPU with AVX512-VNNI,
+    ``vnni``) and llama.cpp's quantized files (Q8_0 / Q8_K activations)."""
     if setting.engine == "llamacpp":
         return setting.gguf_type not in (None, "BF16", "F16", "F32")
-    return setting.quantization is not None and setting.activations != "none"
+    if setting.quantization is None or setting.activations == "none":
+        return False
+    return setting.activations == "int8" or (vnni and setting.dtype == "bfloat16")
 
 
 def step_floor_ms(
@@ -243,17 +245,25 @@ def step_floor_ms(
     roof: dict[str, Any],
     weight_bytes: int,
     int8: bool = False,
-) -> float:
+    dtype: str = "bfloat16",
+) -> float | None:
     """roofline.step_floor with ``weight_bytes`` in place of the bf16 weights (KV stays 16-bit).
-    The compute floor runs at the measured int8 dot-product rate where ``int8`` and the
-    machine has one (AVX512-VNNI), else at the bf16 matmul rate: at 64 rows an int8 setting's
-    step was once set beside the bf16 floor, 2.2x the int8 one on a Zen 5 VM (0.42 TFLOP/s
-    against 0.94 T int8 ops/s), which read as "at the floor" while it was not."""
+    The compute floor runs at the measured int8 dot-product rate where ``int8`` (AVX512-VNNI's
+    ``vpdpbusd`` or AVX2's ``vpmaddubsw``, ``int8_peak``), else at the matmul rate of ``dtype``
+    (float32's where no bf16 rate was measured: AVX2-only CPUs emulate bf16). At 64 rows an
+    int8 setting's step was once set beside the bf16 floor, 2.2x the int8 one on a Zen 5 VM
+    (0.42 TFLOP/s against 0.94 T int8 ops/s), which read as "at the floor" while it was not;
+    on an AVX2 CPU the bf16 rate (0.0003 TFLOP/s) once put every floor at seconds. None where
+    the rate it needs was not measured."""
     from roofline import step_floor
 
-    bw, rate = roof["bandwidth_bytes_s"], roof["bf16_matmul_flop_s"]
-    if int8 and roof.get("int8_dot_ops_s"):
-        rate = roof["int8_dot_ops_s"]
+    bw = roof["bandwidth_bytes_s"]
+    bf16, f32 = roof.get("bf16_matmul_flop_s"), roof.get("f32_matmul_flop_s")
+    rate = f32 if dtype == "float32" or not bf16 else bf16
+    if int8:
+        rate = roof.get("int8_dot_ops_s")
+    if not rate:
+        return None
     mem_bf16, compute, bf16_bytes = step_floor(cfg, batch, context, bw, rate, 2)
     return max(mem_bf16 + (weight_bytes - bf16_bytes) / bw, compute) * 1e3
 
@@ -323,9 +333,10 @@ def markdown(
         floor = None
         if roof is not None:
             setting = next((s for s in settings if s.key == r["setting"]), None)
-            int8 = setting is not None and int8_dots(setting)
+            int8 = setting is not None and int8_dots(setting, bool(roof.get("vnni", True)))
+            dtype = "bfloat16" if setting is None else setting.dtype
             floor = step_floor_ms(cfg, r["concurrency"], context, roof,
-                                  roof["weight_bytes"][r["setting"]], int8)  # fmt: skip
+                                  roof["weight_bytes"][r["setting"]], int8, dtype)  # fmt: skip
         tpot = r["median_tpot_ms"]
         share = floor / tpot if floor is not None and tpot else None
         flag = "" if r["tokens_ok"] else " (!)"
@@ -670,22 +681,29 @@ RESULT_KEYS = (
 
 
 def roofline(args: argparse.Namespace, model: Model, ggufs: dict[str, Path]) -> dict[str, Any]:
-    """The machine's read bandwidth, bf16 matmul rate and (with AVX512-VNNI) int8 dot-product
-    peak, and each setting's streamed weight bytes (what a decode step must read at least
-    once)."""
-    from int8_peak import measure_int8_peak, vnni_available
+    """The machine's read bandwidth, float32 and (where bf16 is native) bf16 matmul rates, int8
+    dot-product peak (AVX512-VNNI or AVX2) and each setting's streamed weight bytes (what a
+    decode step must read at least once)."""
+    import torch
+    from int8_peak import int8_peak_isa, measure_int8_peak, vnni_available
     from roofline import measure_bandwidth, measure_matmul
 
-    bw, mm = measure_bandwidth(), measure_matmul()
-    dots = measure_int8_peak() if vnni_available() else None
+    from kvserve.quantization.qlinear import bf16_native
+
+    bw, f32 = measure_bandwidth(), measure_matmul(dtype=torch.float32)
+    mm = measure_matmul() if bf16_native() else None  # emulated bf16: seconds a call
+    isa = int8_peak_isa()
+    dots = measure_int8_peak() if isa else None
     weights = {
         s.key: setting_weight_bytes(s, args.model_cfg, ggufs, args.quantization_group_size)
         for s in args.settings
     }
-    peak = f", int8 dot peak {dots / 1e12:.2f} T ops/s" if dots else ""
-    print(f"roofline: read bandwidth {bw / 1e9:.1f} GB/s, bf16 matmul {mm / 1e12:.2f} "
-          f"TFLOP/s{peak}")  # fmt: skip
-    return {"bandwidth_bytes_s": bw, "bf16_matmul_flop_s": mm, "int8_dot_ops_s": dots,
+    peak = f", int8 dot peak ({isa}) {dots / 1e12:.2f} T ops/s" if dots else ""
+    bf16 = f", bf16 matmul {mm / 1e12:.2f} TFLOP/s" if mm else ""
+    print(f"roofline: read bandwidth {bw / 1e9:.1f} GB/s, float32 matmul {f32 / 1e12:.2f} "
+          f"TFLOP/s{bf16}{peak}")  # fmt: skip
+    return {"bandwidth_bytes_s": bw, "bf16_matmul_flop_s": mm, "f32_matmul_flop_s": f32,
+            "int8_dot_ops_s": dots, "int8_dot_isa": isa, "vnni": vnni_available(),
             "weight_bytes": weights}  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from int8_peak import measure_int8_peak, vnni_available
+from int8_peak import int8_peak_isa, measure_int8_peak
 from peers.run_peers import make_model  # the 160M random Llama of the peer table
 
 from kvserve import LLM, SamplingParams
@@ -134,8 +134,9 @@ def main() -> None:
     name = str(dtype).removeprefix("torch.")
     bw, mm = measure_bandwidth(), measure_matmul(dtype=dtype)
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; {name} matmul {mm / 1e12:.2f} TFLOP/s")
-    if args.quantization and vnni_available():  # the int8-activation kernel's ceiling
-        print(f"int8 dot-product peak {measure_int8_peak() / 1e12:.2f} T ops/s")
+    isa = int8_peak_isa()
+    if args.quantization and isa:  # the int8-activation kernel's ceiling
+        print(f"int8 dot-product peak ({isa}) {measure_int8_peak() / 1e12:.2f} T ops/s")
     with tempfile.TemporaryDirectory() as tmp:
         model: str | None = None if args.model == "builtin" else args.model
         if args.model == "random-160m":

@@ -529,13 +529,13 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   }
 #endif
 #if defined(KVSERVE_A8_AVX2)
-  TORCH_CHECK(!supers && planes == 0 && !tabled,
-              "quant_linear_a8: super-block records, 5- or 6-bit codes and table codes run on "
-              "AVX512-VNNI only (bf16 activations); pack this weight with per-group records "
-              "and 4- or 8-bit codes");
+  TORCH_CHECK(planes == 0 && !tabled,
+              "quant_linear_a8: 5- or 6-bit codes and table codes run on AVX512-VNNI only "
+              "(bf16 activations); pack this weight with 4- or 8-bit codes");
   if (m == 0) return;
   A8Avx2Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, n, k,
-               static_cast<float>(offset), zg, scale_bytes, record, bpr};
+               static_cast<float>(offset), zg, scale_bytes, record, bpr, supers, header,
+               sc_at, m_at};
   if (bf16) {
     quant_linear_a8_avx2(a, bits, group == 16, x.data_ptr<c10::BFloat16>(), m,
                          out.data_ptr<c10::BFloat16>());

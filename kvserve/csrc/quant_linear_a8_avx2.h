@@ -34,8 +34,25 @@ struct A8Avx2Args {
   int64_t zgroup;         // granularity of xs: 16 if g == 16, else g
   int64_t scale_bytes;    // one record's scales (16 or 32 values)
   int64_t record;         // header + the record's codes
-  int64_t blocks_per_record;  // g / 32 (1 for g = 16)
+  int64_t blocks_per_record;  // g / 32 (1 for g = 16); 8 for super-block records
+  // Super-block records (K-quants' two levels, qweight.SuperScales): per 256 values of K, d
+  // [16] float16, dmin [16] (with zeros), sc [G][16] int8 (at sc_at), m [G][16] (at m_at);
+  // a group's scale is d * sc and its zero -(dmin * m), as gguf's dequantizer computes them.
+  bool supers = false;
+  int64_t header = 0;     // bytes before a record's codes
+  int64_t sc_at = 0, m_at = 0;
 };
+
+// 8 int8 at p, as float32.
+inline __m256 load8_i8(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+// -v exactly (the sign bit flipped: -(+0) is -0, as numpy's negation gives).
+inline __m256 negate8(__m256 v) {
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
+}
 
 // 8 scales (or zeros) at p, as float32.
 inline __m256 load8_a8(bool half, const uint8_t* p) {
@@ -87,9 +104,9 @@ void quantize_rows_avx2(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t z
       const T* xb = x + r * k + b * 32;
       __m256 v[4];
       for (int j = 0; j < 4; ++j) v[j] = load8_x(xb + 8 * j);
-      const __m256 m01 = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
-      const __m256 m23 = _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask));
-      const float amax = hmax8(_mm256_max_ps(m01, m23));
+      __m256 mx = _mm256_and_ps(v[0], abs_mask);
+      for (int j = 1; j < 4; ++j) mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], abs_mask));
+      const float amax = hmax8(mx);
       const float dd = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       const __m256 vinv = _mm256_set1_ps(inv);
       __m256i iv[4];
@@ -208,9 +225,10 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup, bpr = a.blocks_per_record;
   const int64_t records = nb / bpr, elt = a.half_scales ? 2 : 4;
-  const int64_t header = a.scale_bytes * (a.zeros ? 2 : 1);
+  const int64_t header = a.header;
   const uint8_t* w = a.packed + vec * records * a.record;
   const float off = INT4 ? a.offset : 0.0f;
+  const bool zero_term = a.zeros || (INT4 && a.offset != 0.0f);
   const int8_t* qr[MR];
   for (int r = 0; r < MR; ++r) qr[r] = q + (r0 + r) * a.k;
   __m256 total[MR][2];
@@ -218,21 +236,40 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* hdr = w + rec * a.record;
     __m256 s[2][2];  // [group half (g = 16)][channel half]
-    for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* sp = hdr + (gh * 16 + h * 8) * elt;
-        s[gh][h] = load8_a8(a.half_scales, sp);
-        if (!a.zeros && (!INT4 || a.offset == 0.0f)) continue;  // no zero term
-        __m256 z = a.zeros ? load8_a8(a.half_scales, sp + a.scale_bytes) : _mm256_setzero_ps();
-        z = _mm256_fnmadd_ps(_mm256_set1_ps(off), s[gh][h], z);  // z' = z - o * s
-        for (int r = 0; r < MR; ++r) {
-          const float sum = xs[(r0 + r) * nz + (HALVES ? 2 * rec : rec) + gh];
-          total[r][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sum), total[r][h]);
-        }
-      }
-    }
     for (int64_t i = 0; i < bpr; ++i) {
       const int64_t kb = rec * bpr + i;
+      // The scales (and zero terms) of this block's group(s): once per record of per-group
+      // records (a record is a group, or a block of two g = 16 groups), per block of super
+      // records; in both, each group's zero term goes in before its blocks' sums.
+      if (a.supers || i == 0) {
+        for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
+          for (int h = 0; h < 2; ++h) {
+            __m256 z = _mm256_setzero_ps();
+            if (a.supers) {
+              const int64_t gi = HALVES ? 2 * i + gh : i;  // the group in the super-block
+              s[gh][h] = _mm256_mul_ps(load8_a8(true, hdr + h * 16),
+                                       load8_i8(hdr + a.sc_at + gi * 16 + h * 8));
+              if (a.zeros) {
+                z = negate8(_mm256_mul_ps(load8_a8(true, hdr + 32 + h * 16),
+                                          load8_i8(hdr + a.m_at + gi * 16 + h * 8)));
+              }
+            } else {
+              const uint8_t* sp = hdr + (gh * 16 + h * 8) * elt;
+              s[gh][h] = load8_a8(a.half_scales, sp);
+              if (a.zeros) z = load8_a8(a.half_scales, sp + a.scale_bytes);
+            }
+            if (!zero_term) continue;
+            z = _mm256_fnmadd_ps(_mm256_set1_ps(off), s[gh][h], z);  // z' = z - o * s
+            // xs's group: per 16 for g = 16 (two per block), else the record's (per-group)
+            // or the block's (super records of g = 32)
+            const int64_t zi = HALVES ? 2 * kb + gh : (a.supers ? kb : rec);
+            for (int r = 0; r < MR; ++r) {
+              const float sum = xs[(r0 + r) * nz + zi];
+              total[r][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sum), total[r][h]);
+            }
+          }
+        }
+      }
       const uint8_t* codes = hdr + header + i * kBytes;
       const int8_t* qb[MR];
       for (int r = 0; r < MR; ++r) qb[r] = qr[r] + kb * 32;

@@ -13,11 +13,11 @@
 // wide_packed_bf16.h).
 //
 // Weights packed at load (WideLinear; wide_linear_packed): [ceil(N / 16), K, 16], strips of
-// 16 output channels with the 16 channels of each k contiguous, so up to kDirectRows rows
-// every call runs register tiles straight on the strips, widening as it loads
+// 16 output channels with the 16 channels of each k contiguous, so up to kPackedDirectRows
+// rows every call runs register tiles straight on the strips, widening as it loads
 // (wide_packed_avx2.h: 6 rows x 16 channels, the last 1-5 rows over 2-4 strips; 256-K
 // chunks). Every output is one FMA chain along K in k order whatever M: batch-invariant mode
-// takes it at every row count. Above kDirectRows a widened [N, K] copy goes to at::linear.
+// takes it at every row count. Above kPackedDirectRows a widened [N, K] copy goes to at::linear.
 // One 2048 x 2048 bf16 linear, one thread, CPU time (min of 9, loaded 2-core AVX2 EPYC),
 // [N, K] path below -> packed: 8 rows 1.42 -> 1.03 ms; 24: 3.40 -> 2.62; 32: 4.47 -> 3.80;
 // 64: 7.17 -> 6.48; 128: 13.2 -> 13.0 (both near the core's FMA peak there).
@@ -77,6 +77,17 @@ namespace {
 // Each panel is widened (8 x 8 transposes) once per call, which is why few rows lose: at 1 row
 // the panels took 141 ms against the loop's 51.
 constexpr int64_t kDirectRows = 256;
+// The packed op's float32 rows on its AVX2 tiles before the widened copy to at::linear: the
+// tiles stream the strips as they lie and beat the copy (whose widening pass is ~40% of a
+// call) up to 1024 rows. One N 5632 x K 2048 bf16 layer, 2 threads, Zen 3 kind, min of 3 x
+// 3 (ms, tiles / widened copy / float32 weights in F.linear): 256 rows 37.3 / - / 48.3; 384
+// 61.8 / 93.0 / 65.3; 512 80.8 / 113.8 / 93.1; 1024 179.5 / 217.3 / 182.3; 2048 395.4 /
+// 364.4 / 344.2. (Up to 2048 tokens a step are prefill chunks, max_num_batched_tokens.)
+#if defined(KVSERVE_WIDE_AVX2)
+constexpr int64_t kPackedDirectRows = 1024;
+#else
+constexpr int64_t kPackedDirectRows = kDirectRows;  // the scalar sums: at::linear sooner
+#endif
 constexpr int64_t kBlockN = 4;  // output channels that share one pass over a row of x
 
 template <typename W>
@@ -362,8 +373,8 @@ int64_t panel_grain(int64_t k) {
 }
 
 // x [M, K] float32, w [ceil(N / 16), K, 16] bf16 or fp16 (the packed layout), bias [N] float32
-// or none, n = N -> [M, N] float32. direct_rows as wide_linear's (-1: kDirectRows; 0: every
-// row count here, batch-invariant mode). Every output is one sum along k in k order whatever
+// or none, n = N -> [M, N] float32. direct_rows as wide_linear's (-1: kPackedDirectRows; 0:
+// every row count here, batch-invariant mode). Every output is one sum along k in k order whatever
 // M, so a row's result never depends on the other rows nor on their number, up to
 // direct_rows; above it a widened [N, K] copy goes to at::linear.
 // x bf16 (with bf16 w): bf16 [M, N], see packed_bf16.
@@ -386,7 +397,7 @@ at::Tensor wide_linear_packed(const at::Tensor& x, const at::Tensor& w,
   if (x.scalar_type() == at::kBFloat16) {
     return packed_bf16(x, w, bias, n, direct_rows);
   }
-  if (direct_rows != 0 && m > (direct_rows < 0 ? kDirectRows : direct_rows)) {
+  if (direct_rows != 0 && m > (direct_rows < 0 ? kPackedDirectRows : direct_rows)) {
     at::Tensor wide = at::empty({strips * kStrip, k}, x.options());  // [N16, K] float32
     wide.view({strips, kStrip, k}).copy_(w.permute({0, 2, 1}));
     return at::linear(x, wide.slice(0, 0, n), bias);
@@ -455,6 +466,9 @@ std::string wide_linear_bf16_isa() {
 // The rows the kernel takes (the tests cover both sides of it).
 int64_t wide_linear_direct_rows() { return kDirectRows; }
 
+// The float32 rows the packed op's tiles take.
+int64_t wide_linear_packed_direct_rows() { return kPackedDirectRows; }
+
 // The fewest rows that take the widened panels (0 where the build has none: scalar).
 int64_t wide_linear_panel_rows() {
 #if defined(KVSERVE_WIDE_AVX2)
@@ -488,6 +502,7 @@ TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("wide_linear_packed(Tensor x, Tensor w, Tensor? bias, int n, int direct_rows=-1) -> Tensor");
   m.def("wide_linear_panel_rows() -> int", &wide_linear_panel_rows);
   m.def("wide_linear_direct_rows() -> int", &wide_linear_direct_rows);
+  m.def("wide_linear_packed_direct_rows() -> int", &wide_linear_packed_direct_rows);
   m.def("wide_linear_isa() -> str", &wide_linear_isa);
   m.def("wide_linear_bf16_isa() -> str", &wide_linear_bf16_isa);
 }

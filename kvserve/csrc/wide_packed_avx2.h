@@ -17,6 +17,30 @@
 // <immintrin.h>, <algorithm> and <cstdint>.
 #pragma once
 
+#include <type_traits>
+
+// A strip's 16 weights of one k as two float32 vectors. bf16: one 32-byte load and two
+// unpacks with zeros (a bf16 is the top half of its float32), 2 shuffle-port uops per 16
+// weights instead of the 2 widening loads + 2 shifts of load8; unpack works within 128-bit
+// lanes, so w0 holds channels 0-3 and 8-11, w1 channels 4-7 and 12-15 (kPermuted), and the
+// accumulators are permuted to match where they meet memory (KV_PK_LOAD / KV_PK_STORE).
+// fp16 (F16C) and float32: channels 0-7 and 8-15.
+template <typename W>
+inline constexpr bool kPermuted = std::is_same_v<W, c10::BFloat16>;
+
+template <typename W>
+inline void load16_packed(const W* p, __m256& w0, __m256& w1) {
+  if constexpr (kPermuted<W>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i zero = _mm256_setzero_si256();
+    w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+    w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+  } else {
+    w0 = load8(p);
+    w1 = load8(p + 8);
+  }
+}
+
 // The accumulators of an MR x NV tile (MR <= 6 rows, NV <= 4 strips, MR * NV <= 6: at most
 // 12 of the 16 registers, beside 2 weights and a broadcast x).
 // Named, not arrays, as in f32_micro_avx2.h (gcc kept arrays of __m256 on the stack); all 24
@@ -26,11 +50,16 @@
   X(5, 1) X(0, 2) X(1, 2) X(2, 2) X(3, 2) X(4, 2) X(5, 2) X(0, 3) X(1, 3) X(2, 3) X(3, 3) \
   X(4, 3) X(5, 3)
 #define KV_PK_ON(r, v) (MR > r && NV > v)
-#define KV_PK_LOAD(r, v)                                      \
-  __m256 lo##r##_##v = _mm256_setzero_ps(), hi##r##_##v = lo##r##_##v; \
-  if constexpr (KV_PK_ON(r, v)) {                             \
-    lo##r##_##v = _mm256_loadu_ps(acc + r * lda + v * 16);    \
-    hi##r##_##v = _mm256_loadu_ps(acc + r * lda + v * 16 + 8); \
+#define KV_PK_LOAD(r, v)                                                         \
+  __m256 lo##r##_##v = _mm256_setzero_ps(), hi##r##_##v = lo##r##_##v;                  \
+  if constexpr (KV_PK_ON(r, v)) {                                                \
+    lo##r##_##v = _mm256_loadu_ps(acc + r * lda + v * 16);                       \
+    hi##r##_##v = _mm256_loadu_ps(acc + r * lda + v * 16 + 8);                   \
+    if constexpr (kPermuted<W>) { /* to channels 0-3, 8-11 | 4-7, 12-15 */       \
+      const __m256 a = lo##r##_##v;                                              \
+      lo##r##_##v = _mm256_permute2f128_ps(a, hi##r##_##v, 0x20);                \
+      hi##r##_##v = _mm256_permute2f128_ps(a, hi##r##_##v, 0x31);                \
+    }                                                                            \
   }
 #define KV_PK_FMA(r, v)                                               \
   if constexpr (KV_PK_ON(r, v)) {                                     \
@@ -40,15 +69,20 @@
   }
 #define KV_PK_STRIP(v)                                             \
   if constexpr (NV > v) {                                          \
-    const __m256 w0 = load8(w + v * ldw + kk * 16);                \
-    const __m256 w1 = load8(w + v * ldw + kk * 16 + 8);            \
+    __m256 w0, w1;                                                 \
+    load16_packed(w + v * ldw + kk * 16, w0, w1);                  \
     KV_PK_FMA(0, v) KV_PK_FMA(1, v) KV_PK_FMA(2, v) KV_PK_FMA(3, v) \
     KV_PK_FMA(4, v) KV_PK_FMA(5, v)                                \
   }
-#define KV_PK_STORE(r, v)                                   \
-  if constexpr (KV_PK_ON(r, v)) {                           \
-    _mm256_storeu_ps(acc + r * lda + v * 16, lo##r##_##v);  \
-    _mm256_storeu_ps(acc + r * lda + v * 16 + 8, hi##r##_##v); \
+#define KV_PK_STORE(r, v)                                                        \
+  if constexpr (KV_PK_ON(r, v)) {                                                \
+    __m256 a = lo##r##_##v, b = hi##r##_##v;                                     \
+    if constexpr (kPermuted<W>) { /* back to channels 0-7 | 8-15 */              \
+      a = _mm256_permute2f128_ps(lo##r##_##v, hi##r##_##v, 0x20);                \
+      b = _mm256_permute2f128_ps(lo##r##_##v, hi##r##_##v, 0x31);                \
+    }                                                                            \
+    _mm256_storeu_ps(acc + r * lda + v * 16, a);                                 \
+    _mm256_storeu_ps(acc + r * lda + v * 16 + 8, b);                             \
   }
 
 // acc[r][v * 16 + j] (row stride lda) += sum over kk < kc of x[r][kk] * w[v][kk][j] for

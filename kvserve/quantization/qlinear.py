@@ -189,7 +189,7 @@ class A8Scales(enum.IntEnum):
 
     FLOAT32 = 0
     FLOAT16 = 1  # every scale and zero is a float16 (GGUF's legacy types, kvserve's RTN)
-    SUPERS = 2  # GGUF K-quants' two levels (qweight.SuperScales): VNNI kernel only
+    SUPERS = 2  # GGUF K-quants' two levels (qweight.SuperScales): both kernels (VNNI, AVX2)
 
 
 def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
@@ -204,10 +204,12 @@ def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
     return torch.float32
 
 
-def a8_scale_format(qw: QuantizedWeight, vnni: bool) -> A8Scales:
-    """Super-block records where the weight has them and the VNNI kernel runs it (the AVX2
-    path reads per-group records only), else the scales' own precision."""
-    if vnni and qw.supers is not None and qw.group_size in (16, 32):
+def a8_scale_format(qw: QuantizedWeight, supers: bool = True) -> A8Scales:
+    """Super-block records where the weight has them (both int8-activation kernels read them;
+    ``supers`` False: not wanted, as with table codes), else the scales' own precision. On
+    AVX2 a Q4_K weight then streams 4.6 bits a weight instead of 6 (float32 scale and zero per
+    32), Q6_K's 8-bit codes 8.6 instead of 10."""
+    if supers and qw.supers is not None and qw.group_size in (16, 32):
         return A8Scales.SUPERS
     return A8Scales.FLOAT16 if a8_scale_dtype(qw) == torch.float16 else A8Scales.FLOAT32
 
@@ -436,7 +438,7 @@ class QuantLinear(nn.Module):
         self.qweight: QuantizedWeight | None = None
         # int8-activation kernel: how its records hold the scales
         vnni = dtype == torch.bfloat16 and _a8_kernel()
-        self.scale_format = int(a8_scale_format(qw, vnni))
+        self.scale_format = int(a8_scale_format(qw))
         self.code_bits = a8_code_bits(qw, vnni)  # the kernel's codes: 4, 5, 6 or 8 bits
         self.has_zeros = qw.zeros is not None
         if self.path == "a8":  # one buffer: scales, zeros and codes per group (pack_a8)
@@ -446,7 +448,7 @@ class QuantLinear(nn.Module):
             # rows (N 5632, K 2048, 2 threads: 0.26 / 0.39 / 2.64 ms against 0.42 / 0.54 / 2.71)
             table = a8_table(qw) if vnni else None
             if table is not None and self.scale_format == A8Scales.SUPERS:
-                self.scale_format = int(a8_scale_format(qw, vnni=False))
+                self.scale_format = int(a8_scale_format(qw, supers=False))
             self.codes, self.offset = pack_a8(qw, A8Scales(self.scale_format), self.code_bits,
                                               table)  # fmt: skip
             if table is not None:

@@ -122,13 +122,25 @@ def test_weight_bytes_and_floor() -> None:
     assert quantization.step_floor_ms(CFG, 64, 10, roof, int4, True) == pytest.approx(
         ops / 4e9 * 1e3
     )
-    no_vnni = {**roof, "int8_dot_ops_s": None}
-    assert quantization.step_floor_ms(CFG, 64, 10, no_vnni, int4, True) == pytest.approx(
-        ops / 1e9 * 1e3
+    # no int8 rate measured: no floor rather than one at another unit's rate
+    no_rate = {**roof, "int8_dot_ops_s": None}
+    assert quantization.step_floor_ms(CFG, 64, 10, no_rate, int4, True) is None
+    # float32 settings at the float32 matmul rate, and bf16 ones too where bf16 is emulated
+    roof32 = {**roof, "f32_matmul_flop_s": 5e8}
+    assert quantization.step_floor_ms(CFG, 64, 10, roof32, int4, False, "float32") == (
+        pytest.approx(ops / 5e8 * 1e3)
     )
+    assert quantization.step_floor_ms(CFG, 64, 10, roof32, int4) == pytest.approx(ops / 1e9 * 1e3)
+    emulated = {**roof32, "bf16_matmul_flop_s": None}
+    assert quantization.step_floor_ms(CFG, 64, 10, emulated, int4) == pytest.approx(ops / 5e8 * 1e3)
     int8_dots = {s.key for s in quantization.SETTINGS if quantization.int8_dots(s)}
     assert {"kvserve-int4", "kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_0"} <= int8_dots
     assert not {"kvserve-bf16", "kvserve-int4-a16", "kvserve-int8-a16"} & int8_dots
+    # without VNNI, auto multiplies float activations; int8 only where asked for
+    avx2 = {s.key for s in quantization.SETTINGS if quantization.int8_dots(s, vnni=False)}
+    assert {"kvserve-gguf-q4_0-lmhead-f32-a8", "kvserve-int4-lmhead-f32-a8"} <= avx2
+    assert not {"kvserve-int4", "kvserve-gguf-q4_0-lmhead-f32", "kvserve-gguf-q4_k_m"} & avx2
+    assert "kvserve-gguf-q4_0-lmhead-f32" not in int8_dots  # float32: auto is not int8
 
 
 def _run(setting: str, c: int, rep: int, tput: float, ttft: float, ok: bool = True) -> dict:
@@ -313,4 +325,17 @@ def test_int8_peak_probe_runs_every_dot_product() -> None:
     rounds = int8_peak._module().int8_dot_rounds
     assert rounds(10, 2) == 2 * 16 * (66 + 12 * 60 * 10)
     assert rounds(1, 1) == 16 * (66 + 12 * 60)
+    assert int8_peak.measure_int8_peak(1, iters=10_000, repeats=1) > 0
+
+
+@pytest.mark.skipif(
+    int8_peak.int8_peak_isa() != "vpmaddubsw", reason="needs AVX2 without AVX512-VNNI"
+)
+def test_avx2_int8_peak_probe_runs_every_dot_product() -> None:
+    """AVX2's probe: each of 12 int16 chains per thread adds 2 x 3 x 5 = 30 per lane per round
+    (vpmaddubsw, then vpaddw), from its own index, over 16 lanes; 64 ops per step."""
+    mod = int8_peak._module()
+    assert mod.int8_dot_ops() == 64
+    assert mod.int8_dot_rounds(10, 2) == 2 * 16 * (66 + 12 * 30 * 10)
+    assert mod.int8_dot_rounds(1, 1) == 16 * (66 + 12 * 30)
     assert int8_peak.measure_int8_peak(1, iters=10_000, repeats=1) > 0

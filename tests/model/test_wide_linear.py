@@ -37,6 +37,10 @@ def direct_rows() -> int:
     return int(torch.ops.kvserve.wide_linear_direct_rows())
 
 
+def packed_direct_rows() -> int:
+    return int(torch.ops.kvserve.wide_linear_packed_direct_rows())
+
+
 def panel_rows() -> int:
     """The fewest rows that take the [N, K] path's per-call panels (0: this build has none)."""
     return int(torch.ops.kvserve.wide_linear_panel_rows())
@@ -80,7 +84,8 @@ def test_kernel_equals_reference(wdtype: torch.dtype, n: int, k: int, bias: bool
     w = layer.unpacked_weight()
     assert layer.weight_dtype == wdtype and w.shape == (n, k)
     assert torch.equal(w, lin.weight.detach().to(wdtype))
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 23, 40, direct_rows(), direct_rows() + 1):
+    top = packed_direct_rows()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 23, 40, direct_rows() + 1, top, top + 1):
         x = torch.randn(rows, k, generator=g)
         got = layer(x)
         want = reference_wide_linear(x.double(), w.double(), None)  # exact sums

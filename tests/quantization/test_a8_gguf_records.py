@@ -34,6 +34,7 @@ from tests.engine.utils import run_engine_checked
 from tests.model.llamacpp_kquant import DATA, prompts
 from tests.quantization.test_gguf_weights import _F16_FIELDS
 from tests.quantization.test_qlinear_a8 import needs_a8
+from tests.quantization.test_qlinear_a8_avx2 import needs_avx2
 
 CPU = torch.device("cpu")
 K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
@@ -217,18 +218,52 @@ def test_unpermuted_rows_keep_their_two_levels() -> None:
     assert torch.equal(bits_of(qw.supers.zeros()), bits_of(qw.zeros))
 
 
-def test_super_records_only_where_the_vnni_kernel_runs() -> None:
-    """The AVX2 int8 path (float32 activations, or no VNNI) reads per-group records: float32
-    scales there; Q8_0 / Q4_0 keep their float16 ones."""
+def test_super_records_on_both_kernels() -> None:
+    """Both int8-activation kernels read super-block records (the AVX2 one since session 19:
+    float32 activations, or no VNNI); ``supers=False`` (table codes) gives per-group ones;
+    Q8_0 / Q4_0 keep their float16 scales."""
     qw = k_weight(T.Q5_K)
-    assert a8_scale_format(qw, vnni=True) is A8Scales.SUPERS
-    assert a8_scale_format(qw, vnni=False) is A8Scales.FLOAT32
-    assert a8_scale_format(flat(qw), vnni=True) is A8Scales.FLOAT32
+    assert a8_scale_format(qw) is A8Scales.SUPERS
+    assert a8_scale_format(qw, supers=False) is A8Scales.FLOAT32
+    assert a8_scale_format(flat(qw)) is A8Scales.FLOAT32
     q4 = tensor_to_qweight("w", T.Q4_0, k_blocks(T.Q4_0, 32, 512, 0), 32, 512)
-    assert a8_scale_format(q4, vnni=True) is A8Scales.FLOAT16
+    assert a8_scale_format(q4) is A8Scales.FLOAT16
     layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.INT8)
-    if layer.path == "a8":  # the AVX2 int8 path
-        assert layer.scale_format == A8Scales.FLOAT32
+    if layer.path == "a8":  # the AVX2 int8 path: 8-bit codes (no bit planes) in super records
+        assert (layer.scale_format, layer.code_bits) == (A8Scales.SUPERS, 8)
+
+
+def per_group_f32_layer(qw: QuantizedWeight) -> QuantLinear:
+    """``qw``'s float32-activation layer on per-group float32 records (the AVX2 path's layout
+    before super records)."""
+    layer = QuantLinear(flat(qw), None, CPU, torch.float32, QuantizedActivations.INT8)
+    layer.codes, layer.offset = pack_a8(flat(qw), A8Scales.FLOAT32, layer.code_bits)
+    layer.scale_format = int(A8Scales.FLOAT32)
+    return layer
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 17, 70])
+def test_avx2_super_records_against_per_group_records(qtype: T, rows: int) -> None:
+    """The AVX2 path (float32 activations) on super-block records gives the per-group float32
+    records' outputs bit for bit: d * sc and -(dmin * m) computed as gguf does, each group's
+    zero term before its block. In fewer bytes (Q4_K: 4.6 bits a weight instead of 6; the
+    8-bit codes of Q2_K, Q3_K, Q5_K, Q6_K and IQ4_XS's levels 8.6 instead of 10). N = 96 and
+    80; 1-70 rows: 4-row passes and their 1-3-row tails (one block of rows: 256 at K = 512)."""
+    for n in (96, 80):
+        qw = k_weight(qtype, n=n, seed=rows)
+        new = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.INT8)
+        assert (new.path, new.scale_format) == ("a8", A8Scales.SUPERS)
+        old = per_group_f32_layer(qw)
+        assert new.nbytes < old.codes.numel()
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(n))
+        out = new(x)
+        assert torch.equal(out, old(x))
+        q, d = quantize_activations(x)
+        exact = exact_activations(q, d) @ qw.exact().t()
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5,
+                                   atol=1e-5 * float(exact.abs().max()))  # fmt: skip
 
 
 @needs_a8
@@ -241,8 +276,6 @@ def test_the_op_refuses_super_records_it_cannot_read() -> None:
         torch.ops.kvserve.quant_linear_a8(out, x, packed, 4, 32, off, 3, True)
     with pytest.raises(RuntimeError, match="g 16 or 32"):
         torch.ops.kvserve.quant_linear_a8(out, x, packed, 4, 64, off, 2, True)
-    with pytest.raises(RuntimeError, match="AVX512-VNNI only"):
-        torch.ops.kvserve.quant_linear_a8(out.float(), x.float(), packed, 4, 32, off, 2, True)
     six, off6 = pack_a8(k_weight(T.Q6_K, n=32), A8Scales.FLOAT32, 6)
     with pytest.raises(RuntimeError, match="AVX512-VNNI only"):
         torch.ops.kvserve.quant_linear_a8(out.float(), x.float(), six, 6, 16, off6, 0, False)
