@@ -26,14 +26,29 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+// One dot step per ISA: the vector type, its accumulators, the step, and the lane sum.
 #if defined(__AVX512VNNI__)
+typedef __m512i kv_vec;
+#define KV_SET8(v) _mm512_set1_epi8(v)
 #define KV_ACC(i) __m512i a##i = _mm512_set1_epi32(i);
 #define KV_DOT(i) a##i = _mm512_dpbusd_epi32(a##i, x, y);
 #define KV_SUM(i) s = _mm512_add_epi32(s, a##i);
+#define KV_KEEP "+v"
+inline int64_t kv_lanes(kv_vec s) { return _mm512_reduce_add_epi32(s); }  // 16 int32
 #elif defined(__AVX2__)
+typedef __m256i kv_vec;
+#define KV_SET8(v) _mm256_set1_epi8(v)
 #define KV_ACC(i) __m256i a##i = _mm256_set1_epi16(i);
 #define KV_DOT(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(x, y));
 #define KV_SUM(i) s = _mm256_add_epi16(s, a##i);
+#define KV_KEEP "+x"
+inline int64_t kv_lanes(kv_vec s) {  // 16 int16
+  alignas(32) int16_t v[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
+  int64_t total = 0;
+  for (int i = 0; i < 16; ++i) total += v[i];
+  return total;
+}
 #endif
 
 // int8 ops (2 per multiply-add) of one KV_DOT: 128 (vpdpbusd), 64 (vpmaddubsw), 0 (neither).
@@ -49,45 +64,22 @@ int64_t int8_dot_ops() {
 
 // Runs `iters` rounds of 12 dot steps on each of `threads` tasks; returns a checksum.
 int64_t int8_dot_rounds(int64_t iters, int64_t threads) {
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
   std::vector<int64_t> sums(threads, 0);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
+      kv_vec x = KV_SET8(3), y = KV_SET8(5);
       KV_ACC(0) KV_ACC(1) KV_ACC(2) KV_ACC(3) KV_ACC(4) KV_ACC(5)
       KV_ACC(6) KV_ACC(7) KV_ACC(8) KV_ACC(9) KV_ACC(10) KV_ACC(11)
       for (int64_t it = 0; it < iters; ++it) {
         KV_DOT(0) KV_DOT(1) KV_DOT(2) KV_DOT(3) KV_DOT(4) KV_DOT(5)
         KV_DOT(6) KV_DOT(7) KV_DOT(8) KV_DOT(9) KV_DOT(10) KV_DOT(11)
-        __asm__ volatile("" : "+x"(x));  // the loop is not folded away
+        __asm__ volatile("" : KV_KEEP(x));  // the loop is not folded away
       }
-      __m256i s = a0;
+      kv_vec s = a0;
       KV_SUM(1) KV_SUM(2) KV_SUM(3) KV_SUM(4) KV_SUM(5) KV_SUM(6)
       KV_SUM(7) KV_SUM(8) KV_SUM(9) KV_SUM(10) KV_SUM(11)
-      alignas(32) int16_t v[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
-      for (int i = 0; i < 16; ++i) sums[t] += v[i];
-    }
-  });
-  int64_t total = 0;
-  for (int64_t v : sums) total += v;
-  return total;
-#elif defined(__AVX512VNNI__)
-  std::vector<int64_t> sums(threads, 0);
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      __m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(5);
-      KV_ACC(0) KV_ACC(1) KV_ACC(2) KV_ACC(3) KV_ACC(4) KV_ACC(5)
-      KV_ACC(6) KV_ACC(7) KV_ACC(8) KV_ACC(9) KV_ACC(10) KV_ACC(11)
-      for (int64_t it = 0; it < iters; ++it) {
-        KV_DOT(0) KV_DOT(1) KV_DOT(2) KV_DOT(3) KV_DOT(4) KV_DOT(5)
-        KV_DOT(6) KV_DOT(7) KV_DOT(8) KV_DOT(9) KV_DOT(10) KV_DOT(11)
-        __asm__ volatile("" : "+v"(x));  // the loop is not folded away
-      }
-      __m512i s = a0;
-      KV_SUM(1) KV_SUM(2) KV_SUM(3) KV_SUM(4) KV_SUM(5) KV_SUM(6)
-      KV_SUM(7) KV_SUM(8) KV_SUM(9) KV_SUM(10) KV_SUM(11)
-      sums[t] = _mm512_reduce_add_epi32(s);
+      sums[t] = kv_lanes(s);
     }
   });
   int64_t total = 0;
