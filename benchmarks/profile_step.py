@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12, help="operators to print")
     ap.add_argument("--quantization", default=None, help="LLM quantization (gguf: --model-dir "
                     "a .gguf file)")  # fmt: skip
+    ap.add_argument("--quantization-activations", default=None,
+                    help="LLM quantization_activations (int8, float; default auto)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or f"/tmp/kvserve-peers-{args.shape}")
@@ -73,6 +75,8 @@ def main() -> None:
     extra = {} if args.weight_dtype is None else {"weight_dtype": args.weight_dtype}
     if args.quantization:
         extra["quantization"] = args.quantization
+    if args.quantization_activations:
+        extra["quantization_activations"] = args.quantization_activations
     llm = LLM(str(model_dir), dtype=args.dtype, kv_cache_memory="2GiB",
               max_num_seqs=max(args.batch, 1), num_threads=args.threads, **extra)  # fmt: skip
     engine = llm.engine
