@@ -107,8 +107,13 @@ def cpu_paths() -> dict[str, Any]:
     paths["cpp_kernels"] = cpu_kernels.available()
     if paths["cpp_kernels"]:
         paths["quant_bf16_activations"] = "avx512_bf16" if bf16_native() else "widened_fp32"
-        paths["quant_int8_activations"] = _a8_kernel()  # what auto picks (VNNI, bf16)
-        isa = getattr(torch.ops.kvserve, "quant_linear_a8_isa", None)  # int8 opt-in elsewhere
+        paths["quant_int8_activations"] = _a8_kernel()  # the VNNI kernel (auto for bf16)
+        isa = getattr(torch.ops.kvserve, "quant_linear_a8_isa", None)  # float32 x, no VNNI
         paths["quant_int8_activations_isa"] = str(isa()) if isa is not None else "none"
+        # which layers auto gives int8 activations (qlinear.a8_auto_supports)
+        avx2 = paths["quant_int8_activations_isa"] == "avx2"
+        paths["quant_int8_activations_auto"] = (
+            "bf16 layers (VNNI)" if _a8_kernel() else "4-bit codes (AVX2)" if avx2 else "none"
+        )
         paths["wide_linear"] = str(torch.ops.kvserve.wide_linear_isa())
     return paths

@@ -210,8 +210,9 @@ class EngineArgFields:
         "auto", "with --quantization: int8 quantizes each linear's input per row in blocks of "
         "32 (a scale each, as llama.cpp does) and multiplies with integer dot products "
         "(AVX512-VNNI for bf16; AVX2 vpmaddubsw for float32, and for bf16 without VNNI); none "
-        "keeps --dtype (exact products with the dequantized weights); auto is int8 where the "
-        "VNNI kernel runs (bf16 on a CPU with VNNI), else none",
+        "keeps --dtype (exact products with the dequantized weights); auto is int8 where it is "
+        "the faster kernel (bf16 on a CPU with VNNI; 4-bit codes on an AVX2 CPU without "
+        "VNNI), else none",
         choices=("auto", "int8", "none"),
     )  # fmt: skip
     quantization_lm_head: bool | None = _opt(

@@ -72,8 +72,17 @@ class QuantReport:
     kernel: bool = True  # every layer runs the C++ kernel
     # every layer quantizes its input to int8 (blocks of 32); false if any keeps the dtype
     int8_activations: bool = False
+    int8_layers: int = 0  # the layers that do (auto on AVX2: the 4-bit ones of a GGUF mix)
     # the LM head's quantization ("int8", a GGUF type such as "Q6_K"); None: model dtype
     lm_head: str | None = None
+
+    def activations(self) -> str:
+        """What the layers multiply their weights with, for the load log."""
+        if self.int8_activations:
+            return "int8"
+        if self.int8_layers:
+            return f"int8 in {self.int8_layers} of {self.layers} layers, model dtype in the rest"
+        return "model dtype"
 
     def summary(self) -> str:
         errs = list(self.errors.values())
@@ -81,7 +90,7 @@ class QuantReport:
         return (
             f"{self.method}: {self.layers} layers, {self.weight_bytes / 2**20:.1f} MiB "
             f"(from {self.dense_bytes / 2**20:.1f} MiB){err}; kernel: {self.kernel}; "
-            f"activations: {'int8' if self.int8_activations else 'model dtype'}; "
+            f"activations: {self.activations()}; "
             f"LM head: {self.lm_head or 'model dtype'}"
         )
 
@@ -204,6 +213,7 @@ def count_layer(
     """Count ``layer`` (``weight``: the dense layer's, for its shape and size) in ``report``."""
     first = report.layers == 0
     report.int8_activations = layer.int8_activations and (first or report.int8_activations)
+    report.int8_layers += int(layer.int8_activations)
     if error is not None:
         report.errors[name] = error
     report.layers += 1

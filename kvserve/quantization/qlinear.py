@@ -3,7 +3,8 @@
 The weight is int8 or int4 codes with group scales (``QuantizedWeight``). Two ways to take
 the activations (``QuantizedActivations``):
 
-* int8 (the default for bf16 on CPUs with AVX512-VNNI; opt-in elsewhere): each row of x is
+* int8 (``auto``'s choice for bf16 on CPUs with AVX512-VNNI and for 4-bit codes on AVX2 CPUs
+  without it, ``a8_auto_supports``; opt-in elsewhere): each row of x is
   quantized in blocks of 32, then integer dot products (``csrc/quant_linear_a8.cpp``: vpdpbusd
   for bf16 on AVX512-VNNI, vpmaddubsw on AVX2 for float32 and bf16, ``quant_linear_a8_avx2.h``;
   weights packed by ``pack_a8``); the reference is ``reference_linear_a8``.
@@ -349,14 +350,23 @@ def a8_kernel_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.d
 
 
 def a8_auto_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
-    """Where ``auto`` takes int8 activations: the VNNI kernel only (bf16). On AVX2 the int8
-    path is opt-in: it is not exact (x rounded to 8 bits per block of 32: ~0.6% relative
-    error against ``reference_linear``), and no clear one-row win over the float32 direct
-    path. Measured (AMD EPYC Zen 3, 1 thread, CPU time, N=5632 K=2048, loaded machine, us):
-    one row int8 g32 1382 vs 1070 (slower), int4 g32 760 vs 952; four rows int8 g32 2307 vs
-    3176, int4 g32 1616 vs 3487 (docs/performance.md, "AVX2 quantized kernels")."""
-    ok = device.type == "cpu" and _a8_shape_ok(qw)
-    return ok and dtype == torch.bfloat16 and _a8_kernel()
+    """Where ``auto`` takes int8 activations (x rounded to 8 bits per block of 32, as
+    llama.cpp's Q8_0 activations: ~0.6% relative error against ``reference_linear``):
+    * with AVX512-VNNI: bf16 layers (the VNNI kernel);
+    * on AVX2 without it: 4-bit codes (float32 or bf16 x), the vpmaddubsw path. One N 5632 x
+      K 2048 int4 layer, 2 threads, AMD EPYC Zen 3: 2.4x / 3.2x / 1.7-1.8x the float32
+      path's speed at 1 / 8 / 64-512 rows; TinyLlama-1.1B's GGUF Q4_0 over HTTP 1.54x /
+      1.70x / 1.36x llama.cpp's at concurrency 1 / 8 / 64 against 0.91x / 0.90x / 0.97x
+      with float32 activations (docs/performance.md, "AVX2 int8 activations, again"). Byte
+      codes (int8, Q5_K, Q6_K, table codes) keep float32 there: they lose to the float32
+      tiles from 64 rows.
+    A VNNI machine's float32 layers keep float32 activations (its AVX-512 float kernels)."""
+    if device.type != "cpu" or not _a8_shape_ok(qw):
+        return False
+    if _a8_kernel():
+        return dtype == torch.bfloat16
+    avx2 = dtype in (torch.float32, torch.bfloat16) and _a8_avx2()
+    return avx2 and a8_code_bits(qw, vnni=False) == 4
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.quantization.lm_head import QuantLMHead
-from kvserve.quantization.qlinear import QuantLinear, reference_linear_a8
+from kvserve.quantization.qlinear import QuantLinear, _a8_kernel, reference_linear_a8
 from kvserve.quantization.qweight import quantize_rtn
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import random_prompts, run_engine_checked
@@ -58,7 +58,10 @@ def test_quantized_engine_equals_its_dequantized_weights(
         engine(dequantized_copy(tiny_llama, tmp_path / "dq", bits, group), num_kv_blocks=200),
         PROMPTS, PARAMS,
     )  # fmt: skip
-    e = engine(tiny_llama, num_kv_blocks=200, quantization=method)
+    # exact products with the dequantized weights: float activations (auto would quantize
+    # int4's to int8 on an AVX2 CPU without VNNI)
+    e = engine(tiny_llama, num_kv_blocks=200, quantization=method,
+               quantization_activations="none")  # fmt: skip
     layer = e.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(layer, QuantLinear) and layer.bits == bits and layer.use_kernel
     assert run_engine_checked(e, PROMPTS, PARAMS) == want
@@ -113,12 +116,6 @@ def test_transformers_backend_quantizes_the_same_weights(tiny_llama: Path) -> No
     assert run_engine_checked(e, PROMPTS, PARAMS) == native
 
 
-def _a8_kernel() -> bool:
-    from kvserve.quantization.qlinear import _a8_kernel
-
-    return _a8_kernel()
-
-
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -163,10 +160,11 @@ def _a8_avx2() -> bool:
 
 @pytest.mark.skipif(not _a8_avx2(), reason="needs the AVX2 build of the kernels")
 def test_float32_int8_activations_give_their_reference_tokens(tiny_llama: Path) -> None:
-    """float32 int4 with --quantization-activations int8 (opt-in; the AVX2 vpmaddubsw path)
-    through the whole engine, C++ decode loop included where it runs: the tokens of the same
-    engine whose quantized layers run reference_linear_a8; auto keeps float32 activations (other
-    tokens)."""
+    """float32 int4 with --quantization-activations int8 (the AVX2 vpmaddubsw path) through
+    the whole engine, C++ decode loop included where it runs: the tokens of the same engine
+    whose quantized layers run reference_linear_a8. auto takes it on a CPU without VNNI (int4
+    codes there), keeps float32 activations beside the VNNI kernel; none keeps them always
+    (other tokens)."""
 
     def f32(**kw: object) -> LLMEngine:
         cfg = build_engine_config(str(tiny_llama), dtype="float32", block_size=4,
@@ -186,10 +184,17 @@ def test_float32_int8_activations_give_their_reference_tokens(tiny_llama: Path) 
             qw = quantize_rtn(w.float(), 4, 32)
             module.forward = functools.partial(reference_linear_a8, qw=qw)  # type: ignore[method-assign]
     assert run_engine_checked(ref, PROMPTS, PARAMS) == want
-    auto = f32()
-    assert auto.runner.model.quant_report.int8_activations is False
+    none = f32(quantization_activations="none")
+    assert none.runner.model.quant_report.int8_activations is False
+    assert none.runner.model.quant_report.int8_layers == 0
     # the 8-bit activations' rounding shows in the tokens: the test sees which path ran
-    assert run_engine_checked(auto, PROMPTS, PARAMS) != want
+    assert run_engine_checked(none, PROMPTS, PARAMS) != want
+    auto = f32()
+    avx2_only = not _a8_kernel()
+    report = auto.runner.model.quant_report
+    assert report.int8_activations is avx2_only
+    assert report.int8_layers == (report.layers if avx2_only else 0)
+    assert (run_engine_checked(auto, PROMPTS, PARAMS) == want) is avx2_only
 
 
 def test_quantized_lm_head_engine_equals_its_dequantized_weights(
@@ -200,10 +205,12 @@ def test_quantized_lm_head_engine_equals_its_dequantized_weights(
     checked; the head's rounding is seen in the tokens (they differ from int4 alone)."""
     copy = dequantized_copy(tiny_llama, tmp_path / "dq", 4, 32, lm_head=True)
     want = run_engine_checked(engine(copy, num_kv_blocks=200), PROMPTS, PARAMS)
-    e = engine(tiny_llama, num_kv_blocks=200, quantization="int4", quantization_lm_head=True)
+    exact = {"quantization_activations": "none"}  # auto: int8 for int4 on AVX2 without VNNI
+    e = engine(tiny_llama, num_kv_blocks=200, quantization="int4", quantization_lm_head=True,
+               **exact)  # fmt: skip
     assert isinstance(e.runner.model.lm_head, QuantLMHead)
     assert run_engine_checked(e, PROMPTS, PARAMS) == want
-    int4 = engine(tiny_llama, num_kv_blocks=200, quantization="int4")
+    int4 = engine(tiny_llama, num_kv_blocks=200, quantization="int4", **exact)
     assert run_engine_checked(int4, PROMPTS, PARAMS) != want
 
 

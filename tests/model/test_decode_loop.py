@@ -15,7 +15,7 @@ from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.decode_loop import build_decode_loop
 from kvserve.ops import cpu_kernels
-from kvserve.quantization.qlinear import QuantLinear, _a8_kernel
+from kvserve.quantization.qlinear import QuantLinear, _a8_avx2, _a8_kernel
 from kvserve.sampling_params import SamplingParams
 from tests.engine.utils import make_tiny_model, random_prompts
 from tests.model.tiny_native import make_native_model
@@ -101,10 +101,13 @@ def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: 
     model = e.runner.model
     loop = model.decode_loop
     assert loop is not None
-    if quant:  # the linears really are the kind under test (int8 activations: VNNI CPUs)
+    if quant:  # the linears really are the kind under test (auto's int8 activations: bf16
+        # with VNNI, 4-bit codes on AVX2 without it; qlinear.a8_auto_supports)
         qkv = model.layers[0].self_attn.qkv_proj
-        a8 = quant.get("quantization_activations") != "none" and _a8_kernel()
-        assert isinstance(qkv, QuantLinear) and qkv.path == ("a8" if a8 else "kernel")
+        assert isinstance(qkv, QuantLinear)
+        auto_a8 = _a8_kernel() or (qkv.bits == 4 and _a8_avx2())
+        a8 = quant.get("quantization_activations") != "none" and auto_a8
+        assert qkv.path == ("a8" if a8 else "kernel")
     got, steps = run_staggered(e)
     assert got == want and steps == want_steps == MAX_TOKENS + 2
     # Every step but the two with prefills (the first, and the third where four requests

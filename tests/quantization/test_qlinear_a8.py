@@ -174,7 +174,9 @@ def test_pack_a8_records() -> None:
 def test_activation_modes_resolve_per_layer() -> None:
     qw = _weights(32, 64, 4, 32, True, True)
     f32 = QuantLinear(qw, None, CPU, torch.float32, A8.AUTO)
-    assert not f32.int8_activations  # auto: float32 keeps exact products
+    # auto: float32 keeps exact products beside the VNNI kernel; int4 takes the AVX2 path
+    # without it (qlinear.a8_auto_supports)
+    assert f32.int8_activations is (not _a8_kernel() and _a8_avx2())
     forced = QuantLinear(qw, None, CPU, torch.float32, A8.INT8)  # opt-in: the AVX2 kernel
     assert forced.int8_activations and forced.path == ("a8" if _a8_avx2() else "reference")
     x = torch.randn(3, 64)
@@ -183,7 +185,7 @@ def test_activation_modes_resolve_per_layer() -> None:
     none = QuantLinear(qw, None, CPU, torch.bfloat16, A8.NONE)
     assert not none.int8_activations and none.path != "a8"
     auto = QuantLinear(qw, None, CPU, torch.bfloat16, A8.AUTO)
-    assert auto.path == ("a8" if _a8_kernel() else none.path)
+    assert auto.path == ("a8" if _a8_kernel() or _a8_avx2() else none.path)
     odd = _weights(32, 48, 8, 48, False, True)  # K = 48: not blocks of 32
     assert not QuantLinear(odd, None, CPU, torch.bfloat16, A8.AUTO).int8_activations
     with pytest.raises(ValueError, match="input size 48 is not a multiple of 32"):

@@ -156,3 +156,22 @@ def test_activations_round_half_to_even_as_the_reference(dtype: torch.dtype) -> 
         assert torch.equal(out, want.float().double())
     else:  # bf16 outputs: the same values rounded once
         assert torch.equal(out, want.to(torch.bfloat16).double())
+
+
+@needs_avx2
+@pytest.mark.parametrize(("bits", "group", "zeros", "half"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_takes_int8_for_4bit_codes_without_vnni(
+    bits: int, group: int, zeros: bool, half: bool, dtype: torch.dtype
+) -> None:
+    """auto: int8 activations where they are the faster kernel (a8_auto_supports): bf16 with
+    the VNNI kernel; without it, 4-bit codes on the AVX2 path (byte codes keep the float
+    kernel, which wins from 64 rows there); and the layer runs the path it says."""
+    qw = _weights(80, 512, bits, group, zeros, half)
+    layer = QuantLinear(qw, None, CPU, dtype, QuantizedActivations.AUTO)
+    want_a8 = dtype == torch.bfloat16 if _a8_kernel() else bits == 4
+    assert layer.int8_activations is want_a8
+    assert layer.path == ("a8" if want_a8 else "kernel")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(bits + group)).to(dtype)
+    explicit = QuantLinear(qw, None, CPU, dtype, INT8 if want_a8 else QuantizedActivations.NONE)
+    assert torch.equal(layer(x), explicit(x))
