@@ -73,7 +73,8 @@ class Setting:
     engine: str  # "kvserve", "llamacpp" or "vllm" (benchmarks/moe.py)
     quantization: str | None = None  # kvserve serve --quantization (None: bf16 weights)
     gguf_type: str | None = None  # the GGUF served (llama.cpp; kvserve --quantization gguf)
-    # kvserve --quantization-activations (None: the default, auto: int8 on VNNI CPUs)
+    # kvserve --quantization-activations (None: the default, auto: int8 for bf16 on VNNI
+    # CPUs, for 4-bit codes on AVX2 CPUs without VNNI)
     activations: str | None = None
     lm_head: bool = False  # kvserve --quantization-lm-head (int8, or a GGUF's output type)
     eager: bool = False  # kvserve --enforce-eager (the Python layer loop on decode steps too)
@@ -227,15 +228,25 @@ def setting_weight_bytes(
     return int(body * (bits / 8 + per_group / group) + head_bytes)
 
 
+# Weights whose (most) layers have 4-bit codes: auto's int8 activations on AVX2 without VNNI
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K_M", "Q4_K_S")
+
+
 def int8_dots(setting: Setting, vnni: bool = True) -> bool:
     """Whether the setting's linears run int8 dot products: kvserve's quantized weights with
     int8 activations (asked for, or ``auto``'s choice: bf16 on a CPU with AVX512-VNNI,
-    ``vnni``) and llama.cpp's quantized files (Q8_0 / Q8_K activations)."""
+    ``vnni``; 4-bit codes without it, ``qlinear.a8_auto_supports``) and llama.cpp's quantized
+    files (Q8_0 / Q8_K activations). A Q4_K_M file's Q6_K layers keep float32 under auto on
+    AVX2: the floor takes the file's 4-bit majority."""
     if setting.engine == "llamacpp":
         return setting.gguf_type not in (None, "BF16", "F16", "F32")
     if setting.quantization is None or setting.activations == "none":
         return False
-    return setting.activations == "int8" or (vnni and setting.dtype == "bfloat16")
+    if setting.activations == "int8":
+        return True
+    if vnni:
+        return setting.dtype == "bfloat16"
+    return setting.quantization == "int4" or setting.gguf_type in FOUR_BIT
 
 
 def step_floor_ms(

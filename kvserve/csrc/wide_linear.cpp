@@ -16,8 +16,8 @@
 // 16 output channels with the 16 channels of each k contiguous, so up to kPackedDirectRows
 // rows every call runs register tiles straight on the strips, widening as it loads
 // (wide_packed_avx2.h: 6 rows x 16 channels, the last 1-5 rows over 2-4 strips; 256-K
-// chunks). Every output is one FMA chain along K in k order whatever M: batch-invariant mode
-// takes it at every row count. Above kPackedDirectRows a widened [N, K] copy goes to at::linear.
+// chunks; blocks of kPackedRowBlock rows). Every output is one FMA chain along K in k order
+// whatever M: batch-invariant mode takes it at every row count. Above kPackedDirectRows a widened [N, K] copy goes to at::linear.
 // One 2048 x 2048 bf16 linear, one thread, CPU time (min of 9, loaded 2-core AVX2 EPYC),
 // [N, K] path below -> packed: 8 rows 1.42 -> 1.03 ms; 24: 3.40 -> 2.62; 32: 4.47 -> 3.80;
 // 64: 7.17 -> 6.48; 128: 13.2 -> 13.0 (both near the core's FMA peak there).
@@ -79,15 +79,24 @@ namespace {
 constexpr int64_t kDirectRows = 256;
 // The packed op's float32 rows on its AVX2 tiles before the widened copy to at::linear: the
 // tiles stream the strips as they lie and beat the copy (whose widening pass is ~40% of a
-// call) up to 1024 rows. One N 5632 x K 2048 bf16 layer, 2 threads, Zen 3 kind, min of 3 x
-// 3 (ms, tiles / widened copy / float32 weights in F.linear): 256 rows 37.3 / - / 48.3; 384
-// 61.8 / 93.0 / 65.3; 512 80.8 / 113.8 / 93.1; 1024 179.5 / 217.3 / 182.3; 2048 395.4 /
-// 364.4 / 344.2. (Up to 2048 tokens a step are prefill chunks, max_num_batched_tokens.)
+// call). One N 5632 x K 2048 bf16 layer, 2 threads, Zen 3 kind, min of 3 x 3 (ms, tiles /
+// widened copy / float32 weights in F.linear): 256 rows 37.3 / - / 48.3; 384 61.8 / 93.0 /
+// 65.3; 512 80.8 / 113.8 / 93.1; 1024 179.5 / 217.3 / 182.3; 2048 395.4 / 364.4 / 344.2.
+// Past 512 rows a 256-K chunk of every row's x (1 KB a row) outgrew L2 while 4 strips
+// passed over it, so the tiles now take rows in blocks of kPackedRowBlock, each block a pass
+// over the weights; the same layer, min of 3 rounds alternating with the unblocked build (ms, blocked
+// tiles / unblocked tiles / widened copy / float32 F.linear): 1024 rows 147.0 / 153.9 /
+// - / 163.7; 2048 313.2 / 355.9 / 356.6 / 330.0; 4096 641.2 / 850.5 / 696.6 / 655.6. So
+// the tiles take every prefill chunk up to 8192 rows (max_num_batched_tokens is 2048 by
+// default); the copy is left for more, unmeasured.
 #if defined(KVSERVE_WIDE_AVX2)
-constexpr int64_t kPackedDirectRows = 1024;
+constexpr int64_t kPackedDirectRows = 8192;
 #else
 constexpr int64_t kPackedDirectRows = kDirectRows;  // the scalar sums: at::linear sooner
 #endif
+// Rows per pass of the packed op over the weights: a block's x chunk (512 rows x 256 K x 4
+// bytes = 512 KB) stays in L2 while the panel's strips pass over it.
+constexpr int64_t kPackedRowBlock = 512;
 constexpr int64_t kBlockN = 4;  // output channels that share one pass over a row of x
 
 template <typename W>
@@ -406,12 +415,15 @@ at::Tensor wide_linear_packed(const at::Tensor& x, const at::Tensor& w,
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = xc.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (m > 0) {
+  for (int64_t r0 = 0; r0 < m; r0 += kPackedRowBlock) {
+    const int64_t mb = std::min(kPackedRowBlock, m - r0);
+    const float* xb = xp + r0 * k;
+    float* yb = yp + r0 * n;
     at::parallel_for(0, panel_count(strips), panel_grain(k), [&](int64_t p0, int64_t p1) {
       if (w.scalar_type() == at::kBFloat16) {
-        packed_panels(xp, m, w.const_data_ptr<c10::BFloat16>(), k, yp, n, p0, p1);
+        packed_panels(xb, mb, w.const_data_ptr<c10::BFloat16>(), k, yb, n, p0, p1);
       } else {
-        packed_panels(xp, m, w.const_data_ptr<c10::Half>(), k, yp, n, p0, p1);
+        packed_panels(xb, mb, w.const_data_ptr<c10::Half>(), k, yb, n, p0, p1);
       }
     });
   }

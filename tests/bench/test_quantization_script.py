@@ -136,10 +136,11 @@ def test_weight_bytes_and_floor() -> None:
     int8_dots = {s.key for s in quantization.SETTINGS if quantization.int8_dots(s)}
     assert {"kvserve-int4", "kvserve-gguf-q4_k_m-lmhead", "llamacpp-q4_0"} <= int8_dots
     assert not {"kvserve-bf16", "kvserve-int4-a16", "kvserve-int8-a16"} & int8_dots
-    # without VNNI, auto multiplies float activations; int8 only where asked for
+    # without VNNI, auto takes int8 for 4-bit codes only; 8-bit codes where asked for
     avx2 = {s.key for s in quantization.SETTINGS if quantization.int8_dots(s, vnni=False)}
     assert {"kvserve-gguf-q4_0-lmhead-f32-a8", "kvserve-int4-lmhead-f32-a8"} <= avx2
-    assert not {"kvserve-int4", "kvserve-gguf-q4_0-lmhead-f32", "kvserve-gguf-q4_k_m"} & avx2
+    assert {"kvserve-int4", "kvserve-gguf-q4_0-lmhead-f32", "kvserve-gguf-q4_k_m"} <= avx2
+    assert not {"kvserve-int8", "kvserve-int4-a16", "kvserve-bf16"} & avx2
     assert "kvserve-gguf-q4_0-lmhead-f32" not in int8_dots  # float32: auto is not int8
 
 
