@@ -116,8 +116,9 @@ SETTINGS = (
     Setting(
         "kvserve-gguf-iq4_nl-lmhead-f32", "kvserve", "gguf", "IQ4_NL", lm_head=True, dtype="float32"
     ),
-    # issue 31, AVX2-only CPUs (float32): exact float32 activations (auto there), and int8
-    # activations on the vpmaddubsw kernel (llama.cpp's own Q8_0 x Q4_0 scheme)
+    # issue 31, AVX2-only CPUs (float32): auto (int8 activations for 4-bit codes there,
+    # float32 for byte codes), and int8 activations on every layer, the vpmaddubsw kernel
+    # (llama.cpp's own Q8_0 x Q4_0 scheme)
     Setting("kvserve-gguf-q4_0-lmhead-f32", "kvserve", "gguf", "Q4_0", lm_head=True,
             dtype="float32"),
     Setting("kvserve-gguf-q4_0-lmhead-f32-a8", "kvserve", "gguf", "Q4_0", activations="int8",
@@ -126,6 +127,8 @@ SETTINGS = (
             dtype="float32"),
     Setting("kvserve-gguf-q4_k_m-lmhead-f32-a8", "kvserve", "gguf", "Q4_K_M",
             activations="int8", lm_head=True, dtype="float32"),
+    Setting("kvserve-gguf-q4_k_m-lmhead-f32", "kvserve", "gguf", "Q4_K_M", lm_head=True,
+            dtype="float32"),
 )  # fmt: skip
 BASELINE = "kvserve-bf16"
 PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" column
@@ -145,6 +148,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-gguf-q4_0-lmhead-f32-a8": "llamacpp-q4_0",
     "kvserve-int4-lmhead-f32-a8": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m-lmhead-f32-a8": "llamacpp-q4_k_m",
+    "kvserve-gguf-q4_k_m-lmhead-f32": "llamacpp-q4_k_m",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (

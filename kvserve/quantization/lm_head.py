@@ -135,4 +135,5 @@ def quantize_lm_head(
     model.lm_head = QuantLMHead(layer, vocab)
     trim_heap()
     report.lm_head = how
-    logger.info("quantized the LM head: %s, %.1f MiB", how, nbytes / 2**20)
+    acts = "int8" if layer.int8_activations else "model dtype"
+    logger.info("quantized the LM head: %s, %.1f MiB; activations: %s", how, nbytes / 2**20, acts)

@@ -175,3 +175,15 @@ def test_auto_takes_int8_for_4bit_codes_without_vnni(
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(bits + group)).to(dtype)
     explicit = QuantLinear(qw, None, CPU, dtype, INT8 if want_a8 else QuantizedActivations.NONE)
     assert torch.equal(layer(x), explicit(x))
+
+
+def test_report_says_which_layers_took_int8() -> None:
+    """The load log's activations: every layer, none, or how many (auto on AVX2 leaves byte
+    codes such as a Q4_K_M file's Q6_K layers in float32)."""
+    from kvserve.quantization.apply import QuantReport
+
+    mixed = QuantReport("gguf", layers=155, int8_activations=False, int8_layers=112)
+    assert "activations: int8 in 112 of 155 layers, model dtype in the rest;" in mixed.summary()
+    every = QuantReport("gguf", layers=88, int8_activations=True, int8_layers=88)
+    assert "activations: int8;" in every.summary()
+    assert "activations: model dtype;" in QuantReport("int8", layers=88).summary()
