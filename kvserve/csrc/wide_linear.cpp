@@ -17,7 +17,8 @@
 // rows every call runs register tiles straight on the strips, widening as it loads
 // (wide_packed_avx2.h: 6 rows x 16 channels, the last 1-5 rows over 2-4 strips; 256-K
 // chunks; blocks of kPackedRowBlock rows). Every output is one FMA chain along K in k order
-// whatever M: batch-invariant mode takes it at every row count. Above kPackedDirectRows a widened [N, K] copy goes to at::linear.
+// whatever M: batch-invariant mode takes it at every row count. Above kPackedDirectRows a
+// widened [N, K] copy goes to at::linear.
 // One 2048 x 2048 bf16 linear, one thread, CPU time (min of 9, loaded 2-core AVX2 EPYC),
 // [N, K] path below -> packed: 8 rows 1.42 -> 1.03 ms; 24: 3.40 -> 2.62; 32: 4.47 -> 3.80;
 // 64: 7.17 -> 6.48; 128: 13.2 -> 13.0 (both near the core's FMA peak there).
@@ -84,11 +85,11 @@ constexpr int64_t kDirectRows = 256;
 // 65.3; 512 80.8 / 113.8 / 93.1; 1024 179.5 / 217.3 / 182.3; 2048 395.4 / 364.4 / 344.2.
 // Past 512 rows a 256-K chunk of every row's x (1 KB a row) outgrew L2 while 4 strips
 // passed over it, so the tiles now take rows in blocks of kPackedRowBlock, each block a pass
-// over the weights; the same layer, min of 3 rounds alternating with the unblocked build (ms, blocked
-// tiles / unblocked tiles / widened copy / float32 F.linear): 1024 rows 147.0 / 153.9 /
-// - / 163.7; 2048 313.2 / 355.9 / 356.6 / 330.0; 4096 641.2 / 850.5 / 696.6 / 655.6. So
-// the tiles take every prefill chunk up to 8192 rows (max_num_batched_tokens is 2048 by
-// default); the copy is left for more, unmeasured.
+// over the weights; the same layer, min of 3 rounds alternating with the unblocked build
+// (ms, blocked tiles / unblocked tiles / widened copy / float32 F.linear): 1024 rows 147.0 /
+// 153.9 / - / 163.7; 2048 313.2 / 355.9 / 356.6 / 330.0; 4096 641.2 / 850.5 / 696.6 /
+// 655.6. So the tiles take every prefill chunk up to 8192 rows (max_num_batched_tokens is
+// 2048 by default); the copy is left for more, unmeasured.
 #if defined(KVSERVE_WIDE_AVX2)
 constexpr int64_t kPackedDirectRows = 8192;
 #else

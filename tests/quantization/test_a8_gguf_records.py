@@ -233,6 +233,25 @@ def test_super_records_on_both_kernels() -> None:
         assert (layer.scale_format, layer.code_bits) == (A8Scales.SUPERS, 8)
 
 
+@needs_avx2
+@pytest.mark.parametrize(
+    ("qtype", "avx2_int8"),
+    [(T.Q4_0, True), (T.Q4_K, True), (T.Q5_K, False), (T.Q6_K, False), (T.Q8_0, False),
+     (T.IQ4_NL, False), (T.IQ4_XS, False)],
+)  # fmt: skip
+def test_auto_activations_by_gguf_type(qtype: T, avx2_int8: bool) -> None:
+    """auto on float32 layers (qlinear.a8_auto_supports): without VNNI, int8 for 4-bit codes
+    only (Q5_K / Q6_K / Q8_0 bytes and the table codes keep float32); beside the VNNI kernel,
+    float32 for all."""
+    qw = tensor_to_qweight("w", qtype, k_blocks(qtype, 32, 512, 3), 32, 512)
+    layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.AUTO)
+    want = avx2_int8 and not qlinear._a8_kernel()
+    assert layer.int8_activations is want
+    assert layer.path == ("a8" if want else "kernel")
+    if want and qtype == T.Q4_K:  # the two levels of scales kept on the AVX2 path
+        assert layer.scale_format == A8Scales.SUPERS
+
+
 def per_group_f32_layer(qw: QuantizedWeight) -> QuantLinear:
     """``qw``'s float32-activation layer on per-group float32 records (the AVX2 path's layout
     before super records)."""
