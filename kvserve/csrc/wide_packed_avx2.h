@@ -97,7 +97,7 @@ void micro_packed(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
                   float* acc, int64_t lda, bool prefetch) {
   static_assert(MR >= 1 && NV >= 1 && MR * NV <= 6 && MR <= 6 && NV <= 4);
   KV_PK_TILE(KV_PK_LOAD)
-  if (prefetch) {
+  if (prefetch) {  // two loops: the other passes' loop stays as it was, without the test
     const W* ahead = w + kc * 16;  // past the last chunk: the next strip's first (harmless)
     for (int64_t kk = 0; kk < kc; ++kk) {
       if (kk % kPrefetchStep<W> == 0) {

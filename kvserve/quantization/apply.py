@@ -70,11 +70,16 @@ class QuantReport:
     dense_bytes: int = 0  # the same layers in the model dtype
     errors: dict[str, float] = field(default_factory=dict)  # layer -> ||W - Q(W)|| / ||W||
     kernel: bool = True  # every layer runs the C++ kernel
-    # every layer quantizes its input to int8 (blocks of 32); false if any keeps the dtype
-    int8_activations: bool = False
-    int8_layers: int = 0  # the layers that do (auto on AVX2: the 4-bit ones of a GGUF mix)
+    # the layers that quantize their input to int8 (blocks of 32); auto on AVX2 leaves byte
+    # codes in the model dtype (a Q4_K_M file's Q6_K layers)
+    int8_layers: int = 0
     # the LM head's quantization ("int8", a GGUF type such as "Q6_K"); None: model dtype
     lm_head: str | None = None
+
+    @property
+    def int8_activations(self) -> bool:
+        """Every layer quantizes its input to int8; false if any keeps the dtype."""
+        return self.layers > 0 and self.int8_layers == self.layers
 
     def activations(self) -> str:
         """What the layers multiply their weights with, for the load log."""
@@ -211,8 +216,6 @@ def count_layer(
     report: QuantReport, weight: torch.Tensor, layer: QuantLinear, error: float | None, name: str
 ) -> None:
     """Count ``layer`` (``weight``: the dense layer's, for its shape and size) in ``report``."""
-    first = report.layers == 0
-    report.int8_activations = layer.int8_activations and (first or report.int8_activations)
     report.int8_layers += int(layer.int8_activations)
     if error is not None:
         report.errors[name] = error

@@ -182,8 +182,8 @@ def test_report_says_which_layers_took_int8() -> None:
     codes such as a Q4_K_M file's Q6_K layers in float32)."""
     from kvserve.quantization.apply import QuantReport
 
-    mixed = QuantReport("gguf", layers=155, int8_activations=False, int8_layers=112)
+    mixed = QuantReport("gguf", layers=155, int8_layers=112)
     assert "activations: int8 in 112 of 155 layers, model dtype in the rest;" in mixed.summary()
-    every = QuantReport("gguf", layers=88, int8_activations=True, int8_layers=88)
+    every = QuantReport("gguf", layers=88, int8_layers=88)
     assert "activations: int8;" in every.summary()
     assert "activations: model dtype;" in QuantReport("int8", layers=88).summary()
