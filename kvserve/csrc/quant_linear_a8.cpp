@@ -60,6 +60,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -460,6 +461,10 @@ void a8_run(const A8Args& a, const A8Rows& rows, int64_t m, c10::BFloat16* out) 
 
 constexpr int64_t kTableCodes = 4;  // scale_format's bit: 4-bit indices into a table
 constexpr int64_t kTableBytes = 64;  // the trailer holding the table (16 bytes used)
+// scale_format's bit: int8 codes that span 6 bits, c + offset in [0, 63] (offset is then that
+// o; the records still hold c + 128). The AVX2 path reads them without the sign trick
+// (quant_linear_a8_avx2.h); the VNNI kernel reads them as any int8 codes.
+constexpr int64_t kNarrowCodes = 8;
 
 void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t bits,
                      int64_t group, int64_t offset, int64_t scale_format, bool has_zeros) {
@@ -475,10 +480,15 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && (group == 16 || group % 32 == 0) && k % group == 0,
               "quant_linear_a8: N must be a multiple of 16, K of 32, g 16 or a multiple of 32");
   const bool tabled = (scale_format & kTableCodes) != 0;
-  scale_format &= ~kTableCodes;
+  const bool narrow = (scale_format & kNarrowCodes) != 0;
+  scale_format &= ~(kTableCodes | kNarrowCodes);
+  TORCH_CHECK(!narrow || (bits == 8 && !tabled && offset >= 0 && offset <= 63),
+              "quant_linear_a8: narrow codes are int8 codes with an offset in [0, 63]");
+  const int64_t narrow_offset = narrow ? offset : -1;
+  if (narrow) offset = 128;  // what the records hold
   TORCH_CHECK(scale_format >= 0 && scale_format <= 2,
               "quant_linear_a8: scale_format is 0 (float32), 1 (float16) or 2 (super-blocks), "
-              "plus 4 for table codes");
+              "plus 4 for table codes, plus 8 for narrow int8 codes");
   const bool half_scales = scale_format == 1, supers = scale_format == 2;
   TORCH_CHECK(!tabled || (bits == 4 && !supers),
               "quant_linear_a8: table codes are 4-bit indices with per-group records");
@@ -535,7 +545,7 @@ void quant_linear_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   if (m == 0) return;
   A8Avx2Args a{packed.data_ptr<uint8_t>(), half_scales, has_zeros, n, k,
                static_cast<float>(offset), zg, scale_bytes, record, bpr, supers, header,
-               sc_at, m_at};
+               sc_at, m_at, static_cast<int32_t>(narrow_offset)};
   if (bf16) {
     quant_linear_a8_avx2(a, bits, group == 16, x.data_ptr<c10::BFloat16>(), m,
                          out.data_ptr<c10::BFloat16>());

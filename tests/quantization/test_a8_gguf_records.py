@@ -19,6 +19,7 @@ from kvserve.quantization.gguf_blocks import LAYOUTS
 from kvserve.quantization.gguf_weights import _unpermute, tensor_to_qweight
 from kvserve.quantization.lm_head import pad_rows
 from kvserve.quantization.qlinear import (
+    A8_NARROW,
     A8Scales,
     QuantLinear,
     a8_code_bits,
@@ -229,27 +230,30 @@ def test_super_records_on_both_kernels() -> None:
     q4 = tensor_to_qweight("w", T.Q4_0, k_blocks(T.Q4_0, 32, 512, 0), 32, 512)
     assert a8_scale_format(q4) is A8Scales.FLOAT16
     layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.INT8)
-    if layer.path == "a8":  # the AVX2 int8 path: 8-bit codes (no bit planes) in super records
-        assert (layer.scale_format, layer.code_bits) == (A8Scales.SUPERS, 8)
+    if layer.path == "a8":  # the AVX2 int8 path: 8-bit codes (no bit planes) in super records,
+        # read as 6-bit ones (c + 32 in [0, 63]: no sign trick)
+        assert (layer.scale_format, layer.code_bits) == (A8Scales.SUPERS | A8_NARROW, 8)
+        assert layer.offset == 32
 
 
 @needs_avx2
 @pytest.mark.parametrize(
     ("qtype", "avx2_int8"),
-    [(T.Q4_0, True), (T.Q4_K, True), (T.Q5_K, False), (T.Q6_K, False), (T.Q8_0, False),
-     (T.IQ4_NL, False), (T.IQ4_XS, False)],
+    [(T.Q4_0, True), (T.Q4_K, True), (T.Q5_0, True), (T.Q5_K, True), (T.Q6_K, True),
+     (T.Q8_0, False), (T.IQ4_NL, False), (T.IQ4_XS, False)],
 )  # fmt: skip
 def test_auto_activations_by_gguf_type(qtype: T, avx2_int8: bool) -> None:
     """auto on float32 layers (qlinear.a8_auto_supports): without VNNI, int8 for 4-bit codes
-    only (Q5_K / Q6_K / Q8_0 bytes and the table codes keep float32); beside the VNNI kernel,
-    float32 for all."""
+    and byte codes that span 6 bits (Q5_0, Q5_K, Q6_K: narrow, no sign trick); Q8_0's full
+    bytes and the table codes keep float32; beside the VNNI kernel, float32 for all."""
     qw = tensor_to_qweight("w", qtype, k_blocks(qtype, 32, 512, 3), 32, 512)
     layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.AUTO)
     want = avx2_int8 and not qlinear._a8_kernel()
     assert layer.int8_activations is want
     assert layer.path == ("a8" if want else "kernel")
-    if want and qtype == T.Q4_K:  # the two levels of scales kept on the AVX2 path
-        assert layer.scale_format == A8Scales.SUPERS
+    if want and qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # the two levels of scales kept on AVX2
+        assert layer.scale_format & ~A8_NARROW == A8Scales.SUPERS
+    assert bool(layer.scale_format & A8_NARROW) is (want and qtype != T.Q4_0 and qtype != T.Q4_K)
 
 
 def per_group_f32_layer(qw: QuantizedWeight) -> QuantLinear:
@@ -269,11 +273,14 @@ def test_avx2_super_records_against_per_group_records(qtype: T, rows: int) -> No
     records' outputs bit for bit: d * sc and -(dmin * m) computed as gguf does, each group's
     zero term before its block. In fewer bytes (Q4_K: 4.6 bits a weight instead of 6; the
     8-bit codes of Q2_K, Q3_K, Q5_K, Q6_K and IQ4_XS's levels 8.6 instead of 10). N = 96 and
-    80; 1-70 rows: 4-row passes and their 1-3-row tails (one block of rows: 256 at K = 512)."""
+    80; 1-70 rows: 4-row passes (2-row for Q5_K's and Q6_K's narrow codes) and their tails
+    (one block of rows: 256 at K = 512)."""
     for n in (96, 80):
         qw = k_weight(qtype, n=n, seed=rows)
         new = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.INT8)
-        assert (new.path, new.scale_format) == ("a8", A8Scales.SUPERS)
+        assert (new.path, new.scale_format & ~A8_NARROW) == ("a8", A8Scales.SUPERS)
+        # Q5_K and Q6_K read as 6-bit codes; the per-group layer below takes the sign trick
+        assert bool(new.scale_format & A8_NARROW) is (qtype in (T.Q5_K, T.Q6_K))
         old = per_group_f32_layer(qw)
         assert new.nbytes < old.codes.numel()
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(n))

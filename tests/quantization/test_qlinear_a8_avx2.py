@@ -9,6 +9,7 @@ import torch
 
 from kvserve.config import QuantizedActivations
 from kvserve.quantization.qlinear import (
+    A8_NARROW,
     QuantLinear,
     _a8_avx2,
     _a8_kernel,
@@ -115,6 +116,73 @@ def test_integer_inputs_give_exact_products(bits: int, zeros: bool) -> None:
     assert torch.equal(out.double(), x.double() @ w.t())
 
 
+# int8 codes that span 6 bits: GGUF Q6_K (q - 32, g 16), Q5_K (q in [0, 31], zeros), Q5_0
+# (q - 16), and [0, 63] (the widest span, zeros): lo, hi (exclusive), group, zeros, offset
+NARROW = [(-32, 32, 16, False, 32), (0, 32, 32, True, 32), (-16, 16, 32, False, 32),
+          (0, 64, 16, True, 0)]  # fmt: skip
+
+
+def _narrow_weights(lo: int, hi: int, group: int, zeros: bool, n: int = 80) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(n + lo + group)
+    codes = torch.randint(lo, hi, (n, 512), generator=g).to(torch.int8)
+    codes[:, :4], codes[:, 4:8] = lo, hi - 1  # both ends of the span in every channel
+    scales = torch.rand(n, 512 // group, generator=g) * 0.02 + 0.001
+    z = torch.randn(n, 512 // group, generator=g) * 0.05 if zeros else None
+    return QuantizedWeight(codes, scales, z, 8, group)
+
+
+def _sign_trick(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The same records through the full-range int8 path (offset 128, vpsignb)."""
+    out = x.new_empty(x.shape[0], layer.out_features)
+    torch.ops.kvserve.quant_linear_a8(out, x, layer.codes, 8, layer.group_size, 128,
+                                      layer.scale_format & ~A8_NARROW, layer.has_zeros)  # fmt: skip
+    return out
+
+
+@needs_avx2
+@pytest.mark.parametrize(("lo", "hi", "group", "zeros", "offset"), NARROW)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_codes_equal_the_sign_trick_exactly(
+    lo: int, hi: int, group: int, zeros: bool, offset: int, dtype: torch.dtype
+) -> None:
+    """Codes within 6 bits run as c + o, vpmaddubsw's unsigned operand, with o * sum(q) taken
+    off each block's int32 sum: the same exact integers as the sign trick's, so the same
+    outputs bit for bit, for 1-9 rows (2-row passes and a 1-row tail) and N = 80 and 208."""
+    if dtype == torch.bfloat16 and _a8_kernel():
+        pytest.skip("bf16 runs on the VNNI kernel here (it reads the same records as int8)")
+    for n in (80, 208):
+        qw = _narrow_weights(lo, hi, group, zeros, n)
+        layer = QuantLinear(qw, None, CPU, dtype, INT8)
+        assert (layer.path, layer.offset) == ("a8", offset)
+        assert layer.scale_format & A8_NARROW
+        for rows in (1, 2, 3, 9):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            out = layer(x)
+            assert torch.equal(out, _sign_trick(layer, x))
+            exact = _exact(x, qw)
+            bound = 1e-5 * float(exact.abs().max()) + (
+                exact.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0.0
+            )
+            assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+@needs_avx2
+def test_narrow_integer_inputs_give_exact_products() -> None:
+    """Unit scales, x at +-127 in every block (d = 1): the narrow path's int16 pairs of quads
+    at their largest (c + o = 63 times 127, four times) stay exact."""
+    n, k, rows = 32, 128, 3
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(-32, 32, (n, k), generator=g).to(torch.int8)
+    codes[:, :16] = 31  # c + 32 = 63: 4 * 63 * 127 = 32004 in one int16 sum
+    qw = QuantizedWeight(codes, torch.ones(n, k // 16), None, 8, 16)
+    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x[:, :16] = 127.0
+    x[:, 16::32] = -127.0
+    layer = QuantLinear(qw, None, CPU, torch.float32, INT8)
+    assert (layer.scale_format & A8_NARROW, layer.offset) == (A8_NARROW, 32)
+    assert torch.equal(layer(x).double(), x.double() @ codes.double().t())
+
+
 @needs_avx2
 @pytest.mark.parametrize(
     ("bits", "group", "zeros", "half"), [(8, 32, False, True), (4, 32, True, True)]
@@ -165,8 +233,8 @@ def test_auto_takes_int8_for_4bit_codes_without_vnni(
     bits: int, group: int, zeros: bool, half: bool, dtype: torch.dtype
 ) -> None:
     """auto: int8 activations where they are the faster kernel (a8_auto_supports): bf16 with
-    the VNNI kernel; without it, 4-bit codes on the AVX2 path (byte codes keep the float
-    kernel, which wins from 64 rows there); and the layer runs the path it says."""
+    the VNNI kernel; without it, 4-bit codes on the AVX2 path (full-range byte codes keep the
+    float kernel, which wins from 64 rows there); and the layer runs the path it says."""
     qw = _weights(80, 512, bits, group, zeros, half)
     layer = QuantLinear(qw, None, CPU, dtype, QuantizedActivations.AUTO)
     want_a8 = dtype == torch.bfloat16 if _a8_kernel() else bits == 4
@@ -177,9 +245,21 @@ def test_auto_takes_int8_for_4bit_codes_without_vnni(
     assert torch.equal(layer(x), explicit(x))
 
 
+@needs_avx2
+@pytest.mark.parametrize(("lo", "hi", "group", "zeros", "offset"), NARROW[:2])
+def test_auto_takes_int8_for_narrow_byte_codes_without_vnni(
+    lo: int, hi: int, group: int, zeros: bool, offset: int
+) -> None:
+    """Q6_K- and Q5_K-like byte codes: int8 activations under auto on float32 without VNNI
+    (their narrow path beat the float32 kernel at 1 to 64 rows), float32 beside VNNI."""
+    qw = _narrow_weights(lo, hi, group, zeros)
+    layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.AUTO)
+    assert layer.int8_activations is not _a8_kernel()
+
+
 def test_report_says_which_layers_took_int8() -> None:
-    """The load log's activations: every layer, none, or how many (auto on AVX2 leaves byte
-    codes such as a Q4_K_M file's Q6_K layers in float32)."""
+    """The load log's activations: every layer, none, or how many (auto on AVX2 leaves
+    full-range byte codes, such as a Q8_0 LM head, in float32)."""
     from kvserve.quantization.apply import QuantReport
 
     mixed = QuantReport("gguf", layers=155, int8_layers=112)
