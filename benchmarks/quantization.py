@@ -116,9 +116,9 @@ SETTINGS = (
     Setting(
         "kvserve-gguf-iq4_nl-lmhead-f32", "kvserve", "gguf", "IQ4_NL", lm_head=True, dtype="float32"
     ),
-    # issue 31, AVX2-only CPUs (float32): auto (int8 activations for 4-bit codes there,
-    # float32 for byte codes), and int8 activations on every layer, the vpmaddubsw kernel
-    # (llama.cpp's own Q8_0 x Q4_0 scheme)
+    # issue 31, AVX2-only CPUs (float32): auto (int8 activations for 4-bit codes and Q5/Q6
+    # bytes there, float32 for full-range bytes), and int8 activations on every layer, the
+    # vpmaddubsw kernel (llama.cpp's own Q8_0 x Q4_0 scheme)
     Setting("kvserve-gguf-q4_0-lmhead-f32", "kvserve", "gguf", "Q4_0", lm_head=True,
             dtype="float32"),
     Setting("kvserve-gguf-q4_0-lmhead-f32-a8", "kvserve", "gguf", "Q4_0", activations="int8",
@@ -128,6 +128,8 @@ SETTINGS = (
     Setting("kvserve-gguf-q4_k_m-lmhead-f32-a8", "kvserve", "gguf", "Q4_K_M",
             activations="int8", lm_head=True, dtype="float32"),
     Setting("kvserve-gguf-q4_k_m-lmhead-f32", "kvserve", "gguf", "Q4_K_M", lm_head=True,
+            dtype="float32"),
+    Setting("kvserve-gguf-q5_k_m-lmhead-f32", "kvserve", "gguf", "Q5_K_M", lm_head=True,
             dtype="float32"),
 )  # fmt: skip
 BASELINE = "kvserve-bf16"
@@ -149,6 +151,7 @@ PEER_OF = {  # llama.cpp's setting of the same bits, for the "x llama.cpp" colum
     "kvserve-int4-lmhead-f32-a8": "llamacpp-q4_0",
     "kvserve-gguf-q4_k_m-lmhead-f32-a8": "llamacpp-q4_k_m",
     "kvserve-gguf-q4_k_m-lmhead-f32": "llamacpp-q4_k_m",
+    "kvserve-gguf-q5_k_m-lmhead-f32": "llamacpp-q5_k_m",
 }  # fmt: skip
 # The issue's targets: (numerator, denominator, concurrency, least ratio of output tok/s).
 TARGETS = (
@@ -233,15 +236,16 @@ def setting_weight_bytes(
 
 
 # Weights whose (most) layers have 4-bit codes: auto's int8 activations on AVX2 without VNNI
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K_M", "Q4_K_S")
+# GGUF types whose layers all take int8 activations under auto on AVX2 (4-bit codes, and the
+# Q5/Q6 bytes within 6 bits beside them: qlinear.a8_auto_supports)
+AVX2_AUTO_INT8 = ("Q4_0", "Q4_1", "Q4_K_M", "Q4_K_S", "Q5_0", "Q5_1", "Q5_K_M", "Q5_K_S", "Q6_K")
 
 
 def int8_dots(setting: Setting, vnni: bool = True) -> bool:
     """Whether the setting's linears run int8 dot products: kvserve's quantized weights with
     int8 activations (asked for, or ``auto``'s choice: bf16 on a CPU with AVX512-VNNI,
-    ``vnni``; 4-bit codes without it, ``qlinear.a8_auto_supports``) and llama.cpp's quantized
-    files (Q8_0 / Q8_K activations). A Q4_K_M file's Q6_K layers keep float32 under auto on
-    AVX2: the floor takes the file's 4-bit majority."""
+    ``vnni``; 4-bit codes and Q5/Q6 bytes without it, ``qlinear.a8_auto_supports``) and
+    llama.cpp's quantized files (Q8_0 / Q8_K activations)."""
     if setting.engine == "llamacpp":
         return setting.gguf_type not in (None, "BF16", "F16", "F32")
     if setting.quantization is None or setting.activations == "none":
@@ -250,7 +254,7 @@ def int8_dots(setting: Setting, vnni: bool = True) -> bool:
         return True
     if vnni:
         return setting.dtype == "bfloat16"
-    return setting.quantization == "int4" or setting.gguf_type in FOUR_BIT
+    return setting.quantization == "int4" or setting.gguf_type in AVX2_AUTO_INT8
 
 
 def step_floor_ms(

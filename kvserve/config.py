@@ -188,7 +188,8 @@ class QuantizedActivations(enum.Enum):
     """What quantized linear layers multiply their weights with (``--quantization-activations``)."""
 
     # int8 where it is the faster kernel (a bf16 model on a CPU with AVX512-VNNI; 4-bit codes
-    # on an AVX2 CPU without VNNI: qlinear.a8_auto_supports), else the dtype
+    # and byte codes within 6 bits on an AVX2 CPU without VNNI: qlinear.a8_auto_supports),
+    # else the dtype
     AUTO = "auto"
     # x quantized per row in blocks of 32 (int8, a float scale each: llama.cpp's Q8_0), then
     # integer dot products (VNNI for bf16; AVX2 vpmaddubsw for float32 and bf16); without a

@@ -211,8 +211,8 @@ class EngineArgFields:
         "32 (a scale each, as llama.cpp does) and multiplies with integer dot products "
         "(AVX512-VNNI for bf16; AVX2 vpmaddubsw for float32, and for bf16 without VNNI); none "
         "keeps --dtype (exact products with the dequantized weights); auto is int8 where it is "
-        "the faster kernel (bf16 on a CPU with VNNI; 4-bit codes on an AVX2 CPU without "
-        "VNNI), else none",
+        "the faster kernel (bf16 on a CPU with VNNI; 4-bit codes and GGUF Q5/Q6 codes on an "
+        "AVX2 CPU without VNNI), else none",
         choices=("auto", "int8", "none"),
     )  # fmt: skip
     quantization_lm_head: bool | None = _opt(
