@@ -112,8 +112,7 @@ def cpu_paths() -> dict[str, Any]:
         paths["quant_int8_activations_isa"] = str(isa()) if isa is not None else "none"
         # which layers auto gives int8 activations (qlinear.a8_auto_supports)
         avx2 = paths["quant_int8_activations_isa"] == "avx2"
-        paths["quant_int8_activations_auto"] = (
-            "bf16 layers (VNNI)" if _a8_kernel() else "4-bit and Q5/Q6 codes (AVX2)" if avx2 else "none"
-        )
+        auto = "4-bit and Q5/Q6 codes (AVX2)" if avx2 else "none"
+        paths["quant_int8_activations_auto"] = "bf16 layers (VNNI)" if _a8_kernel() else auto
         paths["wide_linear"] = str(torch.ops.kvserve.wide_linear_isa())
     return paths
