@@ -22,7 +22,8 @@ def test_q6_k_layer_gets_its_narrow_and_sign_paths(
     path = tmp_path / "two.gguf"
     writer = GGUFWriter(str(path), "llama")
     for name, qtype in (("output.weight", T.Q6_K), ("blk.0.ffn_up.weight", T.Q4_K)):
-        writer.add_tensor(name, k_blocks(qtype, 32, 512, 1), raw_shape=(32, 512), raw_dtype=qtype)
+        blocks = k_blocks(qtype, 32, 512, 1)  # [32 * 2, bytes per block]
+        writer.add_tensor(name, blocks.reshape(32, -1), raw_dtype=qtype)  # 32 rows of 512
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
