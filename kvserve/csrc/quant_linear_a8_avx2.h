@@ -97,8 +97,9 @@ inline int32_t hsum8_epi32(__m256i v) {
 }
 
 // Rows r0..r1 of x [M, K] (float32 or bf16) into int8 blocks of 32: q [M, K], d [M, K / 32],
-// xs [M, K / zg] (sum of d * q per zgroup), qs [M, K / 16] (sum of q per 16, exact). The reference computes the same float32 values:
-// inv = 127 / max|x| (a division), x * inv (one float32 product), rounded half to even
+// xs [M, K / zg] (sum of d * q per zgroup), qs [M, K / 16] (sum of q per 16, exact). The
+// reference computes the same float32 values: inv = 127 / max|x| (a division), x * inv (one
+// float32 product), rounded half to even
 // (vcvtps2dq under the default rounding mode, as std::nearbyint). 8-wide: the scalar loop
 // took 0.65 of 7.7 ms of a 64-row int4 call at N 5632, K 2048 (2 threads).
 template <typename T>
@@ -155,8 +156,9 @@ inline void a8_block_avx2(const uint8_t* codes, int h, const int8_t* const* q, _
       const __m256i u1 =
           _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)), base);
       for (int r = 0; r < MR; ++r) {
-        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4_avx2(q[r] + 4 * t)),
-                                             _mm256_maddubs_epi16(u1, bcast4_avx2(q[r] + 4 * t + 4)));
+        const __m256i p0 = _mm256_maddubs_epi16(u0, bcast4_avx2(q[r] + 4 * t));
+        const __m256i p1 = _mm256_maddubs_epi16(u1, bcast4_avx2(q[r] + 4 * t + 4));
+        const __m256i p16 = _mm256_add_epi16(p0, p1);
         const __m256i p = _mm256_madd_epi16(p16, ones);
         if (t < 4) {
           lo[r] = _mm256_add_epi32(lo[r], p);
