@@ -139,6 +139,14 @@ void quantize_rows_avx2(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t z
   }
 }
 
+// !SPLIT: the block's two 16-k sums as one, in lo.
+template <int MR, bool SPLIT>
+inline void fold_halves(__m256i lo[MR], const __m256i hi[MR]) {
+  if constexpr (!SPLIT) {
+    for (int r = 0; r < MR; ++r) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
+  }
+}
+
 // One block of 32 for MR rows and one 8-channel half h of a vector: the int32 sums of the
 // block's first and second 16 k (lo, hi), or their total in lo when !SPLIT.
 // NARROW: the codes span 6 bits and `base` (128 - o in every byte) takes u to c + o; the sums
@@ -159,17 +167,11 @@ inline void a8_block_avx2(const uint8_t* codes, int h, const int8_t* const* q, _
         const __m256i p0 = _mm256_maddubs_epi16(u0, bcast4_avx2(q[r] + 4 * t));
         const __m256i p1 = _mm256_maddubs_epi16(u1, bcast4_avx2(q[r] + 4 * t + 4));
         const __m256i p16 = _mm256_add_epi16(p0, p1);
-        const __m256i p = _mm256_madd_epi16(p16, ones);
-        if (t < 4) {
-          lo[r] = _mm256_add_epi32(lo[r], p);
-        } else {
-          hi[r] = _mm256_add_epi32(hi[r], p);
-        }
+        __m256i& sum = t < 4 ? lo[r] : hi[r];  // the first 16 k's chain or the second's
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, ones));
       }
     }
-    if constexpr (!SPLIT) {
-      for (int r = 0; r < MR; ++r) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
-    }
+    fold_halves<MR, SPLIT>(lo, hi);
   } else if constexpr (INT4) {
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256i a16[MR], b16[MR];
@@ -207,16 +209,11 @@ inline void a8_block_avx2(const uint8_t* codes, int h, const int8_t* const* q, _
         const __m256i sq = _mm256_sign_epi8(bcast4_avx2(q[r] + 4 * t), c);
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, sq), ones);
         // two chains (first and second 16 k): half the dependent latency of one
-        if (t < 4) {
-          lo[r] = _mm256_add_epi32(lo[r], p);
-        } else {
-          hi[r] = _mm256_add_epi32(hi[r], p);
-        }
+        __m256i& sum = t < 4 ? lo[r] : hi[r];
+        sum = _mm256_add_epi32(sum, p);
       }
     }
-    if constexpr (!SPLIT) {
-      for (int r = 0; r < MR; ++r) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
-    }
+    fold_halves<MR, SPLIT>(lo, hi);
   }
 }
 
