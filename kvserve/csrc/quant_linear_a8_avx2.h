@@ -267,6 +267,8 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   for (int r = 0; r < MR; ++r) qr[r] = q + (r0 + r) * a.k;
   __m256 total[MR][2];
   for (int r = 0; r < MR; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  // NARROW: u - (128 - o) = c + o in every byte
+  const __m256i base = _mm256_set1_epi8(static_cast<char>(128 - (NARROW ? a.narrow : 0)));
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* hdr = w + rec * a.record;
     __m256 s[2][2];  // [group half (g = 16)][channel half]
@@ -327,7 +329,6 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
           off_hi[r] = _mm256_set1_epi32(a.narrow * s16[1]);
         }
       }
-      const __m256i base = _mm256_set1_epi8(static_cast<char>(128 - (NARROW ? a.narrow : 0)));
       for (int h = 0; h < 2; ++h) {
         __m256i lo[MR], hi[MR];
         a8_block_avx2<MR, INT4, HALVES, NARROW>(codes, h, qb, lo, hi, base);

@@ -200,12 +200,9 @@ A8_NARROW = 8
 
 
 def a8_narrow_offset(qw: QuantizedWeight) -> int | None:
-    """``A8_NARROW``'s offset for ``qw``'s int8 codes, or None where they span more than 6 bits,
-    are not int8, or take at most 16 values (MXFP4's table codes: 4 bits a weight on the
-    float32 kernel, not the 8 that int8 records stream)."""
-    if qw.bits != 8 or a8_table(qw) is not None:
-        return None
-    return plane_offset(qw.codes, 6)
+    """``A8_NARROW``'s offset for ``qw``'s int8 codes, or None where they span more than 6 bits
+    or are not int8 (a min and a max: 0.3 ms for 11.5M codes)."""
+    return plane_offset(qw.codes, 6) if qw.bits == 8 else None
 
 
 def a8_scale_dtype(qw: QuantizedWeight) -> torch.dtype:
@@ -376,15 +373,19 @@ def a8_auto_supports(qw: QuantizedWeight, device: torch.device, dtype: torch.dty
       byte codes that span 6 bits (Q5_0/Q5_1/Q5_K/Q6_K, ``a8_narrow_offset``: no sign trick).
       TinyLlama's Q6_K layers (Q4_K_M file), 2 threads, Zen 3: ffn_down 0.21 / 1.16 / 9.3 ms
       at 1 / 8 / 64 rows against float32's 0.39 / 2.2 / 10.0, the LM head 2.0 / 8.2 / 53
-      against 2.7 / 14.3 / 58. Full-range int8 codes (int8, Q8_0) and table codes keep
-      float32 there: their sign trick loses to the float32 tiles from 64 rows.
+      against 2.7 / 14.3 / 58. Full-range int8 codes (int8, Q8_0) keep float32 there (their
+      sign trick loses to the float32 tiles from 64 rows), and so do table codes.
     A VNNI machine's float32 layers keep float32 activations (its AVX-512 float kernels)."""
     if device.type != "cpu" or not _a8_shape_ok(qw):
         return False
     if _a8_kernel():
         return dtype == torch.bfloat16
     avx2 = dtype in (torch.float32, torch.bfloat16) and _a8_avx2()
-    return avx2 and (a8_code_bits(qw, vnni=False) == 4 or a8_narrow_offset(qw) is not None)
+    if not avx2 or a8_code_bits(qw, vnni=False) == 4:
+        return avx2
+    # narrow bytes, but not table codes (MXFP4: 4 bits a weight on the float32 kernel against
+    # the 8 int8 records stream); the table's count (6 ms for 11.5M codes) only for narrow ones
+    return a8_narrow_offset(qw) is not None and a8_table(qw) is None
 
 
 @functools.cache
