@@ -75,69 +75,7 @@ inline __m256i bcast4_avx2(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// 8 values of x at p as float32 (bf16 widened exactly: its bits shifted up by 16).
-inline __m256 load8_x(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_x(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline int32_t hsum8_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// Rows r0..r1 of x [M, K] (float32 or bf16) into int8 blocks of 32: q [M, K], d [M, K / 32],
-// xs [M, K / zg] (sum of d * q per zgroup), qs [M, K / 16] (sum of q per 16, exact). The
-// reference computes the same float32 values: inv = 127 / max|x| (a division), x * inv (one
-// float32 product), rounded half to even
-// (vcvtps2dq under the default rounding mode, as std::nearbyint). 8-wide: the scalar loop
-// took 0.65 of 7.7 ms of a 64-row int4 call at N 5632, K 2048 (2 threads).
-template <typename T>
-void quantize_rows_avx2(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t zg, int8_t* q,
-                        float* d, float* xs, int32_t* qs) {
-  const int64_t nb = k / 32, nz = k / zg;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lanes
-  for (int64_t r = r0; r < r1; ++r) {
-    std::fill(xs + r * nz, xs + (r + 1) * nz, 0.0f);
-    for (int64_t b = 0; b < nb; ++b) {
-      const T* xb = x + r * k + b * 32;
-      __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = load8_x(xb + 8 * j);
-      __m256 mx = _mm256_and_ps(v[0], abs_mask);
-      for (int j = 1; j < 4; ++j) mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], abs_mask));
-      const float amax = hmax8(mx);
-      const float dd = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m256 vinv = _mm256_set1_ps(inv);
-      __m256i iv[4];
-      for (int j = 0; j < 4; ++j) iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
-      const __m256i w16 = _mm256_packs_epi32(iv[0], iv[1]), x16 = _mm256_packs_epi32(iv[2], iv[3]);
-      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * k + b * 32), b8);
-      const int32_t s0 = hsum8_epi32(_mm256_add_epi32(iv[0], iv[1]));
-      const int32_t s1 = hsum8_epi32(_mm256_add_epi32(iv[2], iv[3]));
-      d[r * nb + b] = dd;
-      qs[r * 2 * nb + 2 * b] = s0;
-      qs[r * 2 * nb + 2 * b + 1] = s1;
-      if (zg == 16) {
-        xs[r * nz + 2 * b] = dd * static_cast<float>(s0);
-        xs[r * nz + 2 * b + 1] = dd * static_cast<float>(s1);
-      } else {
-        xs[r * nz + b * 32 / zg] += dd * static_cast<float>(s0 + s1);
-      }
-    }
-  }
-}
+#include "a8_activations_avx2.h"  // quantize_rows_avx2
 
 // !SPLIT: the block's two 16-k sums as one, in lo.
 template <int MR, bool SPLIT>
@@ -252,16 +190,61 @@ inline void a8_block_int4_both(const uint8_t* codes, const int8_t* const* q, __m
   }
 }
 
-// out[MR rows][16 channels of vector vec]: rows r0.. of (q, d, xs).
-template <int MR, bool INT4, bool HALVES, bool NARROW>
+// One slot's group scales s and zero terms z' = z - o * s (int4's stored nibbles are c + o) as
+// float32, [group half gh][channel half h]: the record at hdr, its block i (super records).
+// Always inlined: called, it kept s and z in memory (the 1-row Q4_K call 1.25x slower).
+template <bool INT4, bool HALVES>
+__attribute__((always_inline)) inline void a8_slot_avx2(const A8Avx2Args& a, const uint8_t* hdr,
+                                                        int64_t i, __m256 s[2][2], __m256 z[2][2]) {
+  const int64_t elt = a.half_scales ? 2 : 4;
+  const float off = INT4 ? a.offset : 0.0f;
+  const bool zero_term = a.zeros || (INT4 && a.offset != 0.0f);
+  for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
+    for (int h = 0; h < 2; ++h) {
+      z[gh][h] = _mm256_setzero_ps();
+      if (a.supers) {
+        const int64_t gi = HALVES ? 2 * i + gh : i;  // the group in the super-block
+        s[gh][h] = _mm256_mul_ps(load8_a8(true, hdr + h * 16),
+                                 load8_i8(hdr + a.sc_at + gi * 16 + h * 8));
+        if (a.zeros) {
+          z[gh][h] = negate8(_mm256_mul_ps(load8_a8(true, hdr + 32 + h * 16),
+                                           load8_i8(hdr + a.m_at + gi * 16 + h * 8)));
+        }
+      } else {
+        const uint8_t* sp = hdr + (gh * 16 + h * 8) * elt;
+        s[gh][h] = load8_a8(a.half_scales, sp);
+        if (a.zeros) z[gh][h] = load8_a8(a.half_scales, sp + a.scale_bytes);
+      }
+      if (zero_term) z[gh][h] = _mm256_fnmadd_ps(_mm256_set1_ps(off), s[gh][h], z[gh][h]);
+    }
+  }
+}
+
+// Floats per scale slot in a vector's cache (sz): s and z' of a8_slot_avx2, [gh][h][s, z'][8].
+constexpr int64_t kSlotFloats = 2 * 2 * 2 * 8;
+
+// The scale slots of a vector: one per record of per-group records (a group, or a block of two
+// g = 16 groups), one per block of 32 for super records.
+inline int64_t a8_scale_slots(const A8Avx2Args& a) {
+  const int64_t nb = a.k / 32;
+  return a.supers ? nb : nb / a.blocks_per_record;
+}
+
+// out [MR rows][16 channels of vector vec] (acc): rows r0.. of (q, d, xs) times the vector's
+// codes. The scales come from the records (SCALES_FROM_RECORDS: decoded and written to the
+// vector's cache sz [slots][kSlotFloats], the first MR rows) or from sz (the rest). Decoded for
+// every MR rows they took 41% of a 64-row Q4_K call's kernel time (TinyLlama's ffn_up, 1
+// thread, Zen 3, perf annotate) against 40% in the int8 products; read back they make the call
+// 1.2x faster (15.3 against 17.8 ms). A call of at most MR rows only decodes, in registers:
+// every cache write and read there cost the 1-row call 1.3x (0.20 against 0.153 ms).
+template <int MR, bool INT4, bool HALVES, bool NARROW, bool DECODE, bool CACHE>
 void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
-                 const int32_t* qs, int64_t r0, int64_t vec, float* acc /* [MR][16] */) {
+                 const int32_t* qs, float* sz, int64_t r0, int64_t vec,
+                 float* acc /* [MR][16] */) {
   constexpr int64_t kBytes = INT4 ? 256 : 512;  // one vector's codes for one block of 32
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup, bpr = a.blocks_per_record;
-  const int64_t records = nb / bpr, elt = a.half_scales ? 2 : 4;
-  const int64_t header = a.header;
+  const int64_t records = nb / bpr;
   const uint8_t* w = a.packed + vec * records * a.record;
-  const float off = INT4 ? a.offset : 0.0f;
   const bool zero_term = a.zeros || (INT4 && a.offset != 0.0f);
   const int8_t* qr[MR];
   for (int r = 0; r < MR; ++r) qr[r] = q + (r0 + r) * a.k;
@@ -271,42 +254,43 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   const __m256i base = _mm256_set1_epi8(static_cast<char>(128 - (NARROW ? a.narrow : 0)));
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* hdr = w + rec * a.record;
-    __m256 s[2][2];  // [group half (g = 16)][channel half]
+    __m256 s[2][2], z[2][2];  // [group half (g = 16)][channel half]
     for (int64_t i = 0; i < bpr; ++i) {
       const int64_t kb = rec * bpr + i;
       // The scales (and zero terms) of this block's group(s): once per record of per-group
-      // records (a record is a group, or a block of two g = 16 groups), per block of super
-      // records; in both, each group's zero term goes in before its blocks' sums.
+      // records, per block of super records; each group's zero term goes in before its
+      // blocks' sums.
       if (a.supers || i == 0) {
-        for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
-          for (int h = 0; h < 2; ++h) {
-            __m256 z = _mm256_setzero_ps();
-            if (a.supers) {
-              const int64_t gi = HALVES ? 2 * i + gh : i;  // the group in the super-block
-              s[gh][h] = _mm256_mul_ps(load8_a8(true, hdr + h * 16),
-                                       load8_i8(hdr + a.sc_at + gi * 16 + h * 8));
-              if (a.zeros) {
-                z = negate8(_mm256_mul_ps(load8_a8(true, hdr + 32 + h * 16),
-                                          load8_i8(hdr + a.m_at + gi * 16 + h * 8)));
-              }
-            } else {
-              const uint8_t* sp = hdr + (gh * 16 + h * 8) * elt;
-              s[gh][h] = load8_a8(a.half_scales, sp);
-              if (a.zeros) z = load8_a8(a.half_scales, sp + a.scale_bytes);
+        float* slot = CACHE || !DECODE ? sz + (a.supers ? kb : rec) * kSlotFloats : nullptr;
+        if constexpr (DECODE) {
+          a8_slot_avx2<INT4, HALVES>(a, hdr, i, s, z);
+          if constexpr (CACHE) {
+            for (int j = 0; j < (HALVES ? 4 : 2); ++j) {
+              _mm256_storeu_ps(slot + j * 16, s[j / 2][j % 2]);
+              _mm256_storeu_ps(slot + j * 16 + 8, z[j / 2][j % 2]);
             }
-            if (!zero_term) continue;
-            z = _mm256_fnmadd_ps(_mm256_set1_ps(off), s[gh][h], z);  // z' = z - o * s
-            // xs's group: per 16 for g = 16 (two per block), else the record's (per-group)
-            // or the block's (super records of g = 32)
+          }
+        } else {
+          for (int j = 0; j < (HALVES ? 4 : 2); ++j) {
+            s[j / 2][j % 2] = _mm256_loadu_ps(slot + j * 16);
+            z[j / 2][j % 2] = _mm256_loadu_ps(slot + j * 16 + 8);
+          }
+        }
+        if (zero_term) {
+          for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
+            // xs's group: per 16 for g = 16 (two per block), else the record's (per-group) or
+            // the block's (super records of g = 32)
             const int64_t zi = HALVES ? 2 * kb + gh : (a.supers ? kb : rec);
-            for (int r = 0; r < MR; ++r) {
-              const float sum = xs[(r0 + r) * nz + zi];
-              total[r][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sum), total[r][h]);
+            for (int h = 0; h < 2; ++h) {
+              for (int r = 0; r < MR; ++r) {
+                const __m256 sum = _mm256_set1_ps(xs[(r0 + r) * nz + zi]);
+                total[r][h] = _mm256_fmadd_ps(z[gh][h], sum, total[r][h]);
+              }
             }
           }
         }
       }
-      const uint8_t* codes = hdr + header + i * kBytes;
+      const uint8_t* codes = hdr + a.header + i * kBytes;
       const int8_t* qb[MR];
       for (int r = 0; r < MR; ++r) qb[r] = qr[r] + kb * 32;
       if constexpr (INT4 && !HALVES) {  // the same float operations, in the same order
@@ -356,10 +340,27 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   }
 }
 
+// One pass over vector vec for rows r0 .. r0 + mr (mr <= 4), with a8_vec_avx2's scale source.
+template <bool INT4, bool HALVES, bool NARROW, bool DECODE, bool CACHE>
+void a8_rows_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
+                  const int32_t* qs, float* sz, int64_t r0, int64_t mr, int64_t vec, float* acc) {
+  const auto pass = [&](auto rows) {
+    a8_vec_avx2<decltype(rows)::value, INT4, HALVES, NARROW, DECODE, CACHE>(a, q, d, xs, qs, sz,
+                                                                            r0, vec, acc);
+  };
+  switch (mr) {
+    case 4: pass(std::integral_constant<int, 4>{}); break;
+    case 3: pass(std::integral_constant<int, 3>{}); break;
+    case 2: pass(std::integral_constant<int, 2>{}); break;
+    default: pass(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // x [m, K] (float32 or bf16) -> out [m, N] of the same dtype: each 16-channel vector for a
-// block of rows, four at a time (the vector's records stay in L1 for the next four), vectors
-// split over threads. Blocks of rows whose int8 activations fit in 128 KB, so that they stay
-// in L2 while every vector passes over them; one block per parallel region.
+// block of rows, four at a time (the vector's records stay in L1 for the next four; its
+// decoded scales, sz, for all but the first four), vectors split over threads. Blocks of rows
+// whose int8 activations fit in 128 KB, so that they stay in L2 while every vector passes over
+// them; one block per parallel region.
 template <typename T, bool INT4, bool HALVES, bool NARROW = false>
 void a8_run_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const float* xs,
                  const int32_t* qs, int64_t m, T* out) {
@@ -374,14 +375,21 @@ void a8_run_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
     const int64_t b1 = std::min(m, b0 + block);
     at::parallel_for(0, vecs, grain, [&](int64_t begin, int64_t end) {
       float acc[4 * 16];
+      std::vector<float> sz(b1 - b0 > kMR ? a8_scale_slots(a) * kSlotFloats : 0);
       for (int64_t v = begin; v < end; ++v) {
         for (int64_t r0 = b0; r0 < b1; r0 += kMR) {
           const int64_t mr = std::min<int64_t>(kMR, b1 - r0);
-          switch (mr) {
-            case 4: a8_vec_avx2<4, INT4, HALVES, NARROW>(a, q, d, xs, qs, r0, v, acc); break;
-            case 3: a8_vec_avx2<3, INT4, HALVES, NARROW>(a, q, d, xs, qs, r0, v, acc); break;
-            case 2: a8_vec_avx2<2, INT4, HALVES, NARROW>(a, q, d, xs, qs, r0, v, acc); break;
-            default: a8_vec_avx2<1, INT4, HALVES, NARROW>(a, q, d, xs, qs, r0, v, acc); break;
+          // one pass of rows: decode in registers; more: the first pass fills the cache
+          const auto rows = [&](auto decode, auto cache) {
+            a8_rows_avx2<INT4, HALVES, NARROW, decltype(decode)::value, decltype(cache)::value>(
+                a, q, d, xs, qs, sz.data(), r0, mr, v, acc);
+          };
+          if (b1 - b0 <= kMR) {
+            rows(std::true_type{}, std::false_type{});
+          } else if (r0 == b0) {
+            rows(std::true_type{}, std::true_type{});
+          } else {
+            rows(std::false_type{}, std::false_type{});
           }
           for (int64_t r = 0; r < mr; ++r)
             for (int c = 0; c < 16; ++c)

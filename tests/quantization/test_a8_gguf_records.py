@@ -358,3 +358,21 @@ def test_codes_pack_a_block_of_rows_at_a_time(bits: int, monkeypatch: pytest.Mon
     monkeypatch.setattr(qlinear, "PACK_ROWS", 32)
     blocks, off_blocks = pack_codes_a8(codes, bits)
     assert off_blocks == off and torch.equal(blocks, whole)
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, *K_QUANTS], ids=lambda t: t.name)
+def test_avx2_many_rows_equal_each_row_alone(qtype: T) -> None:
+    """A call of more than one pass of rows decodes each vector's scales once, in its first
+    pass, and the later passes read them back (csrc/quant_linear_a8_avx2.h, a8_vec_avx2's
+    cache); a call of one pass decodes in registers. Both give each row the same float32
+    operations, so every row of a 70-row call (K = 512: one block of rows, 17 or 35 passes and
+    a tail) equals that row alone bit for bit, zero terms (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) and
+    narrow codes (Q5_1, Q5_K, Q6_K) included."""
+    qw = k_weight(qtype, n=80, seed=7)
+    layer = QuantLinear(qw, None, CPU, torch.float32, QuantizedActivations.INT8)
+    assert layer.path == "a8"
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(3))  # [70, K]
+    out = layer(x)  # [70, N]
+    for r in (0, 1, 4, 5, 33, 69):
+        assert torch.equal(out[r : r + 1], layer(x[r : r + 1])), r
