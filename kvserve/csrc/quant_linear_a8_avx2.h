@@ -23,7 +23,8 @@
 //   block's int32 sum then loses o * sum(q) of its 16 or 32 k (quantize's qs): the same exact
 //   int32 sum of c * q as the sign trick's, in 5 instead of 8 vector operations per row and
 //   two quads. Measured (TinyLlama's Q6_K layers, 2 threads, Zen 3) it is 0-10% faster than
-//   the sign trick, not 1.6x: the loop is not bound by those operations alone.
+//   the sign trick, not 1.6x: the loop is not bound by those operations alone. Each broadcast
+//   of x feeds both 8-channel halves (a8_block_narrow_both).
 // Arithmetic, per group with W = c * s + z and x_k ~= d_b q_k (b the block of 32 of k):
 //   sum_k W_k x_k = s * sum_b d_b S_b + z' * sum_k d_b q_k,
 // with S_b = sum_{k in b} u_k q_k (exact in int32) and z' = z - o * s for int4's stored
@@ -77,118 +78,7 @@ inline __m256i bcast4_avx2(const int8_t* p) {
 
 #include "a8_activations_avx2.h"  // quantize_rows_avx2
 
-// !SPLIT: the block's two 16-k sums as one, in lo.
-template <int MR, bool SPLIT>
-inline void fold_halves(__m256i lo[MR], const __m256i hi[MR]) {
-  if constexpr (!SPLIT) {
-    for (int r = 0; r < MR; ++r) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
-  }
-}
-
-// One block of 32 for MR rows and one 8-channel half h of a vector: the int32 sums of the
-// block's first and second 16 k (lo, hi), or their total in lo when !SPLIT.
-// NARROW: the codes span 6 bits and `base` (128 - o in every byte) takes u to c + o; the sums
-// are then of (c + o) * q (the caller takes o * sum(q) off).
-template <int MR, bool INT4, bool SPLIT, bool NARROW = false>
-inline void a8_block_avx2(const uint8_t* codes, int h, const int8_t* const* q, __m256i lo[MR],
-                          __m256i hi[MR], __m256i base = _mm256_setzero_si256()) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (NARROW) {
-    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; t += 2) {  // two quads per int16 sum: 2 * 16002 <= 32767
-      const uint8_t* c = codes + t * 64 + h * 32;
-      const __m256i u0 =
-          _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), base);
-      const __m256i u1 =
-          _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)), base);
-      for (int r = 0; r < MR; ++r) {
-        const __m256i p0 = _mm256_maddubs_epi16(u0, bcast4_avx2(q[r] + 4 * t));
-        const __m256i p1 = _mm256_maddubs_epi16(u1, bcast4_avx2(q[r] + 4 * t + 4));
-        const __m256i p16 = _mm256_add_epi16(p0, p1);
-        __m256i& sum = t < 4 ? lo[r] : hi[r];  // the first 16 k's chain or the second's
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, ones));
-      }
-    }
-    fold_halves<MR, SPLIT>(lo, hi);
-  } else if constexpr (INT4) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256i a16[MR], b16[MR];
-    for (int r = 0; r < MR; ++r) a16[r] = b16[r] = _mm256_setzero_si256();
-    for (int t = 0; t < 4; ++t) {
-      const __m256i packed =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64 + h * 32));
-      const __m256i wl = _mm256_and_si256(packed, low4);  // quad t
-      const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // quad t + 4
-      for (int r = 0; r < MR; ++r) {
-        const __m256i pl = _mm256_maddubs_epi16(wl, bcast4_avx2(q[r] + 4 * t));
-        const __m256i ph = _mm256_maddubs_epi16(wh, bcast4_avx2(q[r] + 16 + 4 * t));
-        // two chains (first and second 16 k); summed once when !SPLIT: 8 * 3810 in int16
-        a16[r] = _mm256_add_epi16(a16[r], pl);
-        b16[r] = _mm256_add_epi16(b16[r], ph);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      if constexpr (SPLIT) {
-        lo[r] = _mm256_madd_epi16(a16[r], ones);
-        hi[r] = _mm256_madd_epi16(b16[r], ones);
-      } else {
-        lo[r] = _mm256_madd_epi16(_mm256_add_epi16(a16[r], b16[r]), ones);
-      }
-    }
-  } else {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {
-      const __m256i u =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64 + h * 32));
-      const __m256i c = _mm256_xor_si256(u, flip);  // u - 128 = the code, as int8
-      const __m256i ac = _mm256_abs_epi8(c);
-      for (int r = 0; r < MR; ++r) {
-        const __m256i sq = _mm256_sign_epi8(bcast4_avx2(q[r] + 4 * t), c);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, sq), ones);
-        // two chains (first and second 16 k): half the dependent latency of one
-        __m256i& sum = t < 4 ? lo[r] : hi[r];
-        sum = _mm256_add_epi32(sum, p);
-      }
-    }
-    fold_halves<MR, SPLIT>(lo, hi);
-  }
-}
-
-// One block of 32 of int4 codes for MR rows and both 8-channel halves of a vector: each row's
-// int32 sums of the block (lo[r][h]), exactly a8_block_avx2<MR, true, false>'s, with each
-// broadcast of x feeding both halves and one int16 accumulator per row and half (8 products of
-// at most 3810 each). The two-call form kept 4 accumulators per row and spilled them at MR = 4
-// (344 stack accesses in the unrolled loop, gcc 12); this one keeps 2 MR + 5 registers live.
-template <int MR>
-inline void a8_block_int4_both(const uint8_t* codes, const int8_t* const* q, __m256i lo[MR][2]) {
-  const __m256i low4 = _mm256_set1_epi8(15);
-  __m256i a16[MR][2];
-  for (int r = 0; r < MR; ++r) a16[r][0] = a16[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-  for (int t = 0; t < 4; ++t) {
-    const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64));
-    const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * 64 + 32));
-    const __m256i l0 = _mm256_and_si256(p0, low4), l1 = _mm256_and_si256(p1, low4);  // quad t
-    for (int r = 0; r < MR; ++r) {
-      const __m256i qb = bcast4_avx2(q[r] + 4 * t);
-      a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_maddubs_epi16(l0, qb));
-      a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_maddubs_epi16(l1, qb));
-    }
-    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low4);  // quad t + 4
-    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low4);
-    for (int r = 0; r < MR; ++r) {
-      const __m256i qb = bcast4_avx2(q[r] + 16 + 4 * t);
-      a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_maddubs_epi16(h0, qb));
-      a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_maddubs_epi16(h1, qb));
-    }
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < MR; ++r) {
-    lo[r][0] = _mm256_madd_epi16(a16[r][0], ones);
-    lo[r][1] = _mm256_madd_epi16(a16[r][1], ones);
-  }
-}
+#include "a8_blocks_avx2.h"  // a8_block_avx2, a8_block_narrow_both, a8_block_int4_both
 
 // One slot's group scales s and zero terms z' = z - o * s (int4's stored nibbles are c + o) as
 // float32, [group half gh][channel half h]: the record at hdr, its block i (super records).
@@ -313,15 +203,27 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
           off_hi[r] = _mm256_set1_epi32(a.narrow * s16[1]);
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[MR], hi[MR];
-        a8_block_avx2<MR, INT4, HALVES, NARROW>(codes, h, qb, lo, hi, base);
-        if constexpr (NARROW) {
+      if constexpr (NARROW) {  // the same float operations, in the same order
+        __m256i lo[MR][2], hi[MR][2];
+        a8_block_narrow_both<MR, HALVES>(codes, qb, base, lo, hi);
+        for (int h = 0; h < 2; ++h) {
           for (int r = 0; r < MR; ++r) {
-            lo[r] = _mm256_sub_epi32(lo[r], off_lo[r]);
-            if constexpr (HALVES) hi[r] = _mm256_sub_epi32(hi[r], off_hi[r]);
+            const __m256 db = _mm256_set1_ps(d[(r0 + r) * nb + kb]);
+            const __m256i clo = _mm256_sub_epi32(lo[r][h], off_lo[r]);
+            total[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(clo), db), s[0][h],
+                                          total[r][h]);
+            if constexpr (HALVES) {
+              const __m256i chi = _mm256_sub_epi32(hi[r][h], off_hi[r]);
+              total[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(chi), db), s[1][h],
+                                            total[r][h]);
+            }
           }
         }
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[MR], hi[MR];
+        a8_block_avx2<MR, INT4, HALVES>(codes, h, qb, lo, hi);
         for (int r = 0; r < MR; ++r) {
           const __m256 db = _mm256_set1_ps(d[(r0 + r) * nb + kb]);
           const __m256 flo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), db);
@@ -369,7 +271,8 @@ void a8_run_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 16 * a.k));
   const int64_t block = std::max<int64_t>(4, ((1 << 17) / a.k) / 4 * 4);
   // Rows per pass over a vector's records: 2 for narrow codes (their two-quad sums keep more
-  // values live; TinyLlama's Q6_K ffn_down at 64 rows 8.7 ms against 9.3 with 4), else 4.
+  // values live; with both halves per broadcast, 4 measured the same: Q5_K ffn_up at 64 rows
+  // 6.82 against 6.87 ms), else 4.
   constexpr int64_t kMR = NARROW ? 2 : 4;
   for (int64_t b0 = 0; b0 < m; b0 += block) {
     const int64_t b1 = std::min(m, b0 + block);
