@@ -80,6 +80,13 @@ inline __m256i bcast4_avx2(const int8_t* p) {
 
 #include "a8_blocks_avx2.h"  // a8_block_avx2, a8_block_narrow_both, a8_block_int4_both
 
+// Whether a group's zero term is there at all: zeros in the records, or int4's stored
+// nibbles c + o with o != 0 (z' = -o * s).
+template <bool INT4>
+inline bool a8_zero_term(const A8Avx2Args& a) {
+  return a.zeros || (INT4 && a.offset != 0.0f);
+}
+
 // One slot's group scales s and zero terms z' = z - o * s (int4's stored nibbles are c + o) as
 // float32, [group half gh][channel half h]: the record at hdr, its block i (super records).
 // Always inlined: called, it kept s and z in memory (the 1-row Q4_K call 1.25x slower).
@@ -88,7 +95,7 @@ __attribute__((always_inline)) inline void a8_slot_avx2(const A8Avx2Args& a, con
                                                         int64_t i, __m256 s[2][2], __m256 z[2][2]) {
   const int64_t elt = a.half_scales ? 2 : 4;
   const float off = INT4 ? a.offset : 0.0f;
-  const bool zero_term = a.zeros || (INT4 && a.offset != 0.0f);
+  const bool zero_term = a8_zero_term<INT4>(a);
   for (int gh = 0; gh < (HALVES ? 2 : 1); ++gh) {
     for (int h = 0; h < 2; ++h) {
       z[gh][h] = _mm256_setzero_ps();
@@ -135,7 +142,7 @@ void a8_vec_avx2(const A8Avx2Args& a, const int8_t* q, const float* d, const flo
   const int64_t nb = a.k / 32, nz = a.k / a.zgroup, bpr = a.blocks_per_record;
   const int64_t records = nb / bpr;
   const uint8_t* w = a.packed + vec * records * a.record;
-  const bool zero_term = a.zeros || (INT4 && a.offset != 0.0f);
+  const bool zero_term = a8_zero_term<INT4>(a);
   const int8_t* qr[MR];
   for (int r = 0; r < MR; ++r) qr[r] = q + (r0 + r) * a.k;
   __m256 total[MR][2];
