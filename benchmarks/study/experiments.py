@@ -240,8 +240,12 @@ def engine_server_points(
 def server_argv(
     ctx: RunContext, dataset: list[str], kv_size: str, extra: str = "", warmups: int = 1
 ) -> list[str]:
-    """Common sweep flags: the KV size and ``--num-threads`` go to every server."""
-    engine_flags = f"--num-threads {ctx.num_threads} --no-access-log {extra}".strip()
+    """Common sweep flags: the KV size and ``--num-threads`` go to every server, and
+    ``--no-grammar-warm-up``: the study's requests carry no grammar, and the compile
+    workers' start (~3 s of a core: xgrammar's and torch's imports in their zygote) would
+    share the two cores with the first points."""
+    engine_flags = f"--num-threads {ctx.num_threads} --no-access-log --no-grammar-warm-up {extra}"
+    engine_flags = engine_flags.strip()
     if kv_size.endswith("blocks"):
         engine_flags += f" --num-kv-blocks {int(kv_size[: -len('blocks')])}"
     argv = [

@@ -177,6 +177,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the HTTP server's (uvicorn's) log level; --uvicorn-log-level is vLLM's name",
     )  # fmt: skip
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.add_argument(
+        "--grammar-warm-up", action=argparse.BooleanOptionalAction, default=True,
+        help="start the grammar compile workers (structured outputs, tool_choice required or "
+             "named) with the server, so that the first grammar does not wait for them; "
+             "--no-grammar-warm-up starts them with the first grammar instead (docs/server.md, "
+             "Structured outputs: what each way costs)",
+    )  # fmt: skip
     add_http_args(p)  # header limits and timeouts, --max-connections, CORS (http_guard.py)
     tools = p.add_argument_group("tool calling and chat templates (vLLM's flags)")
     tools.add_argument(
@@ -316,7 +323,7 @@ def load_models(
         if state.chat_options.reasoning_parser is not None:  # a model that thinks, or refused
             parser = get_reasoning_parser(state.chat_options.reasoning_parser)
             parser.check_tokenizer(engine.tokenizer, engine.model_name)
-        if engine.tokenizer is not None:
+        if engine.tokenizer is not None and getattr(args, "grammar_warm_up", True):
             engine.grammar_compiler.warm_up()  # fork the compile workers before any grammar
         queue = AsyncLLMEngine(
             engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens,

@@ -105,6 +105,11 @@ def start_server(args: list[str], log: Path, api_key: str | None = None) -> Serv
     # stall whenever another process takes a core (8-10x slower steps).
     env.setdefault("OMP_NUM_THREADS", SERVER_THREADS)
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(port)]
+    if "--grammar-warm-up" not in args:
+        # The compile workers start with the first grammar: ~40 of the suite's ~60 servers
+        # never compile one, and the warm-up took 2.5-3.0 s of CPU per start from the other
+        # test worker (benchmarks/grammar_warm_up.py). test_grammar_limits.py keeps it.
+        cmd.append("--no-grammar-warm-up")
     if api_key:
         cmd += ["--api-key", api_key]
     with log.open("wb") as f:

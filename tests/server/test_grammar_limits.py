@@ -45,6 +45,7 @@ def gserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--max-json-schema-enum-members", "1000000",
         "--max-tools-per-request", "100000",
         "--num-kv-blocks", "200",
+        "--grammar-warm-up",  # the server's default; start_server turns it off elsewhere
     ]  # fmt: skip
     srv = start_server(args, log, api_key=API_KEY)
     wait_log(srv.log, lambda text: {m[1] for m in STARTED.findall(text)} >= {"small", "large"})
