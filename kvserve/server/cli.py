@@ -323,7 +323,7 @@ def load_models(
         if state.chat_options.reasoning_parser is not None:  # a model that thinks, or refused
             parser = get_reasoning_parser(state.chat_options.reasoning_parser)
             parser.check_tokenizer(engine.tokenizer, engine.model_name)
-        if engine.tokenizer is not None and getattr(args, "grammar_warm_up", True):
+        if engine.tokenizer is not None and args.grammar_warm_up:
             engine.grammar_compiler.warm_up()  # fork the compile workers before any grammar
         queue = AsyncLLMEngine(
             engine, args.max_queued_requests, max_queued_tokens=args.max_num_queued_tokens,
