@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+
+from kvserve.bench.sweep import ServerProcess
 
 PORT = 18125
 
@@ -50,30 +53,22 @@ def _chat(url: str, model: str, grammar: bool) -> float:
 
 
 def run_once(flag: str, model: list[str], settle: float) -> dict[str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *model, flag, "--port", str(PORT)]
     url = f"http://127.0.0.1:{PORT}"
+    os.environ["OMP_NUM_THREADS"] = "1"  # the server's one torch thread (inherited)
+    server = ServerProcess(cmd, Path(tempfile.gettempdir()) / "kvserve-grammar-warm-up.log")
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    server.start()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        server.wait_healthy(url, timeout_s=300)
         ready = time.monotonic() - t0
         time.sleep(settle)
-        own, kids = _cpu(psutil.Process(proc.pid))
+        own, kids = _cpu(psutil.Process(server.pid))
         name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         first, second = _chat(url, name, True), _chat(url, name, True)
         plain = _chat(url, name, False)
     finally:
-        proc.terminate()
-        proc.wait()
+        server.stop()
     return {"ready_s": ready, "cpu_server_s": own, "cpu_children_s": kids,
             "first_grammar_s": first, "second_grammar_s": second, "plain_s": plain}  # fmt: skip
 
