@@ -15,6 +15,8 @@ tokens/s, TPOT p50 and the ratios.
     python benchmarks/peers/run_http.py --vllm-python .venv-vllm/bin/python --shape tinyllama \
         --dtype float32 --dataset longtail --concurrency 1,8,32 --output-len 32 --repeats 2
     python benchmarks/peers/run_http.py ... same ... --co-load 1
+    # a second kvserve server with variables set (here a 1,000-spin OpenMP wait), in turn
+    python benchmarks/peers/run_http.py ... same ... --kvserve-env GOMP_SPINCOUNT=1000
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ def start_co_load(n: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(loop) for _ in range(n)]
 
 
+def kvserve_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """The kvserve servers to run: ``kvserve`` as it starts by default, then one per
+    ``--kvserve-env`` spec ("K=V[,K=V]", named after it), e.g. ``GOMP_SPINCOUNT=1000``."""
+    variants: dict[str, dict[str, str]] = {"kvserve": {}}
+    for spec in specs:
+        pairs = [item.partition("=") for item in spec.split(",") if item]
+        if not pairs or any(not k or not sep for k, sep, _ in pairs):
+            raise SystemExit(f"--kvserve-env {spec!r}: expected K=V[,K=V]")
+        variants[f"kvserve[{spec}]"] = {k: v for k, _, v in pairs}
+    return variants
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=None)
@@ -144,6 +158,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--co-load", type=int, default=0, help="Busy processes beside the run.")
+    ap.add_argument("--kvserve-env", action="append", default=[], metavar="K=V[,K=V]",
+                    help="Also run kvserve with these variables set (repeatable: one more "
+                    "server per use), in the same alternating order.")  # fmt: skip
     args = ap.parse_args()
     model = Path(args.model_dir or f"/tmp/kvserve-peers-{args.shape}")
     if not (model / "config.json").exists():
@@ -151,7 +168,8 @@ def main() -> None:
     if not (model / "tokenizer.json").exists():
         add_truncated_tokenizer(model, 32000)
     levels = [int(x) for x in args.concurrency.split(",")]
-    pythons = {"kvserve": sys.executable, "vllm": args.vllm_python}
+    variants = kvserve_variants(args.kvserve_env)
+    engines = [*variants, "vllm"]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -163,10 +181,16 @@ def main() -> None:
                 data = Path(tmp) / "longtail.json"
                 write_longtail(data, max(levels) * args.prompts_per_level + 8)
             for rep in range(args.repeats):
-                for engine in ("kvserve", "vllm") if rep % 2 == 0 else ("vllm", "kvserve"):
+                for engine in engines if rep % 2 == 0 else engines[::-1]:
                     port = free_port()
-                    cmd = server_cmd(engine, pythons[engine], str(model), port, max(levels),
-                                     args.dtype)  # fmt: skip
+                    if engine == "vllm":
+                        cmd = server_cmd("vllm", args.vllm_python, str(model), port,
+                                         max(levels), args.dtype)  # fmt: skip
+                    else:  # env(1) sets the variant's variables for this server alone
+                        env = [f"{k}={v}" for k, v in variants[engine].items()]
+                        cmd = server_cmd("kvserve", sys.executable, str(model), port,
+                                         max(levels), args.dtype)  # fmt: skip
+                        cmd = ["env", *env, *cmd] if env else cmd
                     server = ServerProcess(cmd, Path(tmp) / f"{engine}-{rep}.log")
                     server.start()
                     try:
@@ -182,14 +206,17 @@ def main() -> None:
         for proc in load:
             proc.kill()
     print(f"\nco-running busy processes: {args.co_load}")
-    print("| concurrency | kvserve tok/s | vLLM tok/s | kvserve / vLLM | TPOT p50 kvserve / vLLM |")
-    print("|---|---|---|---|---|")
-    for n in levels:
-        kv = statistics.median(r["tput"] for r in results[("kvserve", n)])
-        vl = statistics.median(r["tput"] for r in results[("vllm", n)])
-        kt = statistics.median(r["tpot"] for r in results[("kvserve", n)])
-        vt = statistics.median(r["tpot"] for r in results[("vllm", n)])
-        print(f"| {n} | {kv:.1f} | {vl:.1f} | {kv / vl:.2f}x | {kt:.0f} / {vt:.0f} ms |")
+    for name in variants:
+        print(f"\n{name}")
+        print("| concurrency | kvserve tok/s | vLLM tok/s | kvserve / vLLM | "
+              "TPOT p50 kvserve / vLLM |")  # fmt: skip
+        print("|---|---|---|---|---|")
+        for n in levels:
+            kv = statistics.median(r["tput"] for r in results[(name, n)])
+            vl = statistics.median(r["tput"] for r in results[("vllm", n)])
+            kt = statistics.median(r["tpot"] for r in results[(name, n)])
+            vt = statistics.median(r["tpot"] for r in results[("vllm", n)])
+            print(f"| {n} | {kv:.1f} | {vl:.1f} | {kv / vl:.2f}x | {kt:.0f} / {vt:.0f} ms |")
 
 
 if __name__ == "__main__":
