@@ -22,21 +22,18 @@ from typing import Any
 import httpx
 import psutil
 
+from kvserve.bench.proc_cost import session_usage
 from kvserve.bench.sweep import ServerProcess
 
 PORT = 18125
 
 
-def _cpu(proc: psutil.Process) -> tuple[float, float]:
-    """CPU seconds of ``proc`` and of its descendants."""
-    own = sum(proc.cpu_times()[:2])
-    kids = 0.0
-    for child in proc.children(recursive=True):
-        try:
-            kids += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            continue
-    return own, kids
+def _cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server process and of the rest of its session (the compile zygote and
+    its workers; ``proc_cost``, which also counts reaped children)."""
+    own = sum(psutil.Process(pid).cpu_times()[:2])
+    usage = session_usage(pid)
+    return own, (usage.cpu_seconds - own) if usage is not None else float("nan")
 
 
 def _chat(url: str, model: str, grammar: bool) -> float:
@@ -63,7 +60,7 @@ def run_once(flag: str, model: list[str], settle: float) -> dict[str, float]:
         server.wait_healthy(url, timeout_s=300)
         ready = time.monotonic() - t0
         time.sleep(settle)
-        own, kids = _cpu(psutil.Process(server.pid))
+        own, kids = _cpu(server.pid)
         name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         first, second = _chat(url, name, True), _chat(url, name, True)
         plain = _chat(url, name, False)
