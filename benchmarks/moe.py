@@ -32,8 +32,13 @@ tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q
     python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
         --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
 
-A Qwen3-30B-A3B shape (30.5B parameters, 61 GB in bf16) is not offered: neither its bf16
-checkpoint nor the BF16 GGUF llama.cpp's converter writes fits this machine's ~50 GB of disk.
+* ``qwen3-30b``: Qwen3-30B-A3B's shape (30.5B parameters, 3.35B active; 128 experts of 768,
+  top-8, 48 layers), whose bf16 checkpoint (61 GB) does not fit this machine's disk: written
+  straight to GGUF Q8_0 by ``benchmarks/moe_gguf.py`` and made Q4_0 by llama.cpp's own
+  ``llama-quantize`` (17.3 GB, the LM head Q6_K); llama-server and kvserve ``--quantization
+  gguf`` on that file (``--qwen3-layers N``: N of its layers, a smoke test).
+
+    python benchmarks/moe.py --parts qwen3-30b --repeats 2        # the 30B-A3B shape, Q4_0
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ GPT_OSS_SETTINGS = (
     ),
 )
 GPT_OSS_MODEL = "gpt-oss-20b-4l"
+QWEN3_SETTINGS = (_BY_KEY["kvserve-gguf-q4_0-lmhead"], _BY_KEY["llamacpp-q4_0"])
 PEER_OF = {
     "kvserve-gguf-mxfp4-lmhead": "llamacpp-mxfp4", "kvserve-mxfp4": "llamacpp-mxfp4",
     "kvserve-gguf-mxfp4-lmhead-f32": "llamacpp-mxfp4",
@@ -172,14 +178,34 @@ def gpt_oss_model(build: llamacpp.LlamaCppBuild) -> tuple[q.Model, dict[str, Pat
     return q.Model(GPT_OSS_MODEL, folder, "smollm"), {GPT_OSS_GGUF: out}
 
 
+def qwen3_30b_model(args: argparse.Namespace) -> tuple[q.Model, dict[str, Path], Any]:
+    """The qwen3-30b part's Q4_0 GGUF (``benchmarks/moe_gguf.py``), its folder and shape."""
+    from dataclasses import replace
+
+    from benchmarks.moe_gguf import QWEN3_30B_A3B, ensure_q4_0
+
+    shape = QWEN3_30B_A3B
+    if args.qwen3_layers:
+        shape = replace(shape, name=f"{shape.name}-{args.qwen3_layers}l",
+                        num_hidden_layers=args.qwen3_layers)  # fmt: skip
+    qwen3 = q.resolve_model("qwen3-0.6b", None)
+    tok = llamacpp.ensure_ggufs(args.build, qwen3.path, ("Q4_K_M",),
+                                pre_tokenizer=qwen3.pre_tokenizer)  # fmt: skip
+    folder, q4 = ensure_q4_0(args.build, shape, tok["Q4_K_M"], qwen3.path)
+    return q.Model(shape.name, folder), {"Q4_0": q4}, shape
+
+
 def run_part(
     args: argparse.Namespace, part: str, name: str, settings: Sequence[q.Setting]
 ) -> dict[str, Any]:
     """One part: its model (built and converted on first use), every setting measured."""
     from kvserve.model.loader import load_hf_config
 
+    shape: Any = SHAPES.get(name)
     if part == "gpt-oss":
         model, ggufs = gpt_oss_model(args.build)
+    elif part == "qwen3-30b":
+        model, ggufs, shape = qwen3_30b_model(args)
     else:
         model = q.resolve_model(name, None)
         types = tuple(sorted({s.gguf_type for s in settings if s.gguf_type}))
@@ -190,7 +216,7 @@ def run_part(
     if args.prepare:
         return {"part": part, "model": str(model.path),
                 "ggufs": {k: str(v) for k, v in ggufs.items()}}  # fmt: skip
-    total, active = SHAPES[name].parameters() if name in SHAPES else (None, None)
+    total, active = shape.parameters() if shape is not None else (None, None)
     size = f" ({total:.3g} parameters, {active:.3g} active)" if total and active else ""
     print(f"\n== {part}: {model.tag}{size}", flush=True)
     servers, runs = q.measure(args, settings, partial(server_command, args), model, ggufs)
@@ -220,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(model="olmoe-7b", concurrency=[1, 8, 32], output_len=64)
     ap.add_argument("--vllm-model", default="olmoe-16e", help="the vllm part's model")
     ap.add_argument("--parts", default="llamacpp,vllm",
-                    help="comma list: llamacpp, vllm, gpt-oss")  # fmt: skip
+                    help="comma list: llamacpp, vllm, gpt-oss, qwen3-30b")  # fmt: skip
+    ap.add_argument(
+        "--qwen3-layers",
+        type=int,
+        default=0,
+        help="qwen3-30b part: that many of its 48 layers (a smoke test)",
+    )
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     ap.add_argument("--prepare", action="store_true", help="build the models and GGUFs only")
@@ -236,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     args.build = llamacpp.LlamaCppBuild(args.llamacpp_dir)
     only = {k.strip() for k in args.only.split(",") if k.strip()}
-    unknown = only - {s.key for s in (*LLAMACPP_SETTINGS, *VLLM_SETTINGS, *GPT_OSS_SETTINGS)}
+    every = (*LLAMACPP_SETTINGS, *VLLM_SETTINGS, *GPT_OSS_SETTINGS, *QWEN3_SETTINGS)
+    unknown = only - {s.key for s in every}
     if unknown:
         raise SystemExit(f"--only: unknown settings {sorted(unknown)}")
 
@@ -245,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parts = {"llamacpp": (args.model, kept(LLAMACPP_SETTINGS)),
              "vllm": (args.vllm_model, kept(VLLM_SETTINGS)),
-             "gpt-oss": (GPT_OSS_MODEL, kept(GPT_OSS_SETTINGS))}  # fmt: skip
+             "gpt-oss": (GPT_OSS_MODEL, kept(GPT_OSS_SETTINGS)),
+             "qwen3-30b": ("qwen3-30b-a3b", kept(QWEN3_SETTINGS))}  # fmt: skip
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not chosen or any(p not in parts for p in chosen):
         raise SystemExit(f"--parts: choose from {', '.join(parts)}")
@@ -260,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(r)
         return 0
     doc: dict[str, Any] = {"benchmark": "moe", "machine": machine_info()}
-    if "llamacpp" in chosen or "gpt-oss" in chosen:
+    if {"llamacpp", "gpt-oss", "qwen3-30b"} & set(chosen):
         doc["llamacpp_version"] = args.build.version()
     settings = {k: v for k, v in vars(args).items() if k not in ("model_cfg", "build", "settings")}
     doc.update(

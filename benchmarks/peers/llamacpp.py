@@ -151,10 +151,14 @@ def convert(
     tmp.rename(out)
 
 
-def quantize(build: LlamaCppBuild, src: Path, dst: Path, qtype: str, pure: bool) -> None:
-    """``llama-quantize [--pure] src dst qtype`` with two threads."""
+def quantize(
+    build: LlamaCppBuild, src: Path, dst: Path, qtype: str, pure: bool, requantize: bool = False
+) -> None:
+    """``llama-quantize [--pure] [--allow-requantize] src dst qtype`` with two threads
+    (``requantize``: ``src`` is itself quantized, e.g. Q8_0)."""
     tmp = dst.with_name(dst.name + ".tmp")
-    cmd = [str(build.quantize), *(["--pure"] if pure else []), str(src), str(tmp), qtype, "2"]
+    flags = [*(["--pure"] if pure else []), *(["--allow-requantize"] if requantize else [])]
+    cmd = [str(build.quantize), *flags, str(src), str(tmp), qtype, "2"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     tmp.rename(dst)
 
