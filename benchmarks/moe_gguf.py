@@ -5,8 +5,8 @@ Qwen3-30B-A3B has 30.5B parameters: its bf16 checkpoint (61 GB) and the BF16 GGU
 converter writes from it do not fit this machine's disk (~45-55 GB free), but its Q4 files do
 (~17 GB), and so do its int4 weights in 24 GB of memory. So :func:`write_q8_0` draws each
 tensor alone from one seeded generator (float32 normal(0, 0.02), transformers' init; norms at
-one) and writes it as GGUF Q8_0 (32.4 GB, the blocks ggml's ``quantize_row_q8_0`` makes: d =
-max|x| / 127 as float16, q = round(x / d)), with the metadata llama.cpp's ``convert_hf_to_gguf.py``
+one) and writes it as GGUF Q8_0 (32.4 GB, gguf-py's quantizer: the blocks ggml's
+``quantize_row_q8_0`` makes), with the metadata llama.cpp's ``convert_hf_to_gguf.py``
 writes for ``Qwen3MoeForCausalLM`` (its keys checked against a converted tiny model in
 ``tests/bench/test_moe_gguf.py``) and the tokenizer of the Qwen3-0.6B-shaped benchmark
 model's GGUF (SmolLM2's BPE padded to Qwen3's 151,936 tokens, as the converter wrote it).
@@ -35,9 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.moe_model import INIT_STD  # noqa: E402
 from benchmarks.peers import llamacpp  # noqa: E402
 
-INIT_STD = 0.02
 ARCH = "qwen3moe"
 Q8_0_FILE_TYPE = 7  # llama_ftype MOSTLY_Q8_0
 
@@ -105,20 +105,6 @@ def is_q8_0(name: str, dims: tuple[int, ...]) -> bool:
     return len(dims) >= 2 and "ffn_gate_inp" not in name
 
 
-def q8_0_blocks(w: Any) -> np.ndarray:
-    """A float32 tensor [..., K] as GGUF Q8_0 bytes [..., K / 32 * 34]: per block of 32 a
-    float16 d = max|x| / 127, then 32 int8 q = round(x / d) (0 where d is 0)."""
-    import torch
-
-    b = w.reshape(-1, 32)  # [blocks, 32]
-    d = b.abs().amax(1, keepdim=True) / 127.0  # [blocks, 1]
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = (b * inv).round().clamp_(-127, 127).to(torch.int8)  # [blocks, 32]
-    d16 = d.to(torch.float16).view(torch.uint8)  # [blocks, 2]
-    out = torch.cat([d16, q.view(torch.uint8)], dim=1)  # [blocks, 34]
-    return out.reshape(*w.shape[:-1], w.shape[-1] // 32 * 34).numpy()
-
-
 def tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
     """(key, value, type, array sub-type) of every ``tokenizer.*`` field of a GGUF."""
     from gguf import GGUFReader, GGUFValueType
@@ -136,6 +122,7 @@ def write_q8_0(shape: GgufMoeShape, out: Path, tokenizer_gguf: Path) -> Path:
     import gguf
     import torch
 
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
     tmp = out.with_name(out.name + ".tmp")
     w = gguf.GGUFWriter(tmp, ARCH)
     w.add_name(f"{shape.name} random")
@@ -159,9 +146,8 @@ def write_q8_0(shape: GgufMoeShape, out: Path, tokenizer_gguf: Path) -> Path:
     plan = list(tensors(shape))
     for name, dims, _ in plan:
         if is_q8_0(name, dims):
-            byte_dims = (*dims[:-1], dims[-1] // 32 * 34)
-            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), int(np.prod(byte_dims)),
-                              gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+            byte_dims = gguf.quant_shape_to_byte_shape(dims, Q8_0)
+            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), int(np.prod(byte_dims)), Q8_0)
         else:
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
     w.write_header_to_file()
@@ -176,11 +162,12 @@ def write_q8_0(shape: GgufMoeShape, out: Path, tokenizer_gguf: Path) -> Path:
             x = torch.randn(dims, generator=gen).mul_(INIT_STD)
             w.write_tensor_data(x.numpy())
             continue
-        data = np.empty((*dims[:-1], dims[-1] // 32 * 34), dtype=np.uint8)
+        data = np.empty(gguf.quant_shape_to_byte_shape(dims, Q8_0), dtype=np.uint8)
         if len(dims) == 2:
-            data[:] = q8_0_blocks(torch.randn(dims, generator=gen).mul_(INIT_STD))
+            data[:] = gguf.quantize(torch.randn(dims, generator=gen).mul_(INIT_STD).numpy(), Q8_0)
         for e in range(dims[0] if len(dims) == 3 else 0):  # one expert at a time
-            data[e] = q8_0_blocks(torch.randn(dims[1:], generator=gen).mul_(INIT_STD))
+            x = torch.randn(dims[1:], generator=gen).mul_(INIT_STD)
+            data[e] = gguf.quantize(x.numpy(), Q8_0)
         w.write_tensor_data(data)
     w.close()
     tmp.rename(out)
