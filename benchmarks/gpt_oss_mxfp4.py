@@ -35,8 +35,13 @@ SETTINGS = {"dequantized": (None, "auto"), "mxfp4": ("mxfp4", "auto"),
 STD = 0.02
 
 
-def config(layers: int) -> dict[str, Any]:
-    """gpt-oss-20b's config.json with ``layers`` layers and SmolLM2's vocabulary."""
+SMOLLM2_VOCAB = 49152
+GPT_OSS_VOCAB = 201088  # gpt-oss-20b's o200k_harmony ids
+
+
+def config(layers: int, vocab: int = SMOLLM2_VOCAB) -> dict[str, Any]:
+    """gpt-oss-20b's config.json with ``layers`` layers and ``vocab`` ids (SmolLM2's tokenizer;
+    ids past its 49,152 are padding, as llama.cpp's converter writes them)."""
     return {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
         "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
@@ -44,7 +49,7 @@ def config(layers: int) -> dict[str, Any]:
         "num_key_value_heads": 8, "head_dim": 64, "num_hidden_layers": layers,
         "sliding_window": 128,
         "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
-        "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+        "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
         "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096},
@@ -54,8 +59,9 @@ def config(layers: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_checkpoint(folder: Path, layers: int) -> Path:
-    """The random checkpoint (one shard per layer), written once."""
+def write_checkpoint(folder: Path, layers: int, vocab: int = SMOLLM2_VOCAB) -> Path:
+    """The random checkpoint (one shard per layer, each saved as it is drawn: the whole
+    gpt-oss-20b shape is ~14 GB), written once."""
     import torch
     from safetensors.torch import save_file
 
@@ -66,17 +72,23 @@ def write_checkpoint(folder: Path, layers: int) -> Path:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = config(layers)
-    h, i, e, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], 49152
+    cfg = config(layers, vocab)
+    h, i, e, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], vocab
     q, kv = cfg["num_attention_heads"] * 64, cfg["num_key_value_heads"] * 64
     gen = torch.Generator().manual_seed(0)
 
     def rand(*dims: int) -> torch.Tensor:
         return (torch.randn(dims, generator=gen) * STD).to(torch.bfloat16)
 
-    shards: list[dict[str, torch.Tensor]] = [{
-        "model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]  # fmt: skip
+    weight_map: dict[str, str] = {}
+
+    def save(n: int, t: dict[str, torch.Tensor]) -> None:
+        fname = f"model-{n:05d}.safetensors"
+        save_file(t, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(t, fname))
+
+    save(0, {"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h),
+             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})  # fmt: skip
     for n in range(layers):
         p = f"model.layers.{n}."
         t = {p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
@@ -96,12 +108,7 @@ def write_checkpoint(folder: Path, layers: int) -> Path:
             t[name + "_scales"] = torch.randint(120, 124, (e, rows, cols // 32), generator=gen,
                                                 dtype=torch.uint8)  # fmt: skip
             t[name + "_bias"] = rand(e, rows)
-        shards.append(t)
-    weight_map = {}
-    for n, t in enumerate(shards):
-        fname = f"model-{n:05d}.safetensors"
-        save_file(t, str(tmp / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(t, fname))
+        save(n + 1, t)
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     src = builtin_model_path()

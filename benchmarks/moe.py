@@ -20,7 +20,9 @@ probe, ``kvserve bench serve`` at every concurrency, peak RSS, medians over repe
   llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0`` (the experts stay MXFP4, the rest Q8_0:
   the layout of ggml-org's gpt-oss GGUFs, ``MOSTLY_MXFP4_MOE``): llama-server on it, kvserve
   ``--quantization gguf`` on the same file (LM head Q8_0 as llama.cpp runs it), and kvserve
-  ``--quantization mxfp4`` on the safetensors (bf16 attention).
+  ``--quantization mxfp4`` on the safetensors (bf16 attention). ``--gpt-oss-layers 24
+  --gpt-oss-vocab 201088``: the whole gpt-oss-20b shape (20.9B parameters; ~14 GB of
+  safetensors and a ~12 GB GGUF).
 * ``qwen3-30b``: Qwen3-30B-A3B's shape (30.5B parameters, 3.35B active; 128 experts of 768,
   top-8, 48 layers), whose bf16 checkpoint (61 GB) does not fit this machine's disk: written
   straight to GGUF Q8_0 by ``benchmarks/moe_gguf.py`` and made Q4_0 by llama.cpp's own
@@ -34,6 +36,8 @@ tok/s at concurrency 1 and 2x it at 32 on the same GGUF (and with int4 against Q
     python benchmarks/moe.py --prepare                       # models and GGUFs only (~1 h)
     python benchmarks/moe.py                                 # llamacpp and vllm, c = 1, 8, 32
     python benchmarks/moe.py --parts gpt-oss --concurrency 1,8,32  # gpt-oss GGUF vs llama.cpp
+    python benchmarks/moe.py --parts gpt-oss --gpt-oss-layers 24 --gpt-oss-vocab 201088 \
+        --only kvserve-gguf-mxfp4-lmhead,llamacpp-mxfp4   # the whole gpt-oss-20b shape
     python benchmarks/moe.py --parts qwen3-30b               # Qwen3-30B-A3B Q4_0 (~45 min)
     python benchmarks/moe.py --model olmoe-tiny --vllm-model olmoe-tiny --concurrency 1,2 \\
         --repeats 1 --output-len 16 --out /tmp/moe.json      # the smoke test, ~5 minutes
@@ -92,7 +96,6 @@ GPT_OSS_SETTINGS = (
         dtype="float32",
     ),
 )
-GPT_OSS_MODEL = "gpt-oss-20b-4l"
 QWEN3_SETTINGS = (_BY_KEY["kvserve-gguf-q4_0-lmhead"], _BY_KEY["llamacpp-q4_0"])
 PEER_OF = {
     "kvserve-gguf-mxfp4-lmhead": "llamacpp-mxfp4", "kvserve-mxfp4": "llamacpp-mxfp4",
@@ -163,17 +166,30 @@ def rss_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def gpt_oss_model(build: llamacpp.LlamaCppBuild) -> tuple[q.Model, dict[str, Path]]:
+def gpt_oss_name(layers: int, vocab: int) -> str:
+    """The gpt-oss part's model name: ``gpt-oss-20b-4l`` (the default), ``gpt-oss-20b`` for
+    the whole shape (24 layers, its 201,088 ids), else layers and vocabulary spelled out."""
+    from benchmarks.gpt_oss_mxfp4 import GPT_OSS_VOCAB, SMOLLM2_VOCAB
+
+    if (layers, vocab) == (24, GPT_OSS_VOCAB):
+        return "gpt-oss-20b"
+    return f"gpt-oss-20b-{layers}l" + ("" if vocab == SMOLLM2_VOCAB else f"-v{vocab}")
+
+
+def gpt_oss_model(
+    build: llamacpp.LlamaCppBuild, layers: int = 4, vocab: int = 49152
+) -> tuple[q.Model, dict[str, Path]]:
     """The gpt-oss part's checkpoint and its GGUF, each made once."""
     from benchmarks.gpt_oss_mxfp4 import write_checkpoint
 
-    folder = write_checkpoint(llamacpp.bench_models_dir() / f"{GPT_OSS_MODEL}-mxfp4", 4)
-    out = llamacpp.bench_models_dir() / "gguf" / GPT_OSS_MODEL / "model-mxfp4-q8_0.gguf"
+    name = gpt_oss_name(layers, vocab)
+    folder = write_checkpoint(llamacpp.bench_models_dir() / f"{name}-mxfp4", layers, vocab)
+    out = llamacpp.bench_models_dir() / "gguf" / name / "model-mxfp4-q8_0.gguf"
     if not out.is_file():
         build.check()
         out.parent.mkdir(parents=True, exist_ok=True)
         llamacpp.convert(build, folder, out, "q8_0", "smollm")
-    return q.Model(GPT_OSS_MODEL, folder, "smollm"), {GPT_OSS_GGUF: out}
+    return q.Model(name, folder, "smollm"), {GPT_OSS_GGUF: out}
 
 
 def qwen3_30b_model(args: argparse.Namespace) -> tuple[q.Model, dict[str, Path], Any]:
@@ -201,7 +217,7 @@ def run_part(
 
     shape: Any = SHAPES.get(name)
     if part == "gpt-oss":
-        model, ggufs = gpt_oss_model(args.build)
+        model, ggufs = gpt_oss_model(args.build, args.gpt_oss_layers, args.gpt_oss_vocab)
     elif part == "qwen3-30b":
         model, ggufs, shape = qwen3_30b_model(args)
     else:
@@ -251,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="qwen3-30b part: that many of its 48 layers (a smoke test)",
     )
+    ap.add_argument("--gpt-oss-layers", type=int, default=4,
+                    help="gpt-oss part: that many of gpt-oss-20b's 24 layers")  # fmt: skip
+    ap.add_argument("--gpt-oss-vocab", type=int, default=49152,
+                    help="gpt-oss part: vocabulary size (201088: gpt-oss-20b's)")  # fmt: skip
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     ap.add_argument("--prepare", action="store_true", help="build the models and GGUFs only")
@@ -276,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parts = {"llamacpp": (args.model, kept(LLAMACPP_SETTINGS)),
              "vllm": (args.vllm_model, kept(VLLM_SETTINGS)),
-             "gpt-oss": (GPT_OSS_MODEL, kept(GPT_OSS_SETTINGS)),
+             "gpt-oss": (gpt_oss_name(args.gpt_oss_layers, args.gpt_oss_vocab),
+                         kept(GPT_OSS_SETTINGS)),
              "qwen3-30b": ("qwen3-30b-a3b", kept(QWEN3_SETTINGS))}  # fmt: skip
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not chosen or any(p not in parts for p in chosen):

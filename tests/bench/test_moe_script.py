@@ -152,3 +152,23 @@ def test_memory_of_a_process_tree() -> None:
         for pid in quantization.process_tree(parent.pid)[::-1]:
             os.kill(pid, 9)
         parent.wait()
+
+
+def test_gpt_oss_part_sizes() -> None:
+    """The gpt-oss part's default is 4 layers in SmolLM2's ids; ``--gpt-oss-layers 24
+    --gpt-oss-vocab 201088`` is the whole gpt-oss-20b shape, named so."""
+    from benchmarks import gpt_oss_mxfp4
+
+    args = moe.build_parser().parse_args([])
+    assert (args.gpt_oss_layers, args.gpt_oss_vocab) == (4, 49152)
+    assert moe.gpt_oss_name(4, 49152) == "gpt-oss-20b-4l"
+    assert moe.gpt_oss_name(24, 201088) == "gpt-oss-20b"
+    assert moe.gpt_oss_name(2, 1000) == "gpt-oss-20b-2l-v1000"
+    cfg = gpt_oss_mxfp4.config(24, gpt_oss_mxfp4.GPT_OSS_VOCAB)
+    assert (cfg["vocab_size"], cfg["num_hidden_layers"]) == (201088, 24)
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * 64
+    layer = e * 3 * h * i + 2 * h * q + 2 * h * kv + e * h  # experts, attention, router
+    total = 24 * layer + 2 * cfg["vocab_size"] * h  # + embeddings and the untied head
+    assert round(total / 1e9, 1) == 20.9  # gpt-oss-20b's published 20.9B (21B)
