@@ -14,6 +14,11 @@
 //   o = paged_decode_attention(q, ...)                           [T, H, D]
 //   h = add_rms_norm(o_proj(o), residual)
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
+// or, for a mixture-of-experts layer (set_moe: kvserve.model.moe's SparseMoeBlock without a
+// shared expert, gpt_oss's GptOssMoeBlock), the router and the layer's experts op:
+//   weights, ids = route(router(h))                             [T, k] each (moe/router.py)
+//   x = moe_experts_run(experts, h, weights, ids)               (csrc/moe_experts.cpp)
+// and attention sinks where the layer has them (set_sinks: gpt-oss).
 // Linears: kvserve's quantized kernels (int8 activations or the model dtype), 16-bit packed
 // weights (wide_linear.cpp: widened to float32, or bf16 math), oneDNN's prepacked weights, or a plain weight through
 // at::linear (nn.Linear's own call: float32
@@ -27,6 +32,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernel_ops.h"  // LinearKind, op<Sig>, the kernels' signatures
@@ -53,15 +59,27 @@ struct Linear {
   std::vector<at::Tensor> lora_bts;
 };
 
+// A mixture-of-experts MLP: the router's logits, the top-k routing (kvserve.moe.router.route,
+// the same ATen calls) and the layer's MoEExperts op (a torch.classes.kvserve.MoEExperts).
+struct Moe {
+  c10::IValue experts;
+  int64_t top_k;
+  bool topk_softmax;     // Scoring.TOPK_SOFTMAX (else softmax over all experts, then top-k)
+  bool norm_topk_prob;   // renormalise the k weights (SOFTMAX_TOPK)
+  bool float32_weights;  // keep the weights in float32 (Mixtral), else the logits' dtype
+};
+
 struct Layer {
   at::Tensor in_norm, post_norm;  // [hidden] each
   double in_eps, post_eps;
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;  // with moe: gate_up is the router, down unused
   std::optional<at::Tensor> q_norm, k_norm;  // [D] each (Qwen3), or none
   double qk_eps;
   int64_t window;   // sliding window (0: none)
   double soft_cap;  // attention logit soft-cap (0: none)
   double scale;     // softmax scale
+  std::optional<Moe> moe;             // the MLP is these experts (else gate_up, down)
+  std::optional<at::Tensor> sinks;    // [H] float32 attention sinks, or none
 };
 
 // The ops, with the C++ signatures their kernels were registered with.
@@ -93,6 +111,9 @@ struct Ops {
   c10::TypedOperatorHandle<Wide> wide = op<Wide>("kvserve::wide_linear");
   c10::TypedOperatorHandle<Wide> wide_packed = op<Wide>("kvserve::wide_linear_packed");
   c10::TypedOperatorHandle<LoraAdd> lora_add = op<LoraAdd>("kvserve::lora_add");
+  // The experts op's run (its object passed boxed: moe_experts.cpp registers both).
+  c10::OperatorHandle moe_run =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvserve::moe_experts_run", "");
   // oneDNN's packed linear has no C++ API in ATen: called boxed (one call per linear).
   c10::OperatorHandle packed =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -140,16 +161,39 @@ class DecodeLayers : public torch::CustomClassHolder {
     lins[which]->lora_bts = std::move(bts);
   }
 
+  // The next layer's MLP is a mixture of experts: `experts` its MoEExperts op, routed as
+  // kvserve.moe.router.route with these settings. The layer then takes 3 linears (qkv, o and
+  // the router, a dense [E, H] weight with an optional bias) instead of 4.
+  void set_moe(c10::IValue experts, int64_t top_k, bool topk_softmax, bool norm_topk_prob,
+               bool float32_weights) {
+    TORCH_CHECK(experts.isObject() && top_k >= 1,
+                "DecodeLayers.set_moe: experts must be a MoEExperts op and top_k at least 1");
+    pending_moe_ = Moe{std::move(experts), top_k, topk_softmax, norm_topk_prob, float32_weights};
+  }
+
   void add_layer(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  double qk_eps, int64_t window, double soft_cap, double scale) {
-    TORCH_CHECK(pending_.size() == 4, "DecodeLayers: a layer takes exactly 4 linears, got ",
-                pending_.size());
+    const size_t want = pending_moe_.has_value() ? 3 : 4;
+    TORCH_CHECK(pending_.size() == want, "DecodeLayers: a layer takes exactly ", want,
+                " linears, got ", pending_.size());
+    if (want == 3) pending_.push_back(pending_[2]);  // a placeholder for the unused down
     layers_.push_back(Layer{std::move(in_norm), std::move(post_norm), in_eps, post_eps,
                             pending_[0], pending_[1], pending_[2], pending_[3],
                             std::move(q_norm), std::move(k_norm), qk_eps, window, soft_cap,
-                            scale});
+                            scale, std::move(pending_moe_), std::nullopt});
     pending_.clear();
+    pending_moe_.reset();
+  }
+
+  // Layer `layer`'s attention sinks: [H] float32 (as cpu_kernels.paged_decode_attention
+  // hands them to the kernel).
+  void set_sinks(int64_t layer, at::Tensor sinks) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
+                    sinks.scalar_type() == at::kFloat && sinks.dim() == 1 &&
+                    sinks.size(0) == num_heads_ && sinks.is_contiguous(),
+                "DecodeLayers.set_sinks: one float32 logit per query head of an added layer");
+    layers_[layer].sinks = std::move(sinks);
   }
 
   // x: [T, hidden] embeddings (T decode rows, one token each); cos, sin: [T, D];
@@ -197,10 +241,14 @@ class DecodeLayers : public torch::CustomClassHolder {
                            num_kv_heads_, l.q_norm, l.k_norm, l.qk_eps, false);
       at::Tensor attn = at::empty_like(q);
       o.paged_decode.call(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens, no_rows,
-                          l.scale, l.window, l.soft_cap, std::nullopt);
+                          l.scale, l.window, l.soft_cap, l.sinks);
       at::Tensor out = linear(l.o, attn.view({t, num_heads_ * head_dim_}), slots);
       h = at::empty_like(out);
       o.add_rms_norm.call(h, residual, out, l.post_norm, l.post_eps, false);
+      if (l.moe.has_value()) {
+        x = experts(*l.moe, linear(l.gate_up, h), h);
+        continue;
+      }
       at::Tensor gate_up = linear(l.gate_up, h, slots);
       at::Tensor act = gate_up.new_empty({t, gate_up.size(1) / 2});
       o.silu_and_mul.call(act, gate_up);
@@ -210,6 +258,23 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
+  // kvserve.moe.router.route on the router's logits [T, E], then the experts op on h [T, H].
+  static at::Tensor experts(const Moe& m, const at::Tensor& logits, const at::Tensor& h) {
+    at::Tensor weights, ids;
+    if (m.topk_softmax) {  // the k largest logits, softmax over them
+      auto [top, idx] = at::topk(logits.to(at::kFloat), m.top_k, -1);
+      weights = at::softmax(top, -1);
+      ids = idx;
+    } else {  // softmax over every expert in float32, the k largest
+      std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), m.top_k, -1);
+      if (m.norm_topk_prob) weights = weights / weights.sum({-1}, true);
+    }
+    if (!m.float32_weights) weights = weights.to(logits.scalar_type());
+    torch::jit::Stack stack{m.experts, h, weights, ids};
+    ops().moe_run.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
   // The linear, then its LoRA delta where the step has adapters (LoRASlotWeights.add_delta).
   static at::Tensor linear(const Linear& lin, const at::Tensor& x, const at::Tensor* slots) {
     at::Tensor y = linear(lin, x);
@@ -255,6 +320,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   std::vector<Linear> pending_;
+  std::optional<Moe> pending_moe_;  // set_moe's, for the next add_layer
   std::vector<Layer> layers_;
 };
 
@@ -266,5 +332,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("add_linear", &DecodeLayers::add_linear)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_lora", &DecodeLayers::add_lora)
+      .def("set_moe", &DecodeLayers::set_moe)
+      .def("set_sinks", &DecodeLayers::set_sinks)
       .def("run", &DecodeLayers::run);
 }

@@ -290,4 +290,13 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("set_biases", &MoEExperts::set_biases)
       .def("num_experts", &MoEExperts::num_experts)
       .def("run", &MoEExperts::run);
+  // The op's run as a registered op, so the C++ decode loop (decode_layers.cpp), which holds
+  // each layer's op as a generic object, calls it through the dispatcher.
+  m.def(
+      "moe_experts_run(__torch__.torch.classes.kvserve.MoEExperts experts, Tensor x, "
+      "Tensor weights, Tensor ids) -> Tensor",
+      [](const c10::intrusive_ptr<MoEExperts>& experts, const at::Tensor& x,
+         const at::Tensor& weights, const at::Tensor& ids) {
+        return experts->run(x, weights, ids);
+      });
 }

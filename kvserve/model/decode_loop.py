@@ -10,7 +10,10 @@ Python layers call, in the same order, so the numbers are the same bit for bit; 
 layers stay the reference (``enforce_eager=True`` keeps them for every step).
 
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
-(Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows)
+(Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows),
+and the mixture-of-experts ones on the same attention (Qwen2-MoE without a shared expert,
+Qwen3-MoE, Mixtral, gpt-oss with its attention sinks: the router, the top-k routing and the
+layer's C++ experts op, ``moe/experts_kernel.py``),
 with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, 16-bit
 weights computed in float32 (``WideLinear``), batch-invariant mode's fixed-order linear
 (``BatchInvariantLinear``), a plain ``nn.Linear`` (float32 layers packing
@@ -42,6 +45,7 @@ from kvserve.lora.punica import LoRAKernel
 from kvserve.model.base import ForwardBatch
 from kvserve.model.batch_invariant import BatchInvariantLinear
 from kvserve.model.wide_linear import WideLinear
+from kvserve.moe.router import RouterConfig, Scoring
 from kvserve.ops import cpu_kernels
 from kvserve.ops.packed_linear import PackedLinear
 from kvserve.quantization.qlinear import QuantLinear
@@ -129,10 +133,22 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
         return None
     attn0 = model.layers[0].self_attn
     layers = torch.classes.kvserve.DecodeLayers(attn0.num_heads, attn0.num_kv_heads, attn0.head_dim)
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        moe = _moe_parts(mlp)
+        for lin in (attn.qkv_proj, attn.o_proj):
             _add_linear(layers, lin)
+        if moe is None:
+            _add_linear(layers, mlp.gate_up_proj)
+            _add_linear(layers, mlp.down_proj)
+        else:
+            router, cfg, op = moe
+            empty = torch.empty(0)
+            bias = None if router.bias is None else router.bias.detach()
+            layers.add_linear(KIND_DENSE, router.weight.detach(), empty, empty, bias,
+                              cfg.num_experts, 0, 0, 0, 0, 0, False)  # fmt: skip
+            layers.set_moe(op, cfg.top_k, cfg.scoring is Scoring.TOPK_SOFTMAX,
+                           cfg.norm_topk_prob, cfg.float32_weights)  # fmt: skip
         q_norm = attn.q_norm.weight if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight if attn.k_norm is not None else None
         layers.add_layer(
@@ -142,7 +158,26 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
             int(attn.attn_kwargs.get("sliding_window", 0)),
             float(attn.attn_kwargs.get("soft_cap", 0.0)), float(attn.scale),
         )  # fmt: skip
+        if attn.sinks is not None:  # as cpu_kernels.paged_decode_attention hands them over
+            layers.set_sinks(i, attn.sinks.detach().float().contiguous())
     return DecodeLoop(layers)
+
+
+def _moe_parts(mlp: nn.Module) -> tuple[nn.Module, RouterConfig, torch.ScriptObject] | None:
+    """A mixture-of-experts MLP's router layer, routing rule and C++ experts op (None: a
+    dense MLP). ``_unsupported`` has checked that the op exists."""
+    from kvserve.model.gpt_oss import GptOssMoeBlock  # llama imports us; they import llama
+    from kvserve.model.moe import SparseMoeBlock
+
+    if type(mlp) is SparseMoeBlock:
+        router, cfg = mlp.gate, mlp.router
+    elif type(mlp) is GptOssMoeBlock:
+        router, cfg = mlp.router, mlp.route_config
+    else:
+        return None
+    op = mlp.experts.kernel()
+    assert op is not None
+    return router, cfg, op
 
 
 def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
@@ -198,22 +233,46 @@ def _unsupported(model: nn.Module) -> str | None:
     if not layers or getattr(getattr(model, "tp", None), "world_size", 1) != 1:
         return "not a one-rank kvserve decoder"
     for i, layer in enumerate(layers):
-        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
+        if type(layer) is not DecoderLayer:
             return f"layer {i} is a {type(layer).__name__}, not a Llama-family layer"
         attn, mlp = layer.self_attn, layer.mlp
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if type(attn) is not Attention or any(type(n) is not RMSNorm for n in norms):
             return f"layer {i} has attention or norms of its own"
-        if attn.sinks is not None:
-            return f"layer {i} has attention sinks (the loop's kernel call passes none)"
-        if not (attn.fused and mlp.fused and all(n.fused for n in norms)):
+        if not (attn.fused and all(n.fused for n in norms)):
             return "the fused C++ ops are off"
-        if mlp.act_and_mul is not cpu_kernels.silu_and_mul:
+        if type(mlp) is not MLP:
+            moe = _moe_refusal(mlp)
+            if moe is not None:
+                return f"layer {i}'s {moe}"
+            linears: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj)
+        elif not mlp.fused:
+            return "the fused C++ ops are off"
+        elif mlp.act_and_mul is not cpu_kernels.silu_and_mul:
             return f"layer {i}'s MLP is not SiLU-gated"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        else:
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         bad = [type(lin).__name__ for lin in linears if not _linear_ok(lin)]
         if bad:
             return (f"layer {i} has {bad[0]} linears (not plain, prepacked nor a quantized "
                     "kernel without an input permutation)")  # fmt: skip
+    return None
+
+
+def _moe_refusal(mlp: nn.Module) -> str | None:
+    """Why the loop cannot run this non-Llama MLP (None: a MoE block it runs whole)."""
+    from kvserve.model.gpt_oss import GptOssMoeBlock
+    from kvserve.model.moe import RouterLinear, SparseMoeBlock
+
+    if type(mlp) not in (SparseMoeBlock, GptOssMoeBlock):
+        return f"MLP is a {type(mlp).__name__}"
+    if getattr(mlp, "shared_expert", None) is not None:
+        return "experts have a shared expert beside them"
+    router = mlp.gate if type(mlp) is SparseMoeBlock else mlp.router
+    experts = mlp.experts
+    if type(router) is not RouterLinear or experts.tp.world_size != 1:
+        return "router or experts are not one rank's plain modules"
+    if not experts.use_kernel or experts.use_reference or experts.kernel() is None:
+        return "experts do not run as the C++ experts op"
     return None
