@@ -18,7 +18,9 @@
 // shared expert, gpt_oss's GptOssMoeBlock), the router and the layer's experts op:
 //   weights, ids = route(router(h))                             [T, k] each (moe/router.py)
 //   x = moe_experts_run(experts, h, weights, ids)               (csrc/moe_experts.cpp)
-// and attention sinks where the layer has them (set_sinks: gpt-oss).
+// and attention sinks where the layer has them (set_sinks: gpt-oss). OLMoE's q/k norms span
+// the whole projections (set_whole_qk_norm): after qkv_proj, as OlmoeAttention.project,
+//   qkv = cat(rms_norm(q), rms_norm(k), v), clamped to +-clip_qkv where it has one.
 // Linears: kvserve's quantized kernels (int8 activations or the model dtype), 16-bit packed
 // weights (wide_linear.cpp: widened to float32, or bf16 math), oneDNN's prepacked weights, or a plain weight through
 // at::linear (nn.Linear's own call: float32
@@ -69,6 +71,13 @@ struct Moe {
   bool float32_weights;  // keep the weights in float32 (Mixtral), else the logits' dtype
 };
 
+// OLMoE's q/k norms over the whole projections, then its clip_qkv (OlmoeAttention.project).
+struct WholeQkNorm {
+  at::Tensor q_norm, k_norm;  // [H * D], [Hkv * D]
+  double eps;
+  std::optional<double> clip;  // clamp q, k and v to [-clip, clip]
+};
+
 struct Layer {
   at::Tensor in_norm, post_norm;  // [hidden] each
   double in_eps, post_eps;
@@ -80,6 +89,7 @@ struct Layer {
   double scale;     // softmax scale
   std::optional<Moe> moe;             // the MLP is these experts (else gate_up, down)
   std::optional<at::Tensor> sinks;    // [H] float32 attention sinks, or none
+  std::optional<WholeQkNorm> whole_qk;  // OLMoE's q/k norms (q_norm / k_norm then none)
 };
 
 // The ops, with the C++ signatures their kernels were registered with.
@@ -181,9 +191,20 @@ class DecodeLayers : public torch::CustomClassHolder {
     layers_.push_back(Layer{std::move(in_norm), std::move(post_norm), in_eps, post_eps,
                             pending_[0], pending_[1], pending_[2], pending_[3],
                             std::move(q_norm), std::move(k_norm), qk_eps, window, soft_cap,
-                            scale, std::move(pending_moe_), std::nullopt});
+                            scale, std::move(pending_moe_), std::nullopt, std::nullopt});
     pending_.clear();
     pending_moe_.reset();
+  }
+
+  // Layer `layer`'s q/k norms over the whole projections and its clip_qkv (OLMoE).
+  void set_whole_qk_norm(int64_t layer, at::Tensor q_norm, at::Tensor k_norm, double eps,
+                         std::optional<double> clip) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
+                    q_norm.dim() == 1 && q_norm.size(0) == num_heads_ * head_dim_ &&
+                    k_norm.dim() == 1 && k_norm.size(0) == num_kv_heads_ * head_dim_,
+                "DecodeLayers.set_whole_qk_norm: [H * D] and [Hkv * D] weights of an added "
+                "layer");
+    layers_[layer].whole_qk = WholeQkNorm{std::move(q_norm), std::move(k_norm), eps, clip};
   }
 
   // Layer `layer`'s attention sinks: [H] float32 (as cpu_kernels.paged_decode_attention
@@ -236,6 +257,7 @@ class DecodeLayers : public torch::CustomClassHolder {
         o.add_rms_norm.call(h, residual, x, l.in_norm, l.in_eps, false);
       }
       at::Tensor qkv = linear(l.qkv, h, slots);
+      if (l.whole_qk.has_value()) qkv = whole_qk_norm(*l.whole_qk, qkv);
       at::Tensor q = qkv.new_empty({t, num_heads_, head_dim_});
       o.rope_write_kv.call(q, qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping, num_heads_,
                            num_kv_heads_, l.q_norm, l.k_norm, l.qk_eps, false);
@@ -258,6 +280,20 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
+  // OlmoeAttention.project after qkv_proj: each of q and k normalised whole (RMSNorm.forward's
+  // kernel call on a contiguous copy), concatenated back with v, then clamped.
+  at::Tensor whole_qk_norm(const WholeQkNorm& n, const at::Tensor& qkv) const {
+    const int64_t qs = num_heads_ * head_dim_, kvs = num_kv_heads_ * head_dim_;
+    std::vector<at::Tensor> parts = qkv.split_with_sizes({qs, kvs, kvs}, -1);
+    const at::Tensor q = parts[0].contiguous(), k = parts[1].contiguous();
+    at::Tensor qn = at::empty_like(q), kn = at::empty_like(k);
+    ops().rms_norm.call(qn, q, n.q_norm, n.eps, false);
+    ops().rms_norm.call(kn, k, n.k_norm, n.eps, false);
+    at::Tensor out = at::cat({qn, kn, parts[2]}, -1);
+    if (n.clip.has_value()) out.clamp_(-*n.clip, *n.clip);
+    return out;
+  }
+
   // kvserve.moe.router.route on the router's logits [T, E], then the experts op on h [T, H].
   static at::Tensor experts(const Moe& m, const at::Tensor& logits, const at::Tensor& h) {
     at::Tensor weights, ids;
@@ -334,5 +370,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("add_lora", &DecodeLayers::add_lora)
       .def("set_moe", &DecodeLayers::set_moe)
       .def("set_sinks", &DecodeLayers::set_sinks)
+      .def("set_whole_qk_norm", &DecodeLayers::set_whole_qk_norm)
       .def("run", &DecodeLayers::run);
 }

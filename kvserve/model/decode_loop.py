@@ -11,9 +11,10 @@ layers stay the reference (``enforce_eager=True`` keeps them for every step).
 
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
 (Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows),
-and the mixture-of-experts ones on the same attention (Qwen2-MoE without a shared expert,
-Qwen3-MoE, Mixtral, gpt-oss with its attention sinks: the router, the top-k routing and the
-layer's C++ experts op, ``moe/experts_kernel.py``),
+and the mixture-of-experts ones (Qwen2-MoE without a shared expert, Qwen3-MoE, Mixtral,
+OLMoE with its q/k norms over the whole projections and ``clip_qkv``, gpt-oss with its
+attention sinks: the router, the top-k routing and the layer's C++ experts op,
+``moe/experts_kernel.py``),
 with the fused C++ ops on (bfloat16 or float32), every linear a prepacked oneDNN weight, 16-bit
 weights computed in float32 (``WideLinear``), batch-invariant mode's fixed-order linear
 (``BatchInvariantLinear``), a plain ``nn.Linear`` (float32 layers packing
@@ -149,8 +150,9 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
                               cfg.num_experts, 0, 0, 0, 0, 0, False)  # fmt: skip
             layers.set_moe(op, cfg.top_k, cfg.scoring is Scoring.TOPK_SOFTMAX,
                            cfg.norm_topk_prob, cfg.float32_weights)  # fmt: skip
-        q_norm = attn.q_norm.weight if attn.q_norm is not None else None
-        k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+        whole = not attn.per_head_qk_norm  # OLMoE: over the whole projections, set below
+        q_norm = attn.q_norm.weight if attn.q_norm is not None and not whole else None
+        k_norm = attn.k_norm.weight if attn.k_norm is not None and not whole else None
         layers.add_layer(
             layer.input_layernorm.weight, layer.input_layernorm.eps,
             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
@@ -158,6 +160,9 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
             int(attn.attn_kwargs.get("sliding_window", 0)),
             float(attn.attn_kwargs.get("soft_cap", 0.0)), float(attn.scale),
         )  # fmt: skip
+        if whole:
+            layers.set_whole_qk_norm(i, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                     attn.clip_qkv)  # fmt: skip
         if attn.sinks is not None:  # as cpu_kernels.paged_decode_attention hands them over
             layers.set_sinks(i, attn.sinks.detach().float().contiguous())
     return DecodeLoop(layers)
@@ -223,6 +228,7 @@ def _linear_ok(lin: nn.Module) -> bool:
 def _unsupported(model: nn.Module) -> str | None:
     """Why the C++ loop cannot run ``model``'s layers (None: it can)."""
     from kvserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm  # llama imports us
+    from kvserve.model.moe import OlmoeAttention
 
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":  # before the kernels: no build off a CPU
@@ -238,8 +244,12 @@ def _unsupported(model: nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if type(attn) is not Attention or any(type(n) is not RMSNorm for n in norms):
+        if type(attn) not in (Attention, OlmoeAttention) or any(
+            type(n) is not RMSNorm for n in norms
+        ):
             return f"layer {i} has attention or norms of its own"
+        if not attn.per_head_qk_norm and (attn.q_norm is None or attn.k_norm is None):
+            return f"layer {i} has one of OLMoE's whole-projection q/k norms only"
         if not (attn.fused and all(n.fused for n in norms)):
             return "the fused C++ ops are off"
         if type(mlp) is not MLP:
