@@ -6,10 +6,12 @@ KV integrity checked after every step and the exact number of steps it took."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from kvserve.engine.llm import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
@@ -88,26 +90,21 @@ def kv_bytes(e: LLMEngine) -> list[torch.Tensor]:
     return [t.clone() for kv in e.runner.kv_caches for t in kv]
 
 
-@pytest.mark.parametrize("weights", list(WEIGHTS))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: str) -> None:
-    quant = WEIGHTS[weights]
-    eager = engine(models[arch], enforce_eager=True, **quant)
+def assert_loop_equals_eager(
+    path: Path, quant: dict[str, object], check: Callable[[nn.Module], None]
+) -> None:
+    """The engine with its C++ decode loop against the same engine with ``enforce_eager``
+    (the Python layers): ``check(model)`` on the loop's model, then the same tokens, every
+    step but the two with prefills in the loop, and the same KV cache bytes."""
+    eager = engine(path, enforce_eager=True, **quant)
     assert eager.runner is not None and eager.runner.model.decode_loop is None
     want, want_steps = run_staggered(eager)
 
-    e = engine(models[arch], **quant)
-    assert e.runner is not None
-    model = e.runner.model
-    loop = model.decode_loop
+    e = engine(path, **quant)
+    assert e.runner is not None and e.runner.info.decode_loop is True
+    loop = e.runner.model.decode_loop
     assert loop is not None
-    if quant:  # the linears really are the kind under test (auto's int8 activations: bf16
-        # with VNNI, 4-bit codes on AVX2 without it; qlinear.a8_auto_supports)
-        qkv = model.layers[0].self_attn.qkv_proj
-        assert isinstance(qkv, QuantLinear)
-        auto_a8 = _a8_kernel() or (qkv.bits == 4 and _a8_avx2())
-        a8 = quant.get("quantization_activations") != "none" and auto_a8
-        assert qkv.path == ("a8" if a8 else "kernel")
+    check(e.runner.model)
     got, steps = run_staggered(e)
     assert got == want and steps == want_steps == MAX_TOKENS + 2
     # Every step but the two with prefills (the first, and the third where four requests
@@ -115,6 +112,24 @@ def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: 
     assert loop.steps == steps - 2
     for a, b in zip(kv_bytes(eager), kv_bytes(e), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_loop_equals_python_layers(models: dict[str, Path], arch: str, weights: str) -> None:
+    quant = WEIGHTS[weights]
+
+    def check(model: nn.Module) -> None:
+        if not quant:
+            return  # the linears really are the kind under test (auto's int8 activations: bf16
+        # with VNNI, 4-bit codes on AVX2 without it; qlinear.a8_auto_supports)
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, QuantLinear)
+        auto_a8 = _a8_kernel() or (qkv.bits == 4 and _a8_avx2())
+        a8 = quant.get("quantization_activations") != "none" and auto_a8
+        assert qkv.path == ("a8" if a8 else "kernel")
+
+    assert_loop_equals_eager(models[arch], quant, check)
 
 
 @pytest.mark.parametrize(
