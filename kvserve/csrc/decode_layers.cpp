@@ -14,10 +14,12 @@
 //   o = paged_decode_attention(q, ...)                           [T, H, D]
 //   h = add_rms_norm(o_proj(o), residual)
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
-// or, for a mixture-of-experts layer (set_moe: kvserve.model.moe's SparseMoeBlock without a
-// shared expert, gpt_oss's GptOssMoeBlock), the router and the layer's experts op:
+// or, for a mixture-of-experts layer (set_moe: kvserve.model.moe's SparseMoeBlock,
+// gpt_oss's GptOssMoeBlock), the router and the layer's experts op:
 //   weights, ids = route(router(h))                             [T, k] each (moe/router.py)
 //   x = moe_experts_run(experts, h, weights, ids)               (csrc/moe_experts.cpp)
+//   x = x + sigmoid(shared_gate(h)) * down(silu_and_mul(gate_up(h)))   (Qwen2-MoE's shared
+//                                                                       expert, if any)
 // and attention sinks where the layer has them (set_sinks: gpt-oss). OLMoE's q/k norms span
 // the whole projections (set_whole_qk_norm): after qkv_proj, as OlmoeAttention.project,
 //   qkv = cat(rms_norm(q), rms_norm(k), v), clamped to +-clip_qkv where it has one.
@@ -69,6 +71,8 @@ struct Moe {
   bool topk_softmax;     // Scoring.TOPK_SOFTMAX (else softmax over all experts, then top-k)
   bool norm_topk_prob;   // renormalise the k weights (SOFTMAX_TOPK)
   bool float32_weights;  // keep the weights in float32 (Mixtral), else the logits' dtype
+  // Qwen2-MoE's shared expert (its gate/up and down, a gated MLP) and its [1, H] gate, or none
+  std::optional<Linear> shared_gate_up, shared_down, shared_gate;
 };
 
 // OLMoE's q/k norms over the whole projections, then its clip_qkv (OlmoeAttention.project).
@@ -173,27 +177,37 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   // The next layer's MLP is a mixture of experts: `experts` its MoEExperts op, routed as
   // kvserve.moe.router.route with these settings. The layer then takes 3 linears (qkv, o and
-  // the router, a dense [E, H] weight with an optional bias) instead of 4.
+  // the router, a dense [E, H] weight with an optional bias) instead of 4, or 6 with a
+  // shared expert (then its gate/up, down and [1, H] gate too).
   void set_moe(c10::IValue experts, int64_t top_k, bool topk_softmax, bool norm_topk_prob,
-               bool float32_weights) {
+               bool float32_weights, bool shared_expert) {
     TORCH_CHECK(experts.isObject() && top_k >= 1,
                 "DecodeLayers.set_moe: experts must be a MoEExperts op and top_k at least 1");
-    pending_moe_ = Moe{std::move(experts), top_k, topk_softmax, norm_topk_prob, float32_weights};
+    pending_moe_ = Moe{std::move(experts), top_k, topk_softmax, norm_topk_prob, float32_weights,
+                       std::nullopt, std::nullopt, std::nullopt};
+    pending_shared_ = shared_expert;
   }
 
   void add_layer(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  double qk_eps, int64_t window, double soft_cap, double scale) {
-    const size_t want = pending_moe_.has_value() ? 3 : 4;
+    const size_t want = pending_moe_.has_value() ? (pending_shared_ ? 6 : 3) : 4;
     TORCH_CHECK(pending_.size() == want, "DecodeLayers: a layer takes exactly ", want,
                 " linears, got ", pending_.size());
-    if (want == 3) pending_.push_back(pending_[2]);  // a placeholder for the unused down
+    if (pending_moe_.has_value() && pending_shared_) {
+      pending_moe_->shared_gate_up = pending_[3];
+      pending_moe_->shared_down = pending_[4];
+      pending_moe_->shared_gate = pending_[5];
+      pending_.resize(3);
+    }
+    if (pending_moe_.has_value()) pending_.push_back(pending_[2]);  // the unused down's place
     layers_.push_back(Layer{std::move(in_norm), std::move(post_norm), in_eps, post_eps,
                             pending_[0], pending_[1], pending_[2], pending_[3],
                             std::move(q_norm), std::move(k_norm), qk_eps, window, soft_cap,
                             scale, std::move(pending_moe_), std::nullopt, std::nullopt});
     pending_.clear();
     pending_moe_.reset();
+    pending_shared_ = false;
   }
 
   // Layer `layer`'s q/k norms over the whole projections and its clip_qkv (OLMoE).
@@ -308,7 +322,15 @@ class DecodeLayers : public torch::CustomClassHolder {
     if (!m.float32_weights) weights = weights.to(logits.scalar_type());
     torch::jit::Stack stack{m.experts, h, weights, ids};
     ops().moe_run.callBoxed(&stack);
-    return stack[0].toTensor();
+    at::Tensor out = stack[0].toTensor();
+    if (m.shared_gate_up.has_value()) {  // SparseMoeBlock.forward's shared expert, as MLP's
+      const at::Tensor gate_up = linear(*m.shared_gate_up, h);
+      at::Tensor act = gate_up.new_empty({h.size(0), gate_up.size(1) / 2});
+      ops().silu_and_mul.call(act, gate_up);
+      const at::Tensor shared = linear(*m.shared_down, act);
+      out = out + at::sigmoid(linear(*m.shared_gate, h)) * shared;
+    }
+    return out;
   }
 
   // The linear, then its LoRA delta where the step has adapters (LoRASlotWeights.add_delta).
@@ -357,6 +379,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   std::vector<Linear> pending_;
   std::optional<Moe> pending_moe_;  // set_moe's, for the next add_layer
+  bool pending_shared_ = false;     // with a shared expert (6 linears)
   std::vector<Layer> layers_;
 };
 

@@ -11,7 +11,7 @@ layers stay the reference (``enforce_eager=True`` keeps them for every step).
 
 What it covers (``build_decode_loop`` says why when it does not): kvserve's Llama-family layers
 (Llama, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms, Mistral and Qwen sliding windows),
-and the mixture-of-experts ones (Qwen2-MoE without a shared expert, Qwen3-MoE, Mixtral,
+and the mixture-of-experts ones (Qwen2-MoE with its gated shared expert, Qwen3-MoE, Mixtral,
 OLMoE with its q/k norms over the whole projections and ``clip_qkv``, gpt-oss with its
 attention sinks: the router, the top-k routing and the layer's C++ experts op,
 ``moe/experts_kernel.py``),
@@ -144,12 +144,15 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
             _add_linear(layers, mlp.down_proj)
         else:
             router, cfg, op = moe
-            empty = torch.empty(0)
-            bias = None if router.bias is None else router.bias.detach()
-            layers.add_linear(KIND_DENSE, router.weight.detach(), empty, empty, bias,
-                              cfg.num_experts, 0, 0, 0, 0, 0, False)  # fmt: skip
+            shared = getattr(mlp, "shared_expert", None)
             layers.set_moe(op, cfg.top_k, cfg.scoring is Scoring.TOPK_SOFTMAX,
-                           cfg.norm_topk_prob, cfg.float32_weights)  # fmt: skip
+                           cfg.norm_topk_prob, cfg.float32_weights,
+                           shared is not None)  # fmt: skip
+            _add_router(layers, router)
+            if shared is not None:  # Qwen2-MoE: a gated MLP and its [1, H] gate
+                _add_linear(layers, shared.gate_up_proj)
+                _add_linear(layers, shared.down_proj)
+                _add_router(layers, mlp.shared_expert_gate)
         whole = not attn.per_head_qk_norm  # OLMoE: over the whole projections, set below
         q_norm = attn.q_norm.weight if attn.q_norm is not None and not whole else None
         k_norm = attn.k_norm.weight if attn.k_norm is not None and not whole else None
@@ -183,6 +186,14 @@ def _moe_parts(mlp: nn.Module) -> tuple[nn.Module, RouterConfig, torch.ScriptObj
     op = mlp.experts.kernel()
     assert op is not None
     return router, cfg, op
+
+
+def _add_router(layers: torch.ScriptObject, router: nn.Module) -> None:
+    """A ``RouterLinear`` (kept in the model dtype, ``F.linear``'s own call): a dense linear."""
+    empty = torch.empty(0)
+    bias = None if router.bias is None else router.bias.detach()
+    layers.add_linear(KIND_DENSE, router.weight.detach(), empty, empty, bias,
+                      router.weight.shape[0], 0, 0, 0, 0, 0, False)  # fmt: skip
 
 
 def _add_linear(layers: torch.ScriptObject, lin: nn.Module) -> None:
@@ -273,12 +284,22 @@ def _unsupported(model: nn.Module) -> str | None:
 def _moe_refusal(mlp: nn.Module) -> str | None:
     """Why the loop cannot run this non-Llama MLP (None: a MoE block it runs whole)."""
     from kvserve.model.gpt_oss import GptOssMoeBlock
+    from kvserve.model.llama import MLP
     from kvserve.model.moe import RouterLinear, SparseMoeBlock
 
     if type(mlp) not in (SparseMoeBlock, GptOssMoeBlock):
         return f"MLP is a {type(mlp).__name__}"
-    if getattr(mlp, "shared_expert", None) is not None:
-        return "experts have a shared expert beside them"
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:  # Qwen2-MoE: a gated MLP as the dense layers', and its gate
+        if type(shared) is not MLP or not shared.fused:
+            return "shared expert is not a fused MLP"
+        if shared.act_and_mul is not cpu_kernels.silu_and_mul:
+            return "shared expert is not SiLU-gated"
+        lins = (shared.gate_up_proj, shared.down_proj)
+        if not all(_linear_ok(lin) for lin in lins):
+            return "shared expert's linears are not kinds the loop runs"
+        if type(mlp.shared_expert_gate) is not RouterLinear:
+            return "shared expert's gate is not a plain RouterLinear"
     router = mlp.gate if type(mlp) is SparseMoeBlock else mlp.router
     experts = mlp.experts
     if type(router) is not RouterLinear or experts.tp.world_size != 1:
