@@ -285,10 +285,7 @@ class DecodeLayers : public torch::CustomClassHolder {
         x = experts(*l.moe, linear(l.gate_up, h), h);
         continue;
       }
-      at::Tensor gate_up = linear(l.gate_up, h, slots);
-      at::Tensor act = gate_up.new_empty({t, gate_up.size(1) / 2});
-      o.silu_and_mul.call(act, gate_up);
-      x = linear(l.down, act, slots);
+      x = gated_mlp(l.gate_up, l.down, h, slots);
     }
     return {x, residual};
   }
@@ -323,14 +320,20 @@ class DecodeLayers : public torch::CustomClassHolder {
     torch::jit::Stack stack{m.experts, h, weights, ids};
     ops().moe_run.callBoxed(&stack);
     at::Tensor out = stack[0].toTensor();
-    if (m.shared_gate_up.has_value()) {  // SparseMoeBlock.forward's shared expert, as MLP's
-      const at::Tensor gate_up = linear(*m.shared_gate_up, h);
-      at::Tensor act = gate_up.new_empty({h.size(0), gate_up.size(1) / 2});
-      ops().silu_and_mul.call(act, gate_up);
-      const at::Tensor shared = linear(*m.shared_down, act);
+    if (m.shared_gate_up.has_value()) {  // SparseMoeBlock.forward's shared expert
+      const at::Tensor shared = gated_mlp(*m.shared_gate_up, *m.shared_down, h, nullptr);
       out = out + at::sigmoid(linear(*m.shared_gate, h)) * shared;
     }
     return out;
+  }
+
+  // MLP.forward with the fused ops: down(silu_and_mul(gate_up(h))), LoRA deltas where given.
+  static at::Tensor gated_mlp(const Linear& gate_up_proj, const Linear& down_proj,
+                              const at::Tensor& h, const at::Tensor* slots) {
+    const at::Tensor gate_up = linear(gate_up_proj, h, slots);
+    at::Tensor act = gate_up.new_empty({h.size(0), gate_up.size(1) / 2});
+    ops().silu_and_mul.call(act, gate_up);
+    return linear(down_proj, act, slots);
   }
 
   // The linear, then its LoRA delta where the step has adapters (LoRASlotWeights.add_delta).

@@ -171,21 +171,29 @@ def build_decode_loop(model: nn.Module) -> DecodeLoop | None:
     return DecodeLoop(layers)
 
 
-def _moe_parts(mlp: nn.Module) -> tuple[nn.Module, RouterConfig, torch.ScriptObject] | None:
-    """A mixture-of-experts MLP's router layer, routing rule and C++ experts op (None: a
-    dense MLP). ``_unsupported`` has checked that the op exists."""
+def _routing(mlp: nn.Module) -> tuple[nn.Module, RouterConfig] | None:
+    """A mixture-of-experts block's router layer and routing rule (None: not a MoE block the
+    loop knows): ``SparseMoeBlock`` names them ``gate`` / ``router``, ``GptOssMoeBlock``
+    ``router`` / ``route_config``."""
     from kvserve.model.gpt_oss import GptOssMoeBlock  # llama imports us; they import llama
     from kvserve.model.moe import SparseMoeBlock
 
     if type(mlp) is SparseMoeBlock:
-        router, cfg = mlp.gate, mlp.router
-    elif type(mlp) is GptOssMoeBlock:
-        router, cfg = mlp.router, mlp.route_config
-    else:
+        return mlp.gate, mlp.router
+    if type(mlp) is GptOssMoeBlock:
+        return mlp.router, mlp.route_config
+    return None
+
+
+def _moe_parts(mlp: nn.Module) -> tuple[nn.Module, RouterConfig, torch.ScriptObject] | None:
+    """A mixture-of-experts MLP's router layer, routing rule and C++ experts op (None: a
+    dense MLP). ``_unsupported`` has checked that the op exists."""
+    routing = _routing(mlp)
+    if routing is None:
         return None
     op = mlp.experts.kernel()
     assert op is not None
-    return router, cfg, op
+    return *routing, op
 
 
 def _add_router(layers: torch.ScriptObject, router: nn.Module) -> None:
@@ -263,17 +271,10 @@ def _unsupported(model: nn.Module) -> str | None:
             return f"layer {i} has one of OLMoE's whole-projection q/k norms only"
         if not (attn.fused and all(n.fused for n in norms)):
             return "the fused C++ ops are off"
-        if type(mlp) is not MLP:
-            moe = _moe_refusal(mlp)
-            if moe is not None:
-                return f"layer {i}'s {moe}"
-            linears: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj)
-        elif not mlp.fused:
-            return "the fused C++ ops are off"
-        elif mlp.act_and_mul is not cpu_kernels.silu_and_mul:
-            return f"layer {i}'s MLP is not SiLU-gated"
-        else:
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        refusal = _gated_mlp_refusal(mlp) if type(mlp) is MLP else _moe_refusal(mlp)
+        if refusal is not None:
+            return f"layer {i}'s {refusal}"
+        linears = (attn.qkv_proj, attn.o_proj)
         bad = [type(lin).__name__ for lin in linears if not _linear_ok(lin)]
         if bad:
             return (f"layer {i} has {bad[0]} linears (not plain, prepacked nor a quantized "
@@ -281,27 +282,35 @@ def _unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def _gated_mlp_refusal(mlp: nn.Module) -> str | None:
+    """Why the loop cannot run this gated MLP, a dense layer's or Qwen2-MoE's shared expert
+    (None: it can)."""
+    if not mlp.fused:
+        return "MLP runs without the fused C++ ops"
+    if mlp.act_and_mul is not cpu_kernels.silu_and_mul:
+        return "MLP is not SiLU-gated"
+    bad = [type(lin).__name__ for lin in (mlp.gate_up_proj, mlp.down_proj) if not _linear_ok(lin)]
+    if bad:
+        return f"MLP has {bad[0]} linears (not plain, prepacked nor a quantized kernel)"
+    return None
+
+
 def _moe_refusal(mlp: nn.Module) -> str | None:
     """Why the loop cannot run this non-Llama MLP (None: a MoE block it runs whole)."""
-    from kvserve.model.gpt_oss import GptOssMoeBlock
     from kvserve.model.llama import MLP
-    from kvserve.model.moe import RouterLinear, SparseMoeBlock
+    from kvserve.model.moe import RouterLinear
 
-    if type(mlp) not in (SparseMoeBlock, GptOssMoeBlock):
+    routing = _routing(mlp)
+    if routing is None:
         return f"MLP is a {type(mlp).__name__}"
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:  # Qwen2-MoE: a gated MLP as the dense layers', and its gate
-        if type(shared) is not MLP or not shared.fused:
-            return "shared expert is not a fused MLP"
-        if shared.act_and_mul is not cpu_kernels.silu_and_mul:
-            return "shared expert is not SiLU-gated"
-        lins = (shared.gate_up_proj, shared.down_proj)
-        if not all(_linear_ok(lin) for lin in lins):
-            return "shared expert's linears are not kinds the loop runs"
+        refusal = _gated_mlp_refusal(shared) if type(shared) is MLP else "is not an MLP"
+        if refusal is not None:
+            return f"shared expert's {refusal}"
         if type(mlp.shared_expert_gate) is not RouterLinear:
             return "shared expert's gate is not a plain RouterLinear"
-    router = mlp.gate if type(mlp) is SparseMoeBlock else mlp.router
-    experts = mlp.experts
+    router, experts = routing[0], mlp.experts
     if type(router) is not RouterLinear or experts.tp.world_size != 1:
         return "router or experts are not one rank's plain modules"
     if not experts.use_kernel or experts.use_reference or experts.kernel() is None:
